@@ -1,0 +1,125 @@
+"""The policy contract: what a policy sees, what it decides, and when it runs.
+
+A policy never touches SGLang. The runner (`sgl_kvevict/compressor.py`) hands it a `LayerView` of one
+request's *compressible region* for one layer: the row slots after the protected (tree-shared) prefix.
+
+Region layout, per KV head, in position order (index 0 = first slot after the protected prefix):
+
+    [0, n_sink)                       sinks: always kept (non-empty only when the prefix is shorter than `sinks`)
+    [0, n_compacted)                  already compressed earlier: each head may hold *different* tokens in a slot
+    [n_compacted, N)                  uncompressed tail: slot j holds the same token for every head
+    [N - n_recent, N)                 recent window: always kept
+
+`select` returns, per KV head, the region indices to keep, sorted ascending, the same count for every
+head (invariant 5: equal budgets across heads and layers keep the paged layout rectangular and make
+tensor parallelism free). The runner then merges (D2O), compacts and frees the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+Phase = Literal["prefill", "decode", "finish"]
+Need = Literal["attn", "o_proj"]
+
+
+class PolicyConfig(BaseModel):
+    """Fields every policy shares. Subclasses add their own; unknown fields are an error."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sinks: int = Field(4, ge=0, description="first tokens of the sequence always kept (attention sinks)")
+    recent: int = Field(32, ge=0, description="most recent tokens always kept")
+    interval: int = Field(16, ge=1, description="decode steps of slack before compressing again")
+    window: int = Field(32, ge=1, description="last W queries used for attention-based scores")
+
+
+@dataclass
+class LayerView:
+    """One request, one layer: the compressible region, read straight from SGLang's paged pool.
+
+    `k_buffer`/`v_buffer` are the layer's whole pool tensors `[pool_slots, Hkv, D]`; `slots` are the
+    region's slot ids `[N]` (int64). Dense copies are available through `keys()`/`values()`.
+    """
+
+    layer: int
+    k_buffer: torch.Tensor
+    v_buffer: torch.Tensor
+    slots: torch.Tensor
+    n_sink: int
+    n_recent: int
+    n_compacted: int
+    attn: torch.Tensor | None = None  # [Hkv, N] window attention (see kernels.window_attention)
+    o_proj: torch.Tensor | None = None  # [Hq, D, hidden] per-query-head slices of W_O
+    state: dict[str, Any] = field(default_factory=dict)  # per (request, layer), kept by the runner
+    stats: dict[str, float] = field(default_factory=dict)  # per-layer statistics a policy reports
+
+    @property
+    def n(self) -> int:
+        return int(self.slots.numel())
+
+    @property
+    def n_kv_heads(self) -> int:
+        return int(self.k_buffer.shape[1])
+
+    def keys(self) -> torch.Tensor:
+        """Dense `[Hkv, N, D]` copy of the region's keys (post-RoPE)."""
+        return self.k_buffer[self.slots].transpose(0, 1)
+
+    def values(self) -> torch.Tensor:
+        return self.v_buffer[self.slots].transpose(0, 1)
+
+    def candidates(self) -> slice:
+        """Region indices that may be evicted."""
+        return slice(self.n_sink, self.n - self.n_recent)
+
+
+def topk_keep(scores: torch.Tensor, view: LayerView, budget: int) -> torch.Tensor:
+    """Keep sinks + recent + the `budget` best-scored candidates per head; sorted region indices."""
+    h, n = scores.shape
+    cand = view.candidates()
+    n_cand = max(0, cand.stop - cand.start)
+    b = min(budget, n_cand)
+    fixed = torch.cat([torch.arange(0, view.n_sink), torch.arange(n - view.n_recent, n)])
+    fixed = fixed.to(scores.device).unsqueeze(0).expand(h, -1)
+    if b == 0:
+        return fixed.sort(dim=-1).values
+    top = scores[:, cand].float().topk(b, dim=-1).indices + cand.start
+    return torch.cat([fixed, top], dim=-1).sort(dim=-1).values
+
+
+class Policy:
+    """Base class. Subclasses set `name`, `Config`, `needs`, and override `score` (or `select`)."""
+
+    name: ClassVar[str] = ""
+    Config: ClassVar[type[PolicyConfig]] = PolicyConfig
+    needs: ClassVar[frozenset[Need]] = frozenset()
+    # True when scores are attention probabilities (CriticalKV's guarantee needs them).
+    attention_scores: ClassVar[bool] = False
+
+    def __init__(self, config: PolicyConfig | None = None) -> None:
+        self.config = config if config is not None else self.Config()
+
+    # -- when -------------------------------------------------------------------------------------
+    def should_compress(self, n_region: int, n_sink: int, n_recent: int, n_compacted: int, budget: int, phase: Phase) -> bool:
+        """Default: after prefill/finish when over budget; in decode once `interval` tokens over it."""
+        n_cand = n_region - n_sink - n_recent
+        slack = self.config.interval if phase == "decode" else 0
+        return n_cand > budget + slack
+
+    # -- what -------------------------------------------------------------------------------------
+    def score(self, view: LayerView) -> torch.Tensor:
+        """`[Hkv, N]` importance per region token, higher = keep."""
+        raise NotImplementedError
+
+    def select(self, view: LayerView, budget: int) -> torch.Tensor:
+        """`[Hkv, k]` sorted region indices to keep (k equal for every head)."""
+        return topk_keep(self.score(view), view, budget)
+
+    def merge(self, view: LayerView, keep: torch.Tensor) -> None:
+        """Optional: fold evicted tokens into kept slots in place, before compaction (D2O)."""
+        return None

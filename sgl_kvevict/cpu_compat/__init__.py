@@ -1,0 +1,46 @@
+"""CPU compatibility: a pure-torch stand-in for the few `sgl_kernel` helpers SGLang's CPU path imports.
+
+PyPI has no CPU build of `sgl_kernel`, yet `mem_cache/allocation.py` imports one of its functions at
+module load when the device is CPU. We install a meta-path finder at the *end* of `sys.meta_path`
+(through a `.pth` file, so it is in place in every process SGLang spawns). It only answers when no
+other finder found a real `sgl_kernel`, so it can never shadow the real package on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+
+STUB_NAME = "sgl_kernel"
+_STUB_MODULE = "sgl_kvevict.cpu_compat.sgl_kernel_stub"
+
+
+class _StubFinder(importlib.abc.MetaPathFinder):
+    """Serves `sgl_kernel` from our stub, but only as the last resort."""
+
+    def find_spec(self, fullname, path=None, target=None):  # noqa: D401
+        if fullname != STUB_NAME:
+            return None
+        stub = importlib.util.find_spec(_STUB_MODULE)
+        if stub is None:
+            return None
+        return importlib.util.spec_from_file_location(STUB_NAME, stub.origin)
+
+
+def install_finder() -> None:
+    """Append the finder once; called from the `.pth` file at interpreter start."""
+    if not any(isinstance(f, _StubFinder) for f in sys.meta_path):
+        sys.meta_path.append(_StubFinder())
+
+
+def real_sgl_kernel_present() -> bool:
+    """True when an installed `sgl_kernel` exists (found by any finder but ours)."""
+    for finder in sys.meta_path:
+        if isinstance(finder, _StubFinder):
+            continue
+        find = getattr(finder, "find_spec", None)
+        if find is not None and find(STUB_NAME, None) is not None:
+            return True
+    return False
