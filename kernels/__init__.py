@@ -1,0 +1,29 @@
+"""Kernels over SGLang's paged KV pool. Each op has a torch reference and a Triton kernel of identical
+signature and semantics; `use_triton()` picks Triton on CUDA tensors (or when SGL_KVEVICT_TRITON=1, e.g.
+under TRITON_INTERPRET=1 on CPU) and the torch reference otherwise.
+
+Pool layout (SGLang MHATokenToKVPool, one tensor per layer): `k_buffer`, `v_buffer` are `[pool_slots, Hkv, D]`.
+A request's tokens are addressed by slot ids taken from its `req_to_token` row.
+
+API (implemented in the modules below; this list is the contract the policies and the runner use):
+
+- window_attention(q, k_buffer, slots, scale) -> [Hkv, N] float32
+    q: [Hq, W, D] post-RoPE window queries; slots: [N] int64, *all* of the request's tokens.
+    softmax(q k^T * scale) per query over the N tokens, mean over the W queries, then mean over the
+    G = Hq // Hkv query heads of each KV head. Each row sums to 1 over N.
+- lag_scores(buf, slots, lag) -> [H, P-1, lag] float32
+    slots: [P*lag] (P >= 2); partition p (tokens p*lag..) is min-max normalised per channel with the
+    min/max of partition p+1, std over channels (unbiased), softmax over the partition's tokens.
+    eps = 1e-6 in the denominator for constant channels.
+- compact(k_buffers, v_buffers, slots, keep) -> None   (in place, every layer in the lists)
+    keep: [L_layers, Hkv, b] int64 sorted ascending region indices per layer and head.
+    For each layer l, head h, i < b: buf[slots[i], h] = old buf[slots[keep[l, h, i]], h]. Source and
+    destination overlap (keep[l,h,i] >= i); results must equal a gather-then-write.
+- d2o_merge(k_buffer, v_buffer, slots, keep, tau, beta, init) -> new tau [Hkv] float32   (in place)
+    keep: [Hkv, b] sorted region indices; evicted = the complement per head. For each evicted e, nearest
+    kept c by key cosine similarity u; threshold tau' = mean(u) if init else beta*max(u)+(1-beta)*tau
+    per head; evicted with u >= tau' merge into c: Z_c = e + sum exp(u_e), k_c <- (e*k_c + sum exp(u_e) k_e)/Z_c,
+    same weights for v. Written back into the kept slots (before compaction).
+- vo_norms(v_buffer, slots, o_proj) -> [Hkv, N] float32
+    o_proj: [Hq, D, hidden]; || v_{h_kv} @ o_proj[h_q] ||_1 per token and query head, mean over the group.
+"""
