@@ -19,11 +19,41 @@ API (implemented in the modules below; this list is the contract the policies an
     keep: [L_layers, Hkv, b] int64 sorted ascending region indices per layer and head.
     For each layer l, head h, i < b: buf[slots[i], h] = old buf[slots[keep[l, h, i]], h]. Source and
     destination overlap (keep[l,h,i] >= i); results must equal a gather-then-write.
-- d2o_merge(k_buffer, v_buffer, slots, keep, tau, beta, init) -> new tau [Hkv] float32   (in place)
+- d2o_merge(k_buffer, v_buffer, slots, keep, tau, beta, init, stats=None) -> new tau [Hkv] float32   (in place)
     keep: [Hkv, b] sorted region indices; evicted = the complement per head. For each evicted e, nearest
     kept c by key cosine similarity u; threshold tau' = mean(u) if init else beta*max(u)+(1-beta)*tau
     per head; evicted with u >= tau' merge into c: Z_c = e + sum exp(u_e), k_c <- (e*k_c + sum exp(u_e) k_e)/Z_c,
-    same weights for v. Written back into the kept slots (before compaction).
+    same weights for v. Written back into the kept slots (before compaction). tau: [Hkv] tensor or float
+    (ignored when init). If `stats` (a dict) is given, it receives "merged" (evicted tokens merged, over
+    all heads) and "evicted" (evicted tokens over all heads). The paper reading is in d2o_merge.py.
 - vo_norms(v_buffer, slots, o_proj) -> [Hkv, N] float32
     o_proj: [Hq, D, hidden]; || v_{h_kv} @ o_proj[h_q] ||_1 per token and query head, mean over the group.
+
+Every op also exists as `<op>_ref` (torch, fp32 accumulation, bf16 or fp32 buffers) and `<op>_triton`.
 """
+
+from .compact import compact, compact_ref, compact_triton
+from .d2o_merge import d2o_merge, d2o_merge_ref, d2o_merge_triton
+from .dispatch import use_triton
+from .lag_scores import lag_scores, lag_scores_ref, lag_scores_triton
+from .vo_norms import vo_norms, vo_norms_ref, vo_norms_triton
+from .window_attention import window_attention, window_attention_ref, window_attention_triton
+
+__all__ = [
+    "compact",
+    "compact_ref",
+    "compact_triton",
+    "d2o_merge",
+    "d2o_merge_ref",
+    "d2o_merge_triton",
+    "lag_scores",
+    "lag_scores_ref",
+    "lag_scores_triton",
+    "use_triton",
+    "vo_norms",
+    "vo_norms_ref",
+    "vo_norms_triton",
+    "window_attention",
+    "window_attention_ref",
+    "window_attention_triton",
+]

@@ -1,0 +1,254 @@
+"""D2O token merging (ALGORITHMS.md 2.2): fold evicted tokens into their nearest kept token.
+
+Reading of the paper used here (the seed lost the display equations; this is the [R] reconstruction):
+
+- Similarity is on keys only, cosine, per KV head: u_e = max_c cos(k_e, k_c), c*(e) its argmax over the
+  kept tokens of that head (many-to-one). Values reuse the keys' matching and weights.
+- Threshold per KV head: at prefill (`init=True`) tau' = mean_e(u_e); in decode
+  tau' = beta * max_e(u_e) + (1 - beta) * tau (EMA, beta weights the current step). The *updated*
+  threshold is the one compared against ("according to the current EMA threshold").
+- e merges iff u_e >= tau'. GAT-style weights with Euler's number as the kept token's own weight
+  (exp(cos(k_c, k_c)) = exp(1)): Z_c = e + sum exp(u_e), k_c <- (e * k_c + sum exp(u_e) k_e) / Z_c, and
+  the same for v. Kept tokens that receive nothing are not rewritten (no bf16 round-trip drift).
+- Unmerged evicted tokens are simply dropped later by compaction.
+
+Zero-norm keys get cosine 0 with everything (norm clamped at 1e-12, as F.normalize does).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from .dispatch import next_pow2, use_triton
+
+NORM_EPS = 1e-12
+_MAX_SIMS = 1 << 22  # elements of one [H, chunk, b] similarity block in the reference
+
+
+def _prepare(
+    slots: torch.Tensor, keep: torch.Tensor, tau: torch.Tensor | float | None, hkv: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Kept indices, evicted indices (the per-head complement, ascending) and tau as [Hkv] float32."""
+    n = slots.numel()
+    keep = keep.to(device=slots.device, dtype=torch.int64)
+    assert keep.dim() == 2 and keep.shape[0] == hkv, "keep must be [Hkv, b]"
+    if tau is None:
+        tau_t = torch.zeros(hkv, dtype=torch.float32, device=slots.device)
+    else:
+        tau_t = torch.as_tensor(tau, dtype=torch.float32, device=slots.device).expand(hkv).clone()
+    evicted_mask = torch.ones(hkv, n, dtype=torch.bool, device=slots.device)
+    evicted_mask.scatter_(1, keep, False)
+    idx = torch.arange(n, device=slots.device).expand(hkv, n)
+    evicted = idx[evicted_mask].view(hkv, n - keep.shape[1])
+    return keep, evicted, tau_t
+
+
+def _threshold(u: torch.Tensor, tau: torch.Tensor, beta: float, init: bool) -> torch.Tensor:
+    """tau' per head: mean at prefill, EMA of the step's max similarity in decode."""
+    if init:
+        return u.mean(dim=1)
+    return beta * u.amax(dim=1) + (1.0 - beta) * tau
+
+
+def _report(stats: dict[str, Any] | None, merged: torch.Tensor, n_evicted: int) -> None:
+    if stats is not None:
+        stats["merged"] = int(merged.sum())
+        stats["evicted"] = n_evicted
+
+
+def d2o_merge_ref(
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    slots: torch.Tensor,
+    keep: torch.Tensor,
+    tau: torch.Tensor | float | None,
+    beta: float,
+    init: bool,
+    stats: dict[str, Any] | None = None,
+) -> torch.Tensor:
+    """Torch reference. Returns the new tau [Hkv]; `stats` (if given) gets 'merged' and 'evicted' counts."""
+    hkv, d = k_buffer.shape[1], k_buffer.shape[2]
+    keep, evicted, tau_t = _prepare(slots, keep, tau, hkv)
+    b, n_ev = keep.shape[1], evicted.shape[1]
+    if n_ev == 0 or b == 0:
+        _report(stats, torch.zeros(1), 0)
+        return tau_t
+    k = k_buffer[slots].float().transpose(0, 1)  # [H, N, D]
+    kn = k / k.norm(dim=-1, keepdim=True).clamp_min(NORM_EPS)
+    kc = kn.gather(1, keep[..., None].expand(-1, -1, d))  # [H, b, D]
+    ke = kn.gather(1, evicted[..., None].expand(-1, -1, d))  # [H, E, D]
+    u = torch.empty(hkv, n_ev, dtype=torch.float32, device=k.device)
+    c = torch.empty(hkv, n_ev, dtype=torch.int64, device=k.device)
+    step = max(1, _MAX_SIMS // (hkv * b))
+    kct = kc.transpose(1, 2)
+    for e0 in range(0, n_ev, step):
+        sims = torch.matmul(ke[:, e0 : e0 + step], kct)  # [H, chunk, b]
+        u[:, e0 : e0 + step], c[:, e0 : e0 + step] = sims.max(dim=-1)
+    tau_new = _threshold(u, tau_t, beta, init)
+    merge = u >= tau_new[:, None]
+    _report(stats, merge, hkv * n_ev)
+    if not bool(merge.any()):
+        return tau_new
+    w = torch.where(merge, u.exp(), torch.zeros_like(u))  # [H, E]
+    z = torch.full((hkv, b), math.e, dtype=torch.float32, device=k.device).scatter_add_(1, c, w)
+    count = torch.zeros(hkv, b, dtype=torch.int64, device=k.device).scatter_add_(1, c, merge.long())
+    hh, jj = (count > 0).nonzero(as_tuple=True)
+    dst = slots[keep[hh, jj]]
+    v = v_buffer[slots].float().transpose(0, 1)
+    cidx = c[..., None].expand(-1, -1, d)
+    for buf, x in ((k_buffer, k), (v_buffer, v)):
+        xc = x.gather(1, keep[..., None].expand(-1, -1, d))  # [H, b, D]
+        xe = x.gather(1, evicted[..., None].expand(-1, -1, d))  # [H, E, D]
+        num = (xc * math.e).scatter_add_(1, cidx, xe * w[..., None])
+        buf[dst, hh] = (num[hh, jj] / z[hh, jj, None]).to(buf.dtype)
+    return tau_new
+
+
+@triton.jit
+def _d2o_match_kernel(
+    k_ptr, slots_ptr, keep_ptr, ev_ptr, u_ptr, c_ptr, B, E, D, s_s, s_h, norm_eps,
+    BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Per (head, block of evicted): best cosine similarity and its kept index, streaming the kept keys."""
+    h = tl.program_id(0)
+    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_e = offs_e < E
+    mask_d = offs_d < D
+    e_idx = tl.load(ev_ptr + h * E + offs_e, mask=mask_e, other=0)
+    e_slot = tl.load(slots_ptr + e_idx, mask=mask_e, other=0)
+    ke = tl.load(
+        k_ptr + e_slot[:, None] * s_s + h * s_h + offs_d[None, :],
+        mask=mask_e[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    ke = ke.to(tl.float32)
+    ke = ke / tl.maximum(tl.sqrt(tl.sum(ke * ke, axis=1)), norm_eps)[:, None]
+    best = tl.full([BLOCK_E], float("-inf"), tl.float32)
+    arg = tl.zeros([BLOCK_E], tl.int32)
+    for c0 in range(0, B, BLOCK_C):
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        mask_c = offs_c < B
+        c_idx = tl.load(keep_ptr + h * B + offs_c, mask=mask_c, other=0)
+        c_slot = tl.load(slots_ptr + c_idx, mask=mask_c, other=0)
+        kc = tl.load(
+            k_ptr + c_slot[:, None] * s_s + h * s_h + offs_d[None, :],
+            mask=mask_c[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        kc = kc.to(tl.float32)
+        kc = kc / tl.maximum(tl.sqrt(tl.sum(kc * kc, axis=1)), norm_eps)[:, None]
+        sims = tl.dot(ke, tl.trans(kc), input_precision="ieee")  # [BE, BC]
+        sims = tl.where(mask_c[None, :], sims, float("-inf"))
+        bmax = tl.max(sims, axis=1)
+        barg = tl.argmax(sims, axis=1).to(tl.int32) + c0
+        better = bmax > best
+        arg = tl.where(better, barg, arg)
+        best = tl.where(better, bmax, best)
+    tl.store(u_ptr + h * E + offs_e, best, mask=mask_e)
+    tl.store(c_ptr + h * E + offs_e, arg.to(tl.int64), mask=mask_e)
+
+
+@triton.jit
+def _d2o_apply_kernel(
+    k_ptr, v_ptr, slots_ptr, keep_ptr, ev_ptr, u_ptr, order_ptr, th_ptr, tj_ptr, start_ptr, cnt_ptr,
+    B, E, D, s_s, s_h, euler,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Per receiving kept token: weighted sum of itself and its merged evicted tokens, written in place.
+
+    The evicted tokens of each target are a contiguous run of `order` (CSR), so no atomics are needed and
+    the result does not depend on scheduling.
+    """
+    t = tl.program_id(0)
+    h = tl.load(th_ptr + t)
+    j = tl.load(tj_ptr + t)
+    start = tl.load(start_ptr + t)
+    cnt = tl.load(cnt_ptr + t)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    dst = tl.load(slots_ptr + tl.load(keep_ptr + h * B + j))
+    row = dst * s_s + h * s_h + offs_d
+    acc_k = tl.load(k_ptr + row, mask=mask_d, other=0.0).to(tl.float32) * euler
+    acc_v = tl.load(v_ptr + row, mask=mask_d, other=0.0).to(tl.float32) * euler
+    z = euler
+    for i in range(start, start + cnt):
+        pos = tl.load(order_ptr + h * E + i)
+        w = tl.exp(tl.load(u_ptr + h * E + pos))
+        src = tl.load(slots_ptr + tl.load(ev_ptr + h * E + pos)) * s_s + h * s_h + offs_d
+        acc_k += w * tl.load(k_ptr + src, mask=mask_d, other=0.0).to(tl.float32)
+        acc_v += w * tl.load(v_ptr + src, mask=mask_d, other=0.0).to(tl.float32)
+        z += w
+    tl.store(k_ptr + row, (acc_k / z).to(k_ptr.dtype.element_ty), mask=mask_d)
+    tl.store(v_ptr + row, (acc_v / z).to(v_ptr.dtype.element_ty), mask=mask_d)
+
+
+def d2o_merge_triton(
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    slots: torch.Tensor,
+    keep: torch.Tensor,
+    tau: torch.Tensor | float | None,
+    beta: float,
+    init: bool,
+    stats: dict[str, Any] | None = None,
+) -> torch.Tensor:
+    """Triton version: matching kernel, tiny torch glue (threshold, CSR by target), merging kernel."""
+    hkv, d = k_buffer.shape[1], k_buffer.shape[2]
+    assert k_buffer.stride() == v_buffer.stride() and k_buffer.stride(2) == 1
+    slots = slots.contiguous()
+    keep, evicted, tau_t = _prepare(slots, keep, tau, hkv)
+    keep = keep.contiguous()
+    evicted = evicted.contiguous()
+    b, n_ev = keep.shape[1], evicted.shape[1]
+    if n_ev == 0 or b == 0:
+        _report(stats, torch.zeros(1), 0)
+        return tau_t
+    dev = k_buffer.device
+    u = torch.empty(hkv, n_ev, dtype=torch.float32, device=dev)
+    c = torch.empty(hkv, n_ev, dtype=torch.int64, device=dev)
+    bd = max(16, next_pow2(d))
+    be = bc = 32
+    _d2o_match_kernel[(hkv, triton.cdiv(n_ev, be))](
+        k_buffer, slots, keep, evicted, u, c, b, n_ev, d, k_buffer.stride(0), k_buffer.stride(1), NORM_EPS,
+        BLOCK_E=be, BLOCK_C=bc, BLOCK_D=bd,
+    )  # fmt: skip
+    tau_new = _threshold(u, tau_t, beta, init)
+    merge = u >= tau_new[:, None]
+    _report(stats, merge, hkv * n_ev)
+    if not bool(merge.any()):
+        return tau_new
+    # CSR by target: sort each head's evicted by target index (non-merged go last with key b)
+    key = torch.where(merge, c, torch.full_like(c, b))
+    order = key.argsort(dim=1, stable=True).contiguous()
+    count = torch.zeros(hkv, b + 1, dtype=torch.int64, device=dev).scatter_add_(1, key, torch.ones_like(key))
+    start = count.cumsum(dim=1) - count
+    th, tj = (count[:, :b] > 0).nonzero(as_tuple=True)
+    _d2o_apply_kernel[(th.numel(),)](
+        k_buffer, v_buffer, slots, keep, evicted, u, order, th.contiguous(), tj.contiguous(),
+        start[th, tj].contiguous(), count[th, tj].contiguous(), b, n_ev, d,
+        k_buffer.stride(0), k_buffer.stride(1), math.e,
+        BLOCK_D=next_pow2(d),
+    )  # fmt: skip
+    return tau_new
+
+
+def d2o_merge(
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    slots: torch.Tensor,
+    keep: torch.Tensor,
+    tau: torch.Tensor | float | None,
+    beta: float,
+    init: bool,
+    stats: dict[str, Any] | None = None,
+) -> torch.Tensor:
+    """Merge evicted into kept slots in place; returns the new tau [Hkv]. See the module docstring."""
+    if use_triton(k_buffer):
+        return d2o_merge_triton(k_buffer, v_buffer, slots, keep, tau, beta, init, stats)
+    return d2o_merge_ref(k_buffer, v_buffer, slots, keep, tau, beta, init, stats)

@@ -1,0 +1,151 @@
+"""Observation-window attention over a request's paged KV (SnapKV / CriticalKV / D2O scores).
+
+The decode kernels (FlashInfer, Triton paged attention) never return probabilities, so the policies
+recompute softmax(q k^T) for the last W queries. Output is `[Hkv, N]`: mean over the W queries and over
+the G = Hq // Hkv query heads that share each KV head; every row sums to 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .dispatch import next_pow2, use_triton
+
+# Logits per chunk of KV heads are [G, W, N] fp32; bound the chunk so N=8192 stays small in memory.
+_MAX_LOGITS = 1 << 22
+
+
+def window_attention_ref(
+    q: torch.Tensor, k_buffer: torch.Tensor, slots: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Torch reference (used on CPU in production). q: [Hq, W, D]; k_buffer: [pool, Hkv, D]; slots: [N]."""
+    hq, w, d = q.shape
+    hkv = k_buffer.shape[1]
+    g = hq // hkv
+    n = slots.numel()
+    k = k_buffer[slots].float()  # [N, Hkv, D]
+    qf = q.float().reshape(hkv, g * w, d)
+    out = torch.empty(hkv, n, dtype=torch.float32, device=k.device)
+    step = max(1, _MAX_LOGITS // max(1, g * w * n))
+    for h0 in range(0, hkv, step):
+        h1 = min(hkv, h0 + step)
+        kh = k[:, h0:h1].permute(1, 2, 0)  # [h, D, N]
+        logits = torch.matmul(qf[h0:h1], kh).mul_(scale)  # [h, G*W, N]
+        out[h0:h1] = torch.softmax(logits, dim=-1).mean(dim=1)
+    return out
+
+
+@triton.jit
+def _wa_lse_kernel(
+    q_ptr, k_ptr, slots_ptr, lse_ptr, N, W, D, G, scale,
+    sq_h, sq_w, sk_s, sk_h,
+    BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Pass 1, one program per query head: log-sum-exp of every window query over all N tokens."""
+    hq = tl.program_id(0)
+    hkv = hq // G
+    offs_w = tl.arange(0, BLOCK_W)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_w = offs_w < W
+    mask_d = offs_d < D
+    q = tl.load(
+        q_ptr + hq * sq_h + offs_w[:, None] * sq_w + offs_d[None, :],
+        mask=mask_w[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    q = q.to(tl.float32)
+    m = tl.full([BLOCK_W], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_W], tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        slot = tl.load(slots_ptr + offs_n, mask=mask_n, other=0)
+        k = tl.load(
+            k_ptr + slot[:, None] * sk_s + hkv * sk_h + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        logits = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # [BW, BN]
+        logits = tl.where(mask_n[None, :], logits, float("-inf"))
+        m_new = tl.maximum(m, tl.max(logits, axis=1))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(logits - m_new[:, None]), axis=1)
+        m = m_new
+    tl.store(lse_ptr + hq * W + offs_w, m + tl.log(s), mask=mask_w)
+
+
+@triton.jit
+def _wa_prob_kernel(
+    q_ptr, k_ptr, slots_ptr, lse_ptr, out_ptr, N, W, D, G, scale, inv_count,
+    sq_h, sq_w, sk_s, sk_h,
+    BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Pass 2, one program per (KV head, token block): sum of probabilities over the group's queries."""
+    hkv = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.arange(0, BLOCK_W)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_n = offs_n < N
+    mask_w = offs_w < W
+    mask_d = offs_d < D
+    slot = tl.load(slots_ptr + offs_n, mask=mask_n, other=0)
+    k = tl.load(
+        k_ptr + slot[:, None] * sk_s + hkv * sk_h + offs_d[None, :],
+        mask=mask_n[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    kt = tl.trans(k.to(tl.float32))
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for g in range(0, G):
+        hq = hkv * G + g
+        q = tl.load(
+            q_ptr + hq * sq_h + offs_w[:, None] * sq_w + offs_d[None, :],
+            mask=mask_w[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        lse = tl.load(lse_ptr + hq * W + offs_w, mask=mask_w, other=0.0)
+        logits = tl.dot(q.to(tl.float32), kt, input_precision="ieee") * scale
+        p = tl.exp(logits - lse[:, None])
+        p = tl.where(mask_w[:, None], p, 0.0)
+        acc += tl.sum(p, axis=0)
+    tl.store(out_ptr + hkv * N + offs_n, acc * inv_count, mask=mask_n)
+
+
+def window_attention_triton(
+    q: torch.Tensor, k_buffer: torch.Tensor, slots: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Two-pass Triton version (LSE, then probabilities); never materialises [Hq, W, N]."""
+    hq, w, d = q.shape
+    hkv = k_buffer.shape[1]
+    g = hq // hkv
+    n = slots.numel()
+    q = q.contiguous()
+    slots = slots.contiguous()
+    assert k_buffer.stride(2) == 1, "k_buffer last dim must be contiguous"
+    lse = torch.empty(hq, w, dtype=torch.float32, device=q.device)
+    out = torch.empty(hkv, n, dtype=torch.float32, device=q.device)
+    if n == 0:
+        return out
+    bw, bd = max(16, next_pow2(w)), max(16, next_pow2(d))
+    bn = 64
+    _wa_lse_kernel[(hq,)](
+        q, k_buffer, slots, lse, n, w, d, g, float(scale),
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
+        BLOCK_W=bw, BLOCK_N=bn, BLOCK_D=bd,
+    )  # fmt: skip
+    _wa_prob_kernel[(hkv, triton.cdiv(n, bn))](
+        q, k_buffer, slots, lse, out, n, w, d, g, float(scale), 1.0 / (g * w),
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
+        BLOCK_W=bw, BLOCK_N=bn, BLOCK_D=bd,
+    )  # fmt: skip
+    return out
+
+
+def window_attention(
+    q: torch.Tensor, k_buffer: torch.Tensor, slots: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`[Hkv, N]` float32 window attention; see the package docstring for the contract."""
+    if use_triton(k_buffer):
+        return window_attention_triton(q, k_buffer, slots, scale)
+    return window_attention_ref(q, k_buffer, slots, scale)

@@ -1,0 +1,406 @@
+"""Kernel tests: torch references against naive loop formulas, Triton kernels against the references.
+
+The Triton tests need a GPU or the Triton interpreter. TRITON_INTERPRET must be set before triton is
+imported, and the production dispatch reads SGL_KVEVICT_TRITON, so on CPU `test_triton_in_interpreter`
+re-runs this file's `test_triton_*` tests in a subprocess with both variables set; neither leaks into
+this process or into other test modules.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sgl_kvevict import kernels as K
+
+# the package re-exports functions named like their modules, so fetch the modules themselves
+d2o_mod = importlib.import_module("sgl_kvevict.kernels.d2o_merge")
+vo_mod = importlib.import_module("sgl_kvevict.kernels.vo_norms")
+wa_mod = importlib.import_module("sgl_kvevict.kernels.window_attention")
+
+CUDA = torch.cuda.is_available()
+TRITON_READY = CUDA or os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if CUDA else "cpu"
+triton_only = pytest.mark.skipif(
+    not TRITON_READY, reason="needs CUDA or TRITON_INTERPRET=1 (run via subprocess)"
+)
+
+SIZES = [1, 7, 129, 300]
+GQA = [(9, 3), (4, 4)]
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def _pool(
+    n: int, h: int, d: int, dtype: torch.dtype, seed: int, extra: int = 23
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pool bigger than the region, with the region's slots scattered in random order."""
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randn(n + extra, h, d, generator=g).to(dtype)
+    slots = torch.randperm(n + extra, generator=g)[:n].to(torch.int64)
+    return buf.to(DEVICE), slots.to(DEVICE)
+
+
+def _sorted_keep(n: int, h: int, b: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(n, generator=g)[:b].sort().values for _ in range(h)]).to(DEVICE)
+
+
+def _rows(buf: torch.Tensor, slots: torch.Tensor, h: int) -> list[list[float]]:
+    """Naive gather: the region's rows of head h as python floats."""
+    return [buf[int(s), h].float().tolist() for s in slots]
+
+
+# --------------------------------------------------------------------------------------------------
+# torch references vs naive formulas (small, in-process, CPU)
+# --------------------------------------------------------------------------------------------------
+
+
+def _naive_window_attention(q, k_buffer, slots, scale):
+    hq, w, _ = q.shape
+    hkv = k_buffer.shape[1]
+    g = hq // hkv
+    n = len(slots)
+    out = [[0.0] * n for _ in range(hkv)]
+    for h in range(hq):
+        keys = _rows(k_buffer, slots, h // g)
+        for i in range(w):
+            qi = q[h, i].float().tolist()
+            logits = [scale * sum(a * b for a, b in zip(qi, kj, strict=True)) for kj in keys]
+            m = max(logits)
+            ex = [math.exp(x - m) for x in logits]
+            s = sum(ex)
+            for j in range(n):
+                out[h // g][j] += ex[j] / s / (g * w)
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv", GQA)
+@pytest.mark.parametrize("chunked", [False, True])
+def test_window_attention_ref_naive(monkeypatch, dtype, hq, hkv, chunked):
+    if chunked:
+        monkeypatch.setattr(wa_mod, "_MAX_LOGITS", 1)  # one KV head per chunk
+    n, w, d = 11, 3, 8
+    k_buffer, slots = _pool(n, hkv, d, dtype, seed=1)
+    k_buffer, slots = k_buffer.cpu(), slots.cpu()
+    q = torch.randn(hq, w, d, generator=torch.Generator().manual_seed(2)).to(dtype)
+    got = K.window_attention_ref(q, k_buffer, slots, 0.3)
+    assert got.dtype == torch.float32 and got.shape == (hkv, n)
+    torch.testing.assert_close(got, _naive_window_attention(q, k_buffer, slots, 0.3), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.sum(-1), torch.ones(hkv), rtol=1e-5, atol=1e-5)
+
+
+def test_window_attention_ref_large_n_cpu():
+    """Production CPU shape: N=8192, W=32, Hq=9, Hkv=3, D=64 must fit and stay normalised."""
+    k_buffer = torch.randn(8192 + 5, 3, 64).bfloat16()
+    slots = torch.randperm(8192 + 5)[:8192]
+    q = torch.randn(9, 32, 64).bfloat16()
+    out = K.window_attention(q, k_buffer, slots, 64**-0.5)
+    assert out.shape == (3, 8192)
+    torch.testing.assert_close(out.sum(-1), torch.ones(3), rtol=1e-4, atol=1e-4)
+
+
+def _naive_lag(buf, slots, lag):
+    n = len(slots)
+    p = n // lag
+    h_n, d = buf.shape[1], buf.shape[2]
+    out = torch.zeros(h_n, p - 1, lag)
+    for h in range(h_n):
+        rows = _rows(buf, slots, h)
+        for part in range(p - 1):
+            ref = rows[(part + 1) * lag : (part + 2) * lag]
+            mn = [min(r[c] for r in ref) for c in range(d)]
+            mx = [max(r[c] for r in ref) for c in range(d)]
+            stds = []
+            for r in rows[part * lag : (part + 1) * lag]:
+                z = [(r[c] - mn[c]) / (mx[c] - mn[c] + 1e-6) for c in range(d)]
+                mean = sum(z) / d
+                stds.append(math.sqrt(sum((x - mean) ** 2 for x in z) / (d - 1)))
+            m = max(stds)
+            ex = [math.exp(s - m) for s in stds]
+            for i in range(lag):
+                out[h, part, i] = ex[i] / sum(ex)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lag,p", [(1, 2), (5, 3), (4, 2)])
+def test_lag_scores_ref_naive(dtype, lag, p):
+    buf, slots = _pool(lag * p, 2, 6, dtype, seed=3)
+    buf, slots = buf.cpu(), slots.cpu()
+    got = K.lag_scores_ref(buf, slots, lag)
+    assert got.shape == (2, p - 1, lag) and got.dtype == torch.float32
+    torch.testing.assert_close(got, _naive_lag(buf, slots, lag), rtol=1e-5, atol=1e-6)
+
+
+def test_lag_scores_constant_channel_is_finite():
+    buf, slots = _pool(8, 2, 6, torch.float32, seed=4)
+    buf[:, :, 0] = 1.5  # max == min in channel 0
+    out = K.lag_scores_ref(buf.cpu(), slots.cpu(), 4)
+    assert torch.isfinite(out).all()
+
+
+def _naive_compact(k_buffers, v_buffers, slots, keep):
+    for layer in range(len(k_buffers)):
+        for buf in (k_buffers[layer], v_buffers[layer]):
+            old = buf.clone()
+            for h in range(keep.shape[1]):
+                for i in range(keep.shape[2]):
+                    buf[int(slots[i]), h] = old[int(slots[int(keep[layer, h, i])]), h]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,b", [(1, 1), (9, 4), (12, 12), (10, 0)])
+def test_compact_ref_naive(dtype, n, b):
+    layers, h = 3, 3
+    pools = [_pool(n, h, 5, dtype, seed=10 + i) for i in range(2 * layers)]
+    slots = pools[0][1].cpu()
+    kb = [p[0].cpu() for p in pools[:layers]]
+    vb = [p[0].cpu() for p in pools[layers:]]
+    keep = torch.stack([_sorted_keep(n, h, b, seed=20 + layer).cpu() for layer in range(layers)])
+    want_k, want_v = [x.clone() for x in kb], [x.clone() for x in vb]
+    _naive_compact(want_k, want_v, slots, keep)
+    K.compact_ref(kb, vb, slots, keep)
+    for got, want in zip(kb + vb, want_k + want_v, strict=True):
+        assert torch.equal(got, want)
+
+
+def _naive_d2o(kb, vb, slots, keep, tau, beta, init):
+    """Loop version of the D2O merge as read in kernels/d2o_merge.py; returns (tau', merged)."""
+    h_n = kb.shape[1]
+    n = len(slots)
+    new_tau, merged = [], 0
+    for h in range(h_n):
+        keys, vals = _rows(kb, slots, h), _rows(vb, slots, h)
+        kept = [int(x) for x in keep[h]]
+        ev = [j for j in range(n) if j not in kept]
+        if not ev:
+            new_tau.append(float(tau[h]))
+            continue
+
+        def cos(a, b):
+            na = max(math.sqrt(sum(x * x for x in a)), 1e-12)
+            nb = max(math.sqrt(sum(x * x for x in b)), 1e-12)
+            return sum(x * y for x, y in zip(a, b, strict=True)) / (na * nb)
+
+        best = []
+        for e in ev:
+            sims = [cos(keys[e], keys[c]) for c in kept]
+            i = max(range(len(kept)), key=lambda t, sims=sims: sims[t])
+            best.append((sims[i], kept[i]))
+        us = [u for u, _ in best]
+        t = sum(us) / len(us) if init else beta * max(us) + (1 - beta) * float(tau[h])
+        new_tau.append(t)
+        acc = {c: (math.e, [math.e * x for x in keys[c]], [math.e * x for x in vals[c]]) for c in kept}
+        got = set()
+        for e, (u, c) in zip(ev, best, strict=True):
+            if u >= t:
+                z, ak, av = acc[c]
+                w = math.exp(u)
+                acc[c] = (
+                    z + w,
+                    [a + w * x for a, x in zip(ak, keys[e], strict=True)],
+                    [a + w * x for a, x in zip(av, vals[e], strict=True)],
+                )
+                got.add(c)
+                merged += 1
+        for c in got:
+            z, ak, av = acc[c]
+            kb[int(slots[c]), h] = torch.tensor([x / z for x in ak]).to(kb.dtype)
+            vb[int(slots[c]), h] = torch.tensor([x / z for x in av]).to(vb.dtype)
+    return torch.tensor(new_tau), merged
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("init", [True, False])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_d2o_merge_ref_naive(monkeypatch, dtype, init, chunked):
+    if chunked:
+        monkeypatch.setattr(d2o_mod, "_MAX_SIMS", 1)
+    n, h, b, d = 13, 3, 5, 4  # small D so that similarities spread and some pass the threshold
+    kb, slots = _pool(n, h, d, dtype, seed=30)
+    vb, _ = _pool(n, h, d, dtype, seed=31)
+    kb, vb, slots = kb.cpu(), vb.cpu(), slots.cpu()
+    keep = _sorted_keep(n, h, b, seed=32).cpu()
+    tau = torch.tensor([0.5, 0.9, -0.2])
+    want_k, want_v = kb.clone(), vb.clone()
+    want_tau, want_merged = _naive_d2o(want_k, want_v, slots, keep, tau, 0.7, init)
+    stats: dict = {}
+    got_tau = K.d2o_merge_ref(kb, vb, slots, keep, tau, 0.7, init, stats=stats)
+    torch.testing.assert_close(got_tau, want_tau, rtol=1e-5, atol=1e-6)
+    assert stats == {"merged": want_merged, "evicted": h * (n - b)}
+    assert 0 < want_merged < h * (n - b)
+    tol = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(kb, want_k, **tol)
+    torch.testing.assert_close(vb, want_v, **tol)
+
+
+def test_d2o_merge_nothing_evicted():
+    kb, slots = _pool(6, 2, 4, torch.float32, seed=5)
+    before = kb.clone()
+    stats: dict = {}
+    tau = K.d2o_merge(kb.cpu(), kb.cpu(), slots.cpu(), torch.arange(6).expand(2, 6), 0.25, 0.7, False, stats)
+    assert torch.equal(tau, torch.full((2,), 0.25)) and stats["merged"] == 0 and torch.equal(kb, before)
+
+
+def _naive_vo(v_buffer, slots, o_proj):
+    hq, d, hidden = o_proj.shape
+    hkv = v_buffer.shape[1]
+    g = hq // hkv
+    out = torch.zeros(hkv, len(slots))
+    for h in range(hq):
+        w = o_proj[h].float().tolist()
+        for j, v in enumerate(_rows(v_buffer, slots, h // g)):
+            l1 = sum(abs(sum(v[i] * w[i][c] for i in range(d))) for c in range(hidden))
+            out[h // g, j] += l1 / g
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv", GQA)
+@pytest.mark.parametrize("chunked", [False, True])
+def test_vo_norms_ref_naive(monkeypatch, dtype, hq, hkv, chunked):
+    if chunked:
+        monkeypatch.setattr(vo_mod, "_MAX_PROD", 1)
+    vb, slots = _pool(7, hkv, 4, dtype, seed=40)
+    o_proj = torch.randn(hq, 4, 6, generator=torch.Generator().manual_seed(41)).to(dtype)
+    got = K.vo_norms_ref(vb.cpu(), slots.cpu(), o_proj)
+    assert got.shape == (hkv, 7) and got.dtype == torch.float32
+    torch.testing.assert_close(got, _naive_vo(vb.cpu(), slots.cpu(), o_proj), rtol=1e-5, atol=1e-5)
+
+
+def test_dispatch_cpu_uses_ref(monkeypatch):
+    monkeypatch.delenv("SGL_KVEVICT_TRITON", raising=False)
+    assert not K.use_triton(torch.zeros(1))
+    monkeypatch.setenv("SGL_KVEVICT_TRITON", "1")
+    assert K.use_triton(torch.zeros(1))
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton kernels vs torch references (interpreter on CPU: small sizes)
+# --------------------------------------------------------------------------------------------------
+
+
+def _tol(dtype: torch.dtype) -> dict[str, float]:
+    return {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-5}
+
+
+@pytest.mark.skipif(TRITON_READY, reason="Triton tests already run in this process")
+def test_triton_in_interpreter():
+    """Run the `test_triton_*` tests below in a subprocess with TRITON_INTERPRET=1 and SGL_KVEVICT_TRITON=1."""
+    env = dict(os.environ, TRITON_INTERPRET="1", SGL_KVEVICT_TRITON="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-x",
+        "-p",
+        "no:cacheprovider",
+        __file__,
+        "-k",
+        "test_triton_",
+    ]
+    res = subprocess.run(cmd, env=env, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
+    assert " passed" in res.stdout and "skipped" not in res.stdout.splitlines()[-1], res.stdout[-2000:]
+
+
+@triton_only
+def test_triton_dispatch_env():
+    assert K.use_triton(torch.zeros(1))
+
+
+@triton_only
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv", GQA)
+@pytest.mark.parametrize("n", SIZES)
+def test_triton_window_attention(n, hq, hkv, dtype):
+    d, w = 40, 5 if n != 129 else 32
+    k_buffer, slots = _pool(n, hkv, d, dtype, seed=n)
+    q = torch.randn(hq, w, d, generator=torch.Generator().manual_seed(n + 1)).to(dtype).to(DEVICE)
+    got = K.window_attention(q, k_buffer, slots, d**-0.5)  # dispatches to Triton here
+    want = K.window_attention_ref(q, k_buffer, slots, d**-0.5)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+@triton_only
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("h", [3, 4])
+@pytest.mark.parametrize("lag,p", [(1, 2), (7, 3), (43, 3), (100, 3)])
+def test_triton_lag_scores(lag, p, h, dtype):
+    buf, slots = _pool(lag * p, h, 64, dtype, seed=lag)
+    got = K.lag_scores_triton(buf, slots, lag)
+    want = K.lag_scores_ref(buf, slots, lag)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(K.lag_scores(buf, slots, lag), want, rtol=1e-4, atol=1e-6)
+
+
+@triton_only
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hkv", [3, 4])
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("pattern", ["random", "tail", "identity"])
+def test_triton_compact_overlapping(n, hkv, dtype, pattern):
+    layers, d = 2, 40
+    pools = [_pool(n, hkv, d, dtype, seed=100 + i) for i in range(2 * layers)]
+    slots = pools[0][1]
+    kb = [p[0] for p in pools[:layers]]
+    vb = [p[0] for p in pools[layers:]]
+    b = max(1, (2 * n) // 3)
+    if pattern == "random":
+        keep = torch.stack([_sorted_keep(n, hkv, b, seed=7 * layer + n) for layer in range(layers)])
+    elif pattern == "tail":  # every destination is also a source: maximal overlap
+        keep = torch.arange(n - b, n, device=DEVICE).expand(layers, hkv, b).contiguous()
+    else:
+        keep = torch.arange(b, device=DEVICE).expand(layers, hkv, b).contiguous()
+    want_k, want_v = [x.clone() for x in kb], [x.clone() for x in vb]
+    K.compact_ref(want_k, want_v, slots, keep)
+    K.compact(kb, vb, slots, keep)  # dispatches to Triton here
+    for got, want in zip(kb + vb, want_k + want_v, strict=True):
+        assert torch.equal(got, want)
+
+
+@triton_only
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hkv", [3, 4])
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("init", [True, False])
+def test_triton_d2o_merge(n, hkv, dtype, init):
+    d = 8  # small head dim: similarities spread out, so a fair share of tokens merge
+    kb, slots = _pool(n, hkv, d, dtype, seed=200 + n)
+    vb, _ = _pool(n, hkv, d, dtype, seed=300 + n)
+    b = max(1, n // 3)
+    keep = _sorted_keep(n, hkv, b, seed=n)
+    tau = torch.linspace(0.2, 0.8, hkv, device=DEVICE)
+    want_k, want_v = kb.clone(), vb.clone()
+    want_stats: dict = {}
+    want_tau = K.d2o_merge_ref(want_k, want_v, slots, keep, tau, 0.7, init, want_stats)
+    stats: dict = {}
+    got_tau = K.d2o_merge(kb, vb, slots, keep, tau, 0.7, init, stats)  # dispatches to Triton here
+    torch.testing.assert_close(got_tau, want_tau, rtol=1e-5, atol=1e-6)
+    assert stats == want_stats
+    if n > b:
+        assert stats["merged"] > 0
+    torch.testing.assert_close(kb, want_k, **_tol(dtype))
+    torch.testing.assert_close(vb, want_v, **_tol(dtype))
+
+
+@triton_only
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv", GQA)
+@pytest.mark.parametrize("n", SIZES)
+def test_triton_vo_norms(n, hq, hkv, dtype):
+    d, hidden = 40, 100  # neither a block multiple: exercises the masks
+    vb, slots = _pool(n, hkv, d, dtype, seed=400 + n)
+    o_proj = torch.randn(hq, d, hidden, generator=torch.Generator().manual_seed(n)).to(dtype).to(DEVICE)
+    got = K.vo_norms(vb, slots, o_proj)  # dispatches to Triton here
+    want = K.vo_norms_ref(vb, slots, o_proj)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
