@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .base import LayerView, Policy, PolicyConfig, topk_keep
+from .base import LayerView, Policy, PolicyConfig, compacted_len, topk_keep
 
 REGISTRY: dict[str, type[Policy]] = {}
 
@@ -38,12 +38,52 @@ def build(name: str, config: dict[str, Any] | None = None) -> Policy:
         cfg = cls.Config.model_validate(config or {})
     except ValidationError as e:
         err = e.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"]) or "config"
-        raise PolicyConfigError(f"invalid config for KV policy {name!r}: field {loc!r}: {err['msg']}") from None
+        loc = ".".join(str(x) for x in err["loc"])
+        if not loc:  # a whole-model check (e.g. a refiner's base): its message names what is wrong
+            cause = err.get("ctx", {}).get("error")
+            raise PolicyConfigError(f"invalid config for KV policy {name!r}: {cause or err['msg']}") from None
+        raise PolicyConfigError(
+            f"invalid config for KV policy {name!r}: field {loc!r}: {err['msg']}"
+        ) from None
     return cls(cfg)
 
 
-# Importing the modules registers the policies.
-from . import none as _none  # noqa: E402,F401
+SHARED_FIELDS = tuple(PolicyConfig.model_fields)
 
-__all__ = ["REGISTRY", "LayerView", "Policy", "PolicyConfig", "PolicyConfigError", "available", "build", "register", "topk_keep"]
+
+def build_base(wrapper: str, cfg: PolicyConfig, base: str, base_config: dict[str, Any]) -> Policy:
+    """Build the policy a refiner (graphkv, criticalkv) wraps.
+
+    The runner reads the shared fields (sinks, recent, interval, window) from the wrapper, so they are
+    passed down from it; setting one in `base_config` is an error rather than a silent mismatch.
+    """
+    shared = sorted(set(base_config) & set(SHARED_FIELDS))
+    if shared:
+        raise PolicyConfigError(f"{wrapper}: set {', '.join(shared)} on {wrapper} itself, not in base_config")
+    return build(base, {**base_config, **{f: getattr(cfg, f) for f in SHARED_FIELDS}})
+
+
+# Importing the modules registers the policies.
+from . import criticalkv as _criticalkv  # noqa: E402,F401
+from . import d2o as _d2o  # noqa: E402,F401
+from . import graphkv as _graphkv  # noqa: E402,F401
+from . import h2o as _h2o  # noqa: E402,F401
+from . import knorm as _knorm  # noqa: E402,F401
+from . import lagkv as _lagkv  # noqa: E402,F401
+from . import none as _none  # noqa: E402,F401
+from . import snapkv as _snapkv  # noqa: E402,F401
+from . import streaming as _streaming  # noqa: E402,F401
+
+__all__ = [
+    "REGISTRY",
+    "LayerView",
+    "Policy",
+    "PolicyConfig",
+    "PolicyConfigError",
+    "available",
+    "build",
+    "build_base",
+    "compacted_len",
+    "register",
+    "topk_keep",
+]

@@ -92,6 +92,22 @@ def topk_keep(scores: torch.Tensor, view: LayerView, budget: int) -> torch.Tenso
     return torch.cat([fixed, top], dim=-1).sort(dim=-1).values
 
 
+def compacted_len(keep: torch.Tensor, n: int) -> int:
+    """`n_compacted` after compacting `keep` ([Hkv, b] sorted) out of an `n`-token region.
+
+    The kept suffix that is the same contiguous run `..., n-2, n-1` for every head still holds one token
+    per slot for all heads (the uncompressed tail); everything before it is per-head. LagKV relies on
+    this count to find its raw tail in the next round.
+    """
+    b = int(keep.shape[1])
+    if b == 0:
+        return 0
+    expected = torch.arange(n - b, n, device=keep.device)
+    # sorted unique indices are <= n - b + i, so a match at i implies a match at every later position
+    run = int((keep == expected).all(dim=0).sum())
+    return b - run
+
+
 class Policy:
     """Base class. Subclasses set `name`, `Config`, `needs`, and override `score` (or `select`)."""
 

@@ -1,0 +1,84 @@
+"""`d2o`: Dynamic Discriminative Operations (Wan et al. 2024, arXiv 2406.13035).
+
+Token level: H2O-style eviction (window-accumulated attention, `h2o`'s reading: score = attn * window,
+the last `window` queries, not every query so far), plus sinks and a recent window, then each evicted
+token is merged into its most key-similar kept token when the similarity clears an EMA threshold
+(`merge`, `kernels.d2o_merge`; per KV head, tau kept per (request, layer) in `view.state["tau"]`,
+tau_0 = mean similarity at the first compression, then tau <- beta * max u + (1 - beta) * tau).
+
+Recent window: the paper splits the layer budget N:M = 3:1 between heavy hitters and recent tokens.
+`recent_fraction` (default 0.25) is M / (N + M) of the kept non-sink tokens (candidate budget + the
+runner's `recent`): the newest candidates are kept on top of `recent` until the recent part reaches it.
+Set 0 for plain H2O-style selection beyond the runner's window.
+
+Layer level: the paper gives each layer alpha_l = L_layers * softmax_l(1 / sigma2_l) of the average budget,
+sigma2_l = variance over tokens of the column-summed prompt attention. Budgets here stay uniform across
+layers (equal counts keep the paged layout rectangular), so the allocation is only *reported*:
+`view.stats["d2o_sigma2"]` (head-averaged variance of the window column sums, attn * window, over the
+region) and `view.stats["d2o_inv_var"]` = 1 / sigma2, the softmax logit; alpha_l is
+L_layers * softmax over layers of `d2o_inv_var`.
+
+Readings chosen (ALGORITHMS 2.2, reconstructed): keys-only cosine similarity; tau per KV head; the
+updated threshold is compared; merged tokens keep their own slot's score history (there is none: scores
+are recomputed from the window each time); `merge=False` gives the paper's "without merging" ablation.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from . import register
+from .base import LayerView, Need, Policy, PolicyConfig, topk_keep
+
+
+class D2OConfig(PolicyConfig):
+    recent_fraction: float = Field(0.25, ge=0.0, lt=1.0, description="M / (N + M); paper N:M = 3:1 -> 0.25")
+    beta: float = Field(0.7, gt=0.0, le=1.0, description="EMA weight of the current step's max similarity")
+    merge: bool = Field(True, description="merge evicted tokens into kept ones (False: eviction only)")
+
+
+@register
+class D2OPolicy(Policy):
+    name = "d2o"
+    Config = D2OConfig
+    config: D2OConfig
+    needs = frozenset[Need]({"attn"})
+    attention_scores = True
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        if view.attn is None:
+            raise ValueError("d2o needs view.attn (window attention)")
+        return view.attn.float() * self.config.window
+
+    def select(self, view: LayerView, budget: int) -> torch.Tensor:
+        s = self.score(view)
+        self._report_density(view, s)
+        cand = view.candidates()
+        n_cand = max(0, cand.stop - cand.start)
+        total = min(budget, n_cand) + view.n_recent
+        extra = min(max(0, round(self.config.recent_fraction * total) - view.n_recent), budget, n_cand)
+        if extra > 0:
+            s = s.clone()
+            s[:, cand.stop - extra : cand.stop] = float("inf")
+        return topk_keep(s, view, budget)
+
+    @staticmethod
+    def _report_density(view: LayerView, colsum: torch.Tensor) -> None:
+        if colsum.shape[1] < 2:
+            return
+        sigma2 = float(colsum.var(dim=-1).mean())
+        view.stats["d2o_sigma2"] = sigma2
+        view.stats["d2o_inv_var"] = 1.0 / max(sigma2, 1e-30)
+
+    def merge(self, view: LayerView, keep: torch.Tensor) -> None:
+        if not self.config.merge:
+            return
+        from sgl_kvevict.kernels import d2o_merge
+
+        tau = view.state.get("tau")
+        counts: dict[str, int] = {}
+        view.state["tau"] = d2o_merge(
+            view.k_buffer, view.v_buffer, view.slots, keep, tau, self.config.beta, tau is None, counts
+        )
+        view.stats["d2o_merged"] = float(counts.get("merged", 0))
