@@ -1,7 +1,7 @@
 """Kernel tests: torch references against naive loop formulas, Triton kernels against the references.
 
 The Triton tests need a GPU or the Triton interpreter. TRITON_INTERPRET must be set before triton is
-imported, and the production dispatch reads SGL_KVEVICT_TRITON, so on CPU `test_triton_in_interpreter`
+imported, and the production dispatch reads SGL_KVEVICT_TRITON, so on CPU `test_interpreter_subprocess`
 re-runs this file's `test_triton_*` tests in a subprocess with both variables set; neither leaks into
 this process or into other test modules.
 """
@@ -293,7 +293,7 @@ def _tol(dtype: torch.dtype) -> dict[str, float]:
 
 
 @pytest.mark.skipif(TRITON_READY, reason="Triton tests already run in this process")
-def test_triton_in_interpreter():
+def test_interpreter_subprocess():
     """Run the `test_triton_*` tests below in a subprocess with TRITON_INTERPRET=1 and SGL_KVEVICT_TRITON=1."""
     env = dict(os.environ, TRITON_INTERPRET="1", SGL_KVEVICT_TRITON="1")
     cmd = [
