@@ -1,0 +1,531 @@
+"""Policy unit tests: every formula against a naive re-implementation written here, plus the invariants
+(exact budgets, sinks and recent window kept, sorted indices) and the registry's errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from sgl_kvevict.policies.base import LayerView
+
+from sgl_kvevict import policies as P
+
+H, HQ, D, HID = 3, 9, 16, 24
+
+
+def make_view(
+    n: int,
+    n_sink: int = 4,
+    n_recent: int = 8,
+    n_compacted: int = 0,
+    seed: int = 0,
+    pool_extra: int = 0,
+    attn: bool = True,
+) -> LayerView:
+    """Dense keys [N, H, D] in a pool; slots = arange(N) (or a permutation inside a larger pool)."""
+    g = torch.Generator().manual_seed(seed)
+    pool = n + pool_extra
+    k = torch.randn(pool, H, D, generator=g)
+    v = torch.randn(pool, H, D, generator=g)
+    slots = torch.arange(n) if pool_extra == 0 else torch.randperm(pool, generator=g)[:n]
+    a = torch.rand(H, n, generator=g).pow(4).softmax(-1) if attn else None
+    o = torch.randn(HQ, D, HID, generator=g) / 4
+    return LayerView(0, k, v, slots, n_sink, n_recent, n_compacted, attn=a, o_proj=o)
+
+
+def dense(view: LayerView, which: str = "k") -> list[list[torch.Tensor]]:
+    """Per head, per region index, the vector (python lists: the naive side)."""
+    buf = view.k_buffer if which == "k" else view.v_buffer
+    return [[buf[int(s), h].double() for s in view.slots] for h in range(view.n_kv_heads)]
+
+
+def naive_keep(scores: list[list[float]], view: LayerView, b: int) -> list[list[int]]:
+    n = view.n
+    cand = list(range(view.n_sink, n - view.n_recent))
+    out = []
+    for row in scores:
+        best = sorted(cand, key=lambda j: -row[j])[: min(b, len(cand))]
+        out.append(sorted(set(range(view.n_sink)) | set(range(n - view.n_recent, n)) | set(best)))
+    return out
+
+
+def as_lists(keep: torch.Tensor) -> list[list[int]]:
+    return [[int(x) for x in row] for row in keep]
+
+
+def check_invariants(keep: torch.Tensor, view: LayerView, n_kept: int) -> None:
+    assert keep.shape == (view.n_kv_heads, n_kept)
+    assert keep.dtype == torch.int64
+    assert bool((keep[:, 1:] > keep[:, :-1]).all()), "kept indices sorted, unique"
+    assert int(keep.min()) >= 0 and int(keep.max()) < view.n
+    for row in as_lists(keep):
+        assert set(range(view.n_sink)) <= set(row)
+        assert set(range(view.n - view.n_recent, view.n)) <= set(row)
+
+
+# ---------------------------------------------------------------- scoring policies: formulas
+
+
+def test_streaming_keeps_sinks_and_newest() -> None:
+    view = make_view(50)
+    keep = P.build("streaming").select(view, 10)
+    want = list(range(4)) + list(range(50 - 8 - 10, 50))
+    assert as_lists(keep) == [want] * H
+
+
+def test_knorm_formula() -> None:
+    view = make_view(40, pool_extra=20)
+    pol = P.build("knorm")
+    ks = dense(view)
+    naive = [[-math.sqrt(sum(float(x) ** 2 for x in ks[h][j])) for j in range(view.n)] for h in range(H)]
+    assert torch.allclose(pol.score(view), torch.tensor(naive, dtype=torch.float32), atol=1e-5)
+    assert as_lists(pol.select(view, 12)) == naive_keep(naive, view, 12)
+
+
+def naive_window_attention(q: torch.Tensor, ks: list[list[torch.Tensor]], scale: float) -> list[list[float]]:
+    """Per KV head: mean over its G query heads and the W queries of softmax(q k * scale)."""
+    hq, w, _ = q.shape
+    g = hq // len(ks)
+    out = []
+    for h, keys in enumerate(ks):
+        acc = [0.0] * len(keys)
+        for qh in range(h * g, (h + 1) * g):
+            for i in range(w):
+                logits = [float(q[qh, i].double() @ kk) * scale for kk in keys]
+                m = max(logits)
+                ex = [math.exp(x - m) for x in logits]
+                z = sum(ex)
+                for j, e in enumerate(ex):
+                    acc[j] += e / z / (g * w)
+        out.append(acc)
+    return out
+
+
+def test_h2o_window_accumulated_attention() -> None:
+    view = make_view(30, attn=False)
+    q = torch.randn(HQ, 4, D)
+    naive = naive_window_attention(q, dense(view), 0.25)
+    from sgl_kvevict.kernels import window_attention
+
+    view.attn = window_attention(q, view.k_buffer, view.slots, 0.25)
+    pol = P.build("h2o", {"window": 4})
+    want = torch.tensor(naive, dtype=torch.float32) * 4
+    assert torch.allclose(pol.score(view), want, atol=1e-5)
+    assert as_lists(pol.select(view, 7)) == naive_keep(want.tolist(), view, 7)
+
+
+@pytest.mark.parametrize("pooling", ["avg", "max"])
+@pytest.mark.parametrize("kernel", [1, 5, 7])
+def test_snapkv_pooling(pooling: str, kernel: int) -> None:
+    view = make_view(35)
+    pol = P.build("snapkv", {"kernel_size": kernel, "pooling": pooling})
+    a = view.attn.tolist()
+    naive = []
+    for row in a:
+        out = []
+        for j in range(len(row)):
+            win = [row[t] for t in range(j - kernel // 2, j + kernel // 2 + 1) if 0 <= t < len(row)]
+            out.append(max(win) if pooling == "max" else sum(win) / kernel)  # zero padding counted
+        naive.append(out)
+    assert torch.allclose(pol.score(view), torch.tensor(naive), atol=1e-6)
+    keep = pol.select(view, 9)
+    if pooling == "avg":
+        assert as_lists(keep) == naive_keep(naive, view, 9)
+    else:  # max pooling makes ties: compare the kept candidates' scores
+        for h, row in enumerate(as_lists(keep)):
+            got = sorted(naive[h][j] for j in row if 4 <= j < 35 - 8)
+            assert got == sorted(naive[h][4 : 35 - 8])[-9:]
+
+
+SCORING = [
+    ("streaming", {}),
+    ("knorm", {}),
+    ("h2o", {}),
+    ("snapkv", {}),
+    ("d2o", {}),
+    ("d2o", {"recent_fraction": 0.0}),
+    ("graphkv", {}),
+    ("graphkv", {"base": "knorm", "rounds": 2}),
+    ("graphkv", {"base": "d2o"}),
+    ("criticalkv", {}),
+    ("criticalkv", {"base": "h2o", "alpha": 0.25}),
+    ("criticalkv", {"base": "d2o"}),
+]
+
+
+@pytest.mark.parametrize("name,cfg", SCORING)
+@pytest.mark.parametrize("budget", [0, 1, 13, 60, 10_000])
+def test_budget_sinks_recent_sorted(name: str, cfg: dict, budget: int) -> None:
+    view = make_view(80, n_sink=4, n_recent=8, pool_extra=16, seed=budget)
+    pol = P.build(name, {"recent": 8, **cfg})
+    keep = pol.select(view, budget)
+    check_invariants(keep, view, 4 + 8 + min(budget, 80 - 12))
+
+
+# ---------------------------------------------------------------- LagKV
+
+
+def naive_lag(z: list[torch.Tensor], ref: list[torch.Tensor]) -> list[float]:
+    """Eqs. 7-10: min-max of `ref` per channel, unbiased std over channels, softmax over z's tokens."""
+    d = len(z[0])
+    mn = [min(float(r[c]) for r in ref) for c in range(d)]
+    mx = [max(float(r[c]) for r in ref) for c in range(d)]
+    stds = []
+    for t in z:
+        x = [(float(t[c]) - mn[c]) / (mx[c] - mn[c] + 1e-6) for c in range(d)]
+        mu = sum(x) / d
+        stds.append(math.sqrt(sum((xi - mu) ** 2 for xi in x) / (d - 1)))
+    m = max(stds)
+    ex = [math.exp(s - m) for s in stds]
+    return [e / sum(ex) for e in ex]
+
+
+def naive_lagkv(view: LayerView, lag: int, r: float, budget: int | None, vr: float = 1.0) -> list[list[int]]:
+    """LagKV selection per head with plain lists, following the lagkv docstring (one compression call)."""
+    n, k = view.n, int(r * lag)
+    t0 = max(view.n_sink, view.n_compacted)
+    pc = max(0, min((n - t0) // lag - 1, (n - view.n_recent - t0) // lag))
+    ks, vs = dense(view, "k"), dense(view, "v")
+    out = []
+    for h in range(view.n_kv_heads):
+
+        def score(idx: list[int], ref: list[int], h: int = h) -> list[float]:
+            sk = naive_lag([ks[h][i] for i in idx], [ks[h][i] for i in ref])
+            sv = naive_lag([vs[h][i] for i in idx], [vs[h][i] for i in ref])
+            return [a + vr * b for a, b in zip(sk, sv, strict=True)]
+
+        def top(idx: list[int], s: list[float], kk: int) -> list[int]:
+            best = sorted(range(len(idx)), key=lambda i: -s[i])[:kk]
+            return [idx[i] for i in sorted(best)]
+
+        seq = list(range(view.n_sink, t0))
+        for p in range(pc):
+            part = list(range(t0 + p * lag, t0 + (p + 1) * lag))
+            nxt = list(range(t0 + (p + 1) * lag, t0 + (p + 2) * lag))
+            seq += top(part, score(part, nxt), k)
+        raw = list(range(t0 + pc * lag, n))
+        ref = raw[:lag]
+        if budget is not None:
+            while len(seq) > budget and len(seq) >= lag and len(ref) == lag:
+                rem = len(seq) % lag
+                chunks = seq[rem:] + ref
+                new = seq[:rem]
+                for c in range(len(seq) // lag):
+                    part, nxt = chunks[c * lag : (c + 1) * lag], chunks[(c + 1) * lag : (c + 2) * lag]
+                    new += top(part, score(part, nxt), k)
+                seq = new
+            if len(seq) > budget:
+                seq = top(seq, score(seq, ref or seq), budget)
+        out.append(list(range(view.n_sink)) + seq + raw)
+    return out
+
+
+def eq12(ls: int, s: int, lag: int, r: float) -> int:
+    if ls < s + 2 * lag:
+        return ls
+    return s + int(r * lag) * ((ls - s) // lag - 1) + lag + (ls - s) % lag
+
+
+@pytest.mark.parametrize(
+    "n,sinks,lag,r", [(100, 4, 8, 0.5), (131, 16, 16, 0.25), (47, 0, 8, 0.375), (20, 4, 8, 0.5)]
+)
+def test_lagkv_one_shot_matches_naive_and_eq12(n: int, sinks: int, lag: int, r: float) -> None:
+    view = make_view(n, n_sink=sinks, n_recent=4, pool_extra=7, seed=n)
+    pol = P.build("lagkv", {"lag": lag, "ratio": r, "sinks": sinks, "recent": 4})
+    keep = pol.select(view, 10**9)
+    assert keep.shape[1] == eq12(n, sinks, lag, r)
+    assert as_lists(keep) == naive_lagkv(view, lag, r, None)
+    check_invariants(keep, view, keep.shape[1])
+
+
+def expected_capped(c: int, lag: int, k: int, budget: int) -> int:
+    while c > budget and c >= lag:
+        c = c % lag + (c // lag) * k
+    return min(c, budget)
+
+
+@pytest.mark.parametrize("budget", [0, 5, 20, 33, 40, 64, 1000])
+def test_lagkv_chunk_recursion_count_and_content(budget: int) -> None:
+    n, sinks, lag, r = 180, 4, 8, 0.5
+    view = make_view(n, n_sink=sinks, n_recent=4, seed=budget)
+    pol = P.build("lagkv", {"lag": lag, "ratio": r, "recent": 4})
+    keep = pol.select(view, budget)
+    pc = (n - sinks) // lag - 1
+    raw = n - sinks - pc * lag
+    c = expected_capped(pc * int(r * lag), lag, int(r * lag), budget)
+    assert keep.shape[1] == sinks + c + raw
+    assert keep.shape[1] == eq12(n, sinks, lag, r) - pc * int(r * lag) + c
+    assert as_lists(keep) == naive_lagkv(view, lag, r, budget)
+    check_invariants(keep, view, keep.shape[1])
+
+
+def test_lagkv_cap_off_ignores_budget() -> None:
+    view = make_view(100, n_recent=4)
+    pol = P.build("lagkv", {"lag": 8, "cap_to_budget": False, "recent": 4})
+    assert pol.select(view, 3).shape[1] == eq12(100, 4, 8, 0.5)
+
+
+def test_lagkv_decode_round_on_compacted_region() -> None:
+    """Second round: the compacted part (per-head tokens) is kept, only the raw tail is partitioned."""
+    n, lag = 90, 8
+    view = make_view(n, n_sink=4, n_recent=4, n_compacted=30, seed=3, pool_extra=10)
+    pol = P.build("lagkv", {"lag": lag, "recent": 4})
+    keep = pol.select(view, 10**6)
+    assert as_lists(keep) == naive_lagkv(view, lag, 0.5, None)
+    pc = (n - 30) // lag - 1
+    assert keep.shape[1] == 30 + pc * 4 + (n - 30 - pc * lag)
+    assert P.compacted_len(keep, n) == 30 + pc * 4
+    # over budget: the compacted part is re-compressed against the raw tail
+    keep2 = pol.select(view, 20)
+    assert as_lists(keep2) == naive_lagkv(view, lag, 0.5, 20)
+
+
+def test_lagkv_trigger() -> None:
+    pol = P.build("lagkv", {"lag": 8, "recent": 4})
+    assert not pol.should_compress(4 + 15, 4, 4, 0, 10**6, "decode")
+    assert pol.should_compress(4 + 16, 4, 4, 0, 10**6, "decode")
+    assert pol.should_compress(4 + 16, 4, 4, 0, 10**6, "prefill")
+    assert not pol.should_compress(40 + 15, 4, 4, 40, 10**6, "decode")
+    assert pol.should_compress(40 + 16, 4, 4, 40, 10**6, "decode")
+    assert pol.should_compress(40 + 3, 4, 4, 40, 20, "decode")  # compacted part over the budget
+    assert not P.build("lagkv", {"lag": 8, "recent": 12}).should_compress(4 + 19, 4, 12, 0, 10**6, "decode")
+
+
+def test_lagkv_with_ratio_hook() -> None:
+    pol = P.build("lagkv", {"lag": 16})
+    assert pol.with_ratio(0.25).keep_per_partition == 4 and pol.keep_per_partition == 8
+
+
+# ---------------------------------------------------------------- D2O
+
+
+def test_d2o_recent_fraction_and_density_stats() -> None:
+    view = make_view(100, n_sink=4, n_recent=8)
+    pol = P.build("d2o", {"recent": 8, "window": 32})
+    budget = 40
+    keep = pol.select(view, budget)
+    extra = round(0.25 * (budget + 8)) - 8  # 4 more recent candidates on top of `recent`
+    s = (view.attn * 32).tolist()
+    for row in s:
+        for j in range(100 - 8 - extra, 100 - 8):
+            row[j] = float("inf")
+    assert as_lists(keep) == naive_keep(s, view, budget)
+    col = view.attn * 32
+    var = [float(torch.tensor([float(x) for x in r], dtype=torch.float64).var()) for r in col]
+    assert view.stats["d2o_sigma2"] == pytest.approx(sum(var) / H, rel=1e-4)
+    assert view.stats["d2o_inv_var"] == pytest.approx(H / sum(var), rel=1e-4)
+
+
+def test_d2o_merge_conserves_weighted_sum() -> None:
+    view = make_view(60, pool_extra=5, seed=7)
+    pol = P.build("d2o", {"beta": 0.7})
+    k0, v0 = view.k_buffer.clone().double(), view.v_buffer.clone().double()
+    keep = pol.select(view, 20)
+    pol.merge(view, keep)
+    e = math.e
+    taus = []
+    for h in range(H):
+        kept = [int(x) for x in keep[h]]
+        ev = [j for j in range(view.n) if j not in kept]
+        kk = {j: k0[int(view.slots[j]), h] for j in range(view.n)}
+        cos = {(x, c): float(kk[x] @ kk[c] / (kk[x].norm() * kk[c].norm())) for x in ev for c in kept}
+        best = {x: max(kept, key=lambda c, x=x: cos[(x, c)]) for x in ev}
+        u = {x: cos[(x, best[x])] for x in ev}
+        tau = sum(u.values()) / len(u)
+        taus.append(tau)
+        merged = [x for x in ev if u[x] >= tau]
+        for which, buf0, buf in (("k", k0, view.k_buffer), ("v", v0, view.v_buffer)):
+            lhs = torch.zeros(D, dtype=torch.float64)
+            rhs = torch.zeros(D, dtype=torch.float64)
+            for c in kept:
+                z = e + sum(math.exp(u[x]) for x in merged if best[x] == c)
+                lhs += z * buf[int(view.slots[c]), h].double()
+                rhs += e * buf0[int(view.slots[c]), h]
+            for x in merged:
+                rhs += math.exp(u[x]) * buf0[int(view.slots[x]), h]
+            assert torch.allclose(lhs, rhs, atol=1e-3), which
+    assert torch.allclose(view.state["tau"].double(), torch.tensor(taus, dtype=torch.float64), atol=1e-5)
+    # decode: EMA of the step's max similarity, not a re-initialisation
+    tau0 = view.state["tau"].clone()
+    view2 = make_view(30, pool_extra=0, seed=8)
+    view2.state = view.state
+    keep2 = pol.select(view2, 10)
+    pol.merge(view2, keep2)
+    assert not torch.allclose(view2.state["tau"], tau0)
+
+
+def test_d2o_merge_off() -> None:
+    view = make_view(40)
+    k0 = view.k_buffer.clone()
+    pol = P.build("d2o", {"merge": False})
+    pol.merge(view, pol.select(view, 5))
+    assert torch.equal(view.k_buffer, k0) and "tau" not in view.state
+
+
+# ---------------------------------------------------------------- GraphKV
+
+
+def naive_decay(
+    s: list[float], keys: list[torch.Tensor], budget: int, frac: float, m: int, rounds: int, lam: float
+) -> list[float]:
+    n = len(s)
+    nk = [k / k.norm() for k in keys]
+    src = sorted(range(n), key=lambda j: -s[j])[: max(1, int(frac * budget))]
+    out = list(s)
+    for i in src:
+        sims = sorted(((float(nk[i] @ nk[j]), j) for j in range(n) if j != i), reverse=True)[: min(m, n - 1)]
+        for e, j in sims:
+            out[j] *= (1 - lam * min(max(e, 0.0), 1.0)) ** rounds
+    return out
+
+
+@pytest.mark.parametrize("rounds,lam,m", [(1, 1.0, 3), (2, 0.5, 5), (3, 0.8, 1)])
+def test_graphkv_decay_formula(rounds: int, lam: float, m: int) -> None:
+    view = make_view(60, n_recent=8)
+    pol = P.build(
+        "graphkv", {"rounds": rounds, "decay": lam, "neighbors": m, "adaptive_neighbors": False, "recent": 8}
+    )
+    budget = 20
+    base = P.build("snapkv", {"recent": 8}).score(view)
+    cand = view.candidates()
+    ks = dense(view)
+    want = []
+    for h in range(H):
+        row = base[h].tolist()
+        row[cand] = naive_decay(row[cand], ks[h][cand], budget, 0.3, m, rounds, lam)
+        want.append(row)
+    assert as_lists(pol.select(view, budget)) == naive_keep(want, view, budget)
+    refined = pol.refine(base[:, cand], view.keys()[:, cand], budget)
+    assert torch.allclose(refined, torch.tensor([w[cand] for w in want]), rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "base,cfg",
+    [("snapkv", {}), ("knorm", {}), ("h2o", {}), ("streaming", {}), ("lagkv", {"lag": 8}), ("d2o", {})],
+)
+@pytest.mark.parametrize("zero", [{"decay": 0.0}, {"rounds": 0}])
+def test_graphkv_decay_zero_equals_base(base: str, cfg: dict, zero: dict) -> None:
+    view = make_view(120, pool_extra=9, seed=5)
+    g = P.build("graphkv", {"base": base, "base_config": cfg, "recent": 8, **zero})
+    b = P.build(base, {**cfg, "recent": 8})
+    for budget in (3, 17, 50):
+        assert torch.equal(
+            g.select(view, budget), b.select(view, budget) if base != "d2o" else _plain(b, view, budget)
+        )
+    assert g.needs == b.needs
+
+
+def _plain(d2o: P.Policy, view: LayerView, budget: int) -> torch.Tensor:
+    """graphkv uses the base's score, not d2o's recency pin."""
+    return P.topk_keep(d2o.score(view), view, budget)
+
+
+def test_graphkv_over_lagkv_decays_inside_partitions() -> None:
+    view = make_view(100, n_recent=4, seed=2)
+    g = P.build(
+        "graphkv",
+        {
+            "base": "lagkv",
+            "base_config": {"lag": 8},
+            "recent": 4,
+            "adaptive_neighbors": False,
+            "neighbors": 2,
+        },
+    )
+    lag = P.build("lagkv", {"lag": 8, "recent": 4})
+    keep_g, keep_l = g.select(view, 10**6), lag.select(view, 10**6)
+    assert keep_g.shape == keep_l.shape and not torch.equal(keep_g, keep_l)
+    check_invariants(keep_g, view, keep_g.shape[1])
+    assert g.should_compress(100, 4, 4, 0, 10**6, "decode") == lag.should_compress(
+        100, 4, 4, 0, 10**6, "decode"
+    )
+    # within budget the recursion applies too
+    assert g.select(view, 9).shape == lag.select(view, 9).shape
+
+
+def test_graphkv_negative_scores_are_decayed_down() -> None:
+    s = torch.tensor([[-1.0, -2.0, -1.01, -5.0]])
+    keys = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [1.0, 0.01], [0.0, -1.0]]])
+    out = P.REGISTRY["graphkv"].refine(
+        P.build("graphkv", {"base": "knorm", "neighbors": 1, "adaptive_neighbors": False}), s, keys, 1
+    )
+    assert int(out.argmax()) == 0 and float(out[0, 2]) < float(
+        out[0, 1]
+    )  # the near-duplicate of the top token fell
+
+
+# ---------------------------------------------------------------- CriticalKV
+
+
+def naive_vo(view: LayerView) -> list[list[float]]:
+    g = HQ // H
+    out = []
+    for h in range(H):
+        row = []
+        for j in range(view.n):
+            v = view.v_buffer[int(view.slots[j]), h].double()
+            row.append(
+                sum(float((v @ view.o_proj[qh].double()).abs().sum()) for qh in range(h * g, (h + 1) * g)) / g
+            )
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 0.25, 1.0])
+def test_criticalkv_two_stages(alpha: float) -> None:
+    view = make_view(70, n_recent=8, pool_extra=3)
+    pol = P.build("criticalkv", {"alpha": alpha, "recent": 8})
+    budget = 22
+    keep = as_lists(pol.select(view, budget))
+    a = P.build("snapkv").score(view).tolist()
+    vo = naive_vo(view)
+    cand = list(range(4, 70 - 8))
+    b1 = math.floor(alpha * budget)
+    for h in range(H):
+        stage1 = sorted(cand, key=lambda j, h=h: -a[h][j])[:b1]
+        assert set(stage1) <= set(keep[h]), "stage 1: top alpha*b by attention"
+        rest = [j for j in cand if j not in stage1]
+        stage2 = sorted(rest, key=lambda j, h=h: -(a[h][j] + 1e-4) * vo[h][j])[: budget - b1]
+        assert set(keep[h]) == set(range(4)) | set(range(62, 70)) | set(stage1) | set(stage2)
+    assert pol.needs == frozenset({"attn", "o_proj"})
+
+
+# ---------------------------------------------------------------- registry and composition
+
+
+def test_registry_errors() -> None:
+    with pytest.raises(P.PolicyConfigError, match="valid choices: .*criticalkv.*lagkv.*streaming"):
+        P.build("nope")
+    with pytest.raises(P.PolicyConfigError, match="'lag'"):
+        P.build("lagkv", {"lag": "x"})
+    with pytest.raises(P.PolicyConfigError, match="'bogus'"):
+        P.build("snapkv", {"bogus": 1})
+    with pytest.raises(P.PolicyConfigError, match="valid bases: d2o, h2o, snapkv"):
+        P.build("criticalkv", {"base": "lagkv"})
+    with pytest.raises(P.PolicyConfigError, match="valid bases"):
+        P.build("criticalkv", {"base": "graphkv"})
+    with pytest.raises(P.PolicyConfigError, match="valid bases"):
+        P.build("graphkv", {"base": "none"})
+    with pytest.raises(P.PolicyConfigError, match="kernel_size"):
+        P.build("graphkv", {"base_config": {"kernel_size": 2}})
+    with pytest.raises(P.PolicyConfigError, match="window"):
+        P.build("criticalkv", {"base_config": {"window": 8}})
+    with pytest.raises(P.PolicyConfigError, match="ratio"):
+        P.build("lagkv", {"ratio": 0.001})
+
+
+def test_composition_needs_and_shared_fields() -> None:
+    p = P.build("graphkv", {"base": "lagkv", "window": 16, "sinks": 2})
+    assert p.needs == frozenset() and p.base.config.sinks == 2 and p.base.config.window == 16
+    c = P.build("criticalkv", {"base": "d2o", "base_config": {"beta": 0.5}})
+    assert c.needs == frozenset({"attn", "o_proj"}) and c.base.config.beta == 0.5
+    assert P.build("h2o").needs == frozenset({"attn"}) and P.build("lagkv").needs == frozenset()
+
+
+def test_compacted_len() -> None:
+    keep = torch.tensor([[0, 1, 5, 8, 9], [0, 2, 3, 8, 9]])
+    assert P.compacted_len(keep, 10) == 3
+    assert P.compacted_len(torch.tensor([[0, 1, 2]]), 3) == 0
+    assert P.compacted_len(torch.tensor([[0, 1, 2]]), 5) == 3
+    assert P.compacted_len(torch.zeros(2, 0, dtype=torch.int64), 5) == 0
