@@ -79,7 +79,7 @@ def d2o_merge_ref(
         _report(stats, torch.zeros(1), 0)
         return tau_t
     k = k_buffer[slots].float().transpose(0, 1)  # [H, N, D]
-    kn = k / k.norm(dim=-1, keepdim=True).clamp_min(NORM_EPS)
+    kn = k.div_(k.norm(dim=-1, keepdim=True).clamp_min_(NORM_EPS))
     kc = kn.gather(1, keep[..., None].expand(-1, -1, d))  # [H, b, D]
     ke = kn.gather(1, evicted[..., None].expand(-1, -1, d))  # [H, E, D]
     u = torch.empty(hkv, n_ev, dtype=torch.float32, device=k.device)
@@ -94,18 +94,18 @@ def d2o_merge_ref(
     _report(stats, merge, hkv * n_ev)
     if not bool(merge.any()):
         return tau_new
-    w = torch.where(merge, u.exp(), torch.zeros_like(u))  # [H, E]
-    z = torch.full((hkv, b), math.e, dtype=torch.float32, device=k.device).scatter_add_(1, c, w)
-    count = torch.zeros(hkv, b, dtype=torch.int64, device=k.device).scatter_add_(1, c, merge.long())
-    hh, jj = (count > 0).nonzero(as_tuple=True)
+    # only the merged evicted tokens and their targets are touched (decode evicts a handful)
+    mh, me = merge.nonzero(as_tuple=True)
+    targets, inv = torch.unique(mh * b + c[mh, me], return_inverse=True)  # flat (head, kept index)
+    hh, jj = targets // b, targets % b
     dst = slots[keep[hh, jj]]
-    v = v_buffer[slots].float().transpose(0, 1)
-    cidx = c[..., None].expand(-1, -1, d)
-    for buf, x in ((k_buffer, k), (v_buffer, v)):
-        xc = x.gather(1, keep[..., None].expand(-1, -1, d))  # [H, b, D]
-        xe = x.gather(1, evicted[..., None].expand(-1, -1, d))  # [H, E, D]
-        num = (xc * math.e).scatter_add_(1, cidx, xe * w[..., None])
-        buf[dst, hh] = (num[hh, jj] / z[hh, jj, None]).to(buf.dtype)
+    src = slots[evicted[mh, me]]
+    w = u[mh, me].exp()
+    z = torch.full((targets.numel(), 1), math.e, dtype=torch.float32, device=k.device)
+    z.index_add_(0, inv, w[:, None])
+    for buf in (k_buffer, v_buffer):
+        num = buf[dst, hh].float().mul_(math.e).index_add_(0, inv, buf[src, mh].float().mul_(w[:, None]))
+        buf[dst, hh] = num.div_(z).to(buf.dtype)
     return tau_new
 
 
