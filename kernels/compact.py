@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._pool import head_rows, write_head_rows
 from .dispatch import next_pow2, use_triton
 
 
@@ -29,13 +30,13 @@ def compact_ref(
         return
     keep = keep.to(slots.device)
     heads = torch.arange(keep.shape[1], device=slots.device)[:, None]  # [Hkv, 1]
-    dst = slots[:b][None, :]  # [1, b]
+    dst = slots[:b][None, :].expand(keep.shape[1], b)  # [Hkv, b]
     for layer, (kb, vb) in enumerate(zip(k_buffers, v_buffers, strict=True)):
         src = slots[keep[layer]]  # [Hkv, b]
-        k_new = kb[src, heads]  # [Hkv, b, D] copy
-        v_new = vb[src, heads]
-        kb[dst, heads] = k_new
-        vb[dst, heads] = v_new
+        k_new = head_rows(kb, src, heads)  # [Hkv, b, D] copy
+        v_new = head_rows(vb, src, heads)
+        write_head_rows(kb, dst, heads, k_new)
+        write_head_rows(vb, dst, heads, v_new)
 
 
 @triton.jit

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._pool import head_rows, region, write_head_rows
 from .dispatch import next_pow2, use_triton
 
 NORM_EPS = 1e-12
@@ -72,23 +73,36 @@ def d2o_merge_ref(
     stats: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """Torch reference. Returns the new tau [Hkv]; `stats` (if given) gets 'merged' and 'evicted' counts."""
-    hkv, d = k_buffer.shape[1], k_buffer.shape[2]
+    hkv = k_buffer.shape[1]
     keep, evicted, tau_t = _prepare(slots, keep, tau, hkv)
     b, n_ev = keep.shape[1], evicted.shape[1]
     if n_ev == 0 or b == 0:
         _report(stats, torch.zeros(1), 0)
         return tau_t
-    k = k_buffer[slots].float().transpose(0, 1)  # [H, N, D]
+    n = slots.numel()
+    k = region(k_buffer, slots).float().transpose(0, 1)  # [H, N, D]
     kn = k.div_(k.norm(dim=-1, keepdim=True).clamp_min_(NORM_EPS))
-    kc = kn.gather(1, keep[..., None].expand(-1, -1, d))  # [H, b, D]
-    ke = kn.gather(1, evicted[..., None].expand(-1, -1, d))  # [H, E, D]
+    heads = torch.arange(hkv, device=k.device)[:, None]
+    ke = kn[heads, evicted]  # [H, E, D]
     u = torch.empty(hkv, n_ev, dtype=torch.float32, device=k.device)
     c = torch.empty(hkv, n_ev, dtype=torch.int64, device=k.device)
-    step = max(1, _MAX_SIMS // (hkv * b))
-    kct = kc.transpose(1, 2)
+    if 2 * b >= n:
+        # mostly kept (decode): compare against every token, mask the evicted columns, map back to kept index
+        cols = kn.transpose(1, 2)  # [H, D, N]
+        bias = torch.zeros(hkv, 1, n, device=k.device).scatter_(2, evicted[:, None], float("-inf"))
+        pos = torch.zeros(hkv, n, dtype=torch.int64, device=k.device)
+        pos.scatter_(1, keep, torch.arange(b, device=k.device).expand(hkv, b))
+    else:
+        cols = kn[heads, keep].transpose(1, 2)  # [H, D, b]
+        bias, pos = None, None
+    step = max(1, _MAX_SIMS // (hkv * cols.shape[2]))
     for e0 in range(0, n_ev, step):
-        sims = torch.matmul(ke[:, e0 : e0 + step], kct)  # [H, chunk, b]
+        sims = torch.matmul(ke[:, e0 : e0 + step], cols)  # [H, chunk, b or N]
+        if bias is not None:
+            sims.add_(bias)
         u[:, e0 : e0 + step], c[:, e0 : e0 + step] = sims.max(dim=-1)
+    if pos is not None:
+        c = pos.gather(1, c)
     tau_new = _threshold(u, tau_t, beta, init)
     merge = u >= tau_new[:, None]
     _report(stats, merge, hkv * n_ev)
@@ -104,8 +118,9 @@ def d2o_merge_ref(
     z = torch.full((targets.numel(), 1), math.e, dtype=torch.float32, device=k.device)
     z.index_add_(0, inv, w[:, None])
     for buf in (k_buffer, v_buffer):
-        num = buf[dst, hh].float().mul_(math.e).index_add_(0, inv, buf[src, mh].float().mul_(w[:, None]))
-        buf[dst, hh] = num.div_(z).to(buf.dtype)
+        num = head_rows(buf, dst, hh).float().mul_(math.e)
+        num.index_add_(0, inv, head_rows(buf, src, mh).float().mul_(w[:, None]))
+        write_head_rows(buf, dst, hh, num.div_(z))
     return tau_new
 
 

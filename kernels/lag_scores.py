@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._pool import region
 from .dispatch import next_pow2, use_triton
 
 EPS = 1e-6
@@ -21,7 +22,7 @@ def lag_scores_ref(buf: torch.Tensor, slots: torch.Tensor, lag: int) -> torch.Te
     assert lag > 0 and n % lag == 0 and n // lag >= 2, "slots must hold P >= 2 whole partitions"
     p = n // lag
     h, d = buf.shape[1], buf.shape[2]
-    x = buf[slots].float().view(p, lag, h, d).permute(2, 0, 1, 3).contiguous()  # [H, P, lag, D]
+    x = region(buf, slots).float().view(p, lag, h, d).permute(2, 0, 1, 3).contiguous()  # [H, P, lag, D]
     ref = x[:, 1:]
     mn = ref.amin(dim=2, keepdim=True)
     rng = ref.amax(dim=2, keepdim=True).sub_(mn).add_(EPS)

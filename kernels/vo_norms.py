@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._pool import region
 from .dispatch import next_pow2, use_triton
 
 _MAX_PROD = 1 << 22  # elements of one [Hq, chunk, hidden] product block in the reference
@@ -25,7 +26,7 @@ def vo_norms_ref(v_buffer: torch.Tensor, slots: torch.Tensor, o_proj: torch.Tens
     out = torch.empty(hkv, n, dtype=torch.float32, device=v_buffer.device)
     step = max(1, _MAX_PROD // (hq * hidden))
     for n0 in range(0, n, step):
-        v = v_buffer[slots[n0 : n0 + step]].float().transpose(0, 1)  # [Hkv, c, D]
+        v = region(v_buffer, slots[n0 : n0 + step]).float().transpose(0, 1)  # [Hkv, c, D]
         prod = torch.matmul(v[:, None], w)  # [Hkv, G, c, hidden]
         out[:, n0 : n0 + step] = prod.abs_().sum(dim=-1).mean(dim=1)
     return out

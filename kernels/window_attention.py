@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._pool import region
 from .dispatch import next_pow2, use_triton
 
 # Logits per chunk of KV heads are [G, W, N] fp32; bound the chunk so N=8192 stays small in memory.
@@ -25,7 +26,7 @@ def window_attention_ref(
     hkv = k_buffer.shape[1]
     g = hq // hkv
     n = slots.numel()
-    k = k_buffer[slots].float()  # [N, Hkv, D]
+    k = region(k_buffer, slots).float()  # [N, Hkv, D]
     qf = q.float().reshape(hkv, g * w, d)
     out = torch.empty(hkv, n, dtype=torch.float32, device=k.device)
     step = max(1, _MAX_LOGITS // max(1, g * w * n))

@@ -158,12 +158,16 @@ def _naive_compact(k_buffers, v_buffers, slots, keep):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,b", [(1, 1), (9, 4), (12, 12), (10, 0)])
-def test_compact_ref_naive(dtype, n, b):
+@pytest.mark.parametrize("strided", [False, True])
+def test_compact_ref_naive(dtype, n, b, strided):
     layers, h = 3, 3
     pools = [_pool(n, h, 5, dtype, seed=10 + i) for i in range(2 * layers)]
     slots = pools[0][1].cpu()
     kb = [p[0].cpu() for p in pools[:layers]]
     vb = [p[0].cpu() for p in pools[layers:]]
+    if strided:  # not a dense [pool, H, D] tensor: the ref falls back to advanced indexing
+        kb = [torch.cat([x, x], dim=2)[..., :5] for x in kb]
+        vb = [torch.cat([x, x], dim=2)[..., :5] for x in vb]
     keep = torch.stack([_sorted_keep(n, h, b, seed=20 + layer).cpu() for layer in range(layers)])
     want_k, want_v = [x.clone() for x in kb], [x.clone() for x in vb]
     _naive_compact(want_k, want_v, slots, keep)
@@ -221,10 +225,11 @@ def _naive_d2o(kb, vb, slots, keep, tau, beta, init):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("init", [True, False])
 @pytest.mark.parametrize("chunked", [False, True])
-def test_d2o_merge_ref_naive(monkeypatch, dtype, init, chunked):
+@pytest.mark.parametrize("b", [5, 10])  # 10: mostly kept, the ref compares against all tokens and masks
+def test_d2o_merge_ref_naive(monkeypatch, dtype, init, chunked, b):
     if chunked:
         monkeypatch.setattr(d2o_mod, "_MAX_SIMS", 1)
-    n, h, b, d = 13, 3, 5, 4  # small D so that similarities spread and some pass the threshold
+    n, h, d = 13, 3, 4  # small D so that similarities spread and some pass the threshold
     kb, slots = _pool(n, h, d, dtype, seed=30)
     vb, _ = _pool(n, h, d, dtype, seed=31)
     kb, vb, slots = kb.cpu(), vb.cpu(), slots.cpu()
@@ -372,12 +377,12 @@ def test_triton_compact_overlapping(n, hkv, dtype, pattern):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hkv", [3, 4])
 @pytest.mark.parametrize("n", SIZES)
-@pytest.mark.parametrize("init", [True, False])
-def test_triton_d2o_merge(n, hkv, dtype, init):
+@pytest.mark.parametrize("init,mostly_kept", [(True, False), (False, False), (False, True)])
+def test_triton_d2o_merge(n, hkv, dtype, init, mostly_kept):
     d = 8  # small head dim: similarities spread out, so a fair share of tokens merge
     kb, slots = _pool(n, hkv, d, dtype, seed=200 + n)
     vb, _ = _pool(n, hkv, d, dtype, seed=300 + n)
-    b = max(1, n // 3)
+    b = max(1, n - 5 if mostly_kept else n // 3)  # decode evicts a few, prefill most
     keep = _sorted_keep(n, hkv, b, seed=n)
     tau = torch.linspace(0.2, 0.8, hkv, device=DEVICE)
     want_k, want_v = kb.clone(), vb.clone()

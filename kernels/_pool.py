@@ -1,0 +1,41 @@
+"""CPU-friendly gathers from the paged pool for the torch references.
+
+`index_select` on the slot axis is ~10x faster than `buf[slots]` advanced indexing on CPU, and per
+(slot, head) rows go through a flat `[pool * H, D]` view. Both return copies, which is what the
+gather-then-write semantics of compaction and merging rely on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def region(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """`[N, H, D]` copy of the region's rows."""
+    return buf.index_select(0, slots)
+
+
+def _flat(buf: torch.Tensor) -> torch.Tensor | None:
+    """`[pool * H, D]` view when the pool's first two dims are dense (SGLang's buffers are)."""
+    if buf.stride(1) == buf.shape[2] * buf.stride(2) and buf.stride(0) == buf.shape[1] * buf.stride(1):
+        return buf.view(-1, buf.shape[2])
+    return None
+
+
+def head_rows(buf: torch.Tensor, slots: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """Copy of buf[slots, heads] (broadcast index tensors) with a trailing D axis."""
+    flat = _flat(buf)
+    if flat is None:
+        return buf[slots, heads]
+    idx = slots * buf.shape[1] + heads
+    return flat.index_select(0, idx.reshape(-1)).view(*idx.shape, buf.shape[2])
+
+
+def write_head_rows(buf: torch.Tensor, slots: torch.Tensor, heads: torch.Tensor, rows: torch.Tensor) -> None:
+    """buf[slots, heads] = rows, in place (index pairs must be distinct)."""
+    flat = _flat(buf)
+    if flat is None:
+        buf[slots, heads] = rows.to(buf.dtype)
+        return
+    idx = (slots * buf.shape[1] + heads).reshape(-1)
+    flat.index_copy_(0, idx, rows.reshape(idx.numel(), buf.shape[2]).to(buf.dtype))
