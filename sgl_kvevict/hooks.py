@@ -1,0 +1,215 @@
+"""Scheduler-side hooks (HookRegistry), installed only when a policy other than `none` is active.
+
+Each hook is one of the places SGLang assumes "one KV slot per token" (SGLANG_MAP.md section 2):
+
+- `alloc_for_extend` (AROUND): a request that matched a compressed node has fewer prefix slots than
+  prefix tokens; lengths are lowered to slots around the allocation, and window-query capture starts.
+- `prepare_for_extend` (AFTER): `orig_seq_lens` in slots too.
+- `prepare_for_decode` (BEFORE): compression runs here, before the next slot is allocated, and the
+  batch's carried `seq_lens` tensors shrink with the requests.
+- `ForwardBatch.init_new` (AFTER): positions become logical: slot position + evicted tokens.
+- `release_kv_cache` (BEFORE): a last compression when the turn ends, so the stored history is small.
+- `Req.owned_kv_len`, `_release_overallocated_kv_indices` (AROUND): slot counts for compressed requests.
+- `RadixAttention.forward` (BEFORE): capture the last W queries for attention-based policies.
+- meta_info and `/server_info` reporting.
+Every hook guards itself: an exception in our code must never take the scheduler down.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+from sgl_kvevict import capture, compressor, runtime
+from sgl_kvevict import state as st
+from sgl_kvevict.config import KvConfig
+
+logger = logging.getLogger("sgl_kvevict")
+META_KEY = "kvevict"
+_SB = "sglang.srt.managers.schedule_batch"
+
+
+def _offset(req: Any) -> int:
+    s = st.get(req)
+    return s.offset if s is not None else 0
+
+
+def alloc_for_extend(original, batch, *args, **kwargs):
+    reqs = batch.reqs
+    offs = [_offset(r) for r in reqs]
+    if any(offs):
+        batch.prefix_lens = [p - d for p, d in zip(batch.prefix_lens, offs, strict=True)]
+        delta = torch.tensor(offs, dtype=batch.seq_lens_cpu.dtype)
+        batch.seq_lens_cpu = batch.seq_lens_cpu - delta
+        batch.seq_lens = batch.seq_lens - delta.to(batch.seq_lens.device)
+        for r, d in zip(reqs, offs, strict=True):
+            r.prefix_len -= d
+    try:
+        return original(batch, *args, **kwargs)
+    finally:
+        for r, d in zip(reqs, offs, strict=True):
+            r.prefix_len += d
+        try:
+            _after_extend_alloc(reqs, offs)
+        except Exception:
+            logger.exception("kvevict: bookkeeping after extend allocation failed")
+
+
+def _after_extend_alloc(reqs: list, offs: list[int]) -> None:
+    rt = runtime.RT
+    if rt is None:
+        return
+    for r, d in zip(reqs, offs, strict=True):
+        row = r.kv.req_pool_idx
+        if row is None:
+            continue
+        rt.tree.offsets[row] = d
+        s = st.get(r)
+        if s is None or not s.active:
+            continue
+        s.after_extend = True
+        if "attn" in s.policy.needs:
+            capture.ensure(row, rt.n_layers, s.policy.config.window, rt.n_q_heads, rt.head_dim, rt.k_buffer(0).dtype, rt.k_buffer(0).device)
+
+
+def prepare_for_extend(result, batch, *args, **kwargs):
+    offs = [_offset(r) for r in batch.reqs]
+    if any(offs) and getattr(batch, "orig_seq_lens", None) is not None:
+        batch.orig_seq_lens = batch.orig_seq_lens - torch.tensor(offs, dtype=batch.orig_seq_lens.dtype, device=batch.orig_seq_lens.device)
+    return result
+
+
+def prepare_for_decode(batch, *args, **kwargs):
+    """Compress the requests whose trigger fires; shrink the batch's carried lengths."""
+    if runtime.RT is None:
+        return None
+    freed = []
+    for r in batch.reqs:
+        s = st.get(r)
+        if s is None or not s.active:
+            freed.append(0)
+            continue
+        phase = "prefill" if s.after_extend else "decode"
+        s.after_extend = False
+        freed.append(compressor.safe_compress(r, phase))
+    if any(freed):
+        delta = torch.tensor(freed, dtype=batch.seq_lens_cpu.dtype)
+        batch.seq_lens_cpu = batch.seq_lens_cpu - delta
+        batch.seq_lens = batch.seq_lens - delta.to(batch.seq_lens.device)
+        if getattr(batch, "orig_seq_lens", None) is not None:
+            batch.orig_seq_lens = batch.orig_seq_lens - delta.to(batch.orig_seq_lens.device, batch.orig_seq_lens.dtype)
+        batch.seq_lens_sum = None
+    return None
+
+
+def init_new(result, cls, batch, model_runner, *args, **kwargs):
+    """Logical positions: every token of a compressed request moves by its offset."""
+    rt = runtime.RT
+    if rt is None or result.positions is None:
+        return result
+    offs = rt.tree.offsets[result.req_pool_indices.to(rt.tree.offsets.device)]
+    if not bool(offs.any()):
+        return result
+    offs = offs.to(result.positions.device, result.positions.dtype)
+    if result.forward_mode.is_decode():
+        result.positions = result.positions + offs
+    elif result.forward_mode.is_extend():
+        result.positions = result.positions + torch.repeat_interleave(offs, result.extend_seq_lens.to(offs.device).long())
+    return result
+
+
+def release_kv_cache(req, tree_cache, *args, **kwargs):
+    """A finished turn gets one last compression before its history goes into the tree."""
+    s = st.get(req)
+    if s is not None and s.active and req.kv.holds_kv and req.finished():
+        compressor.safe_compress(req, "finish")
+    return None
+
+
+def owned_kv_len(original, req, *args, **kwargs):
+    s = st.get(req)
+    if s is None or s.offset == 0 or req.finished_len is None:
+        return original(req, *args, **kwargs)
+    owned_tokens = len(req.origin_input_ids) + len(req.output_ids_through_stop)
+    return min(req.kv.kv_committed_len, owned_tokens - s.offset)
+
+
+def release_overallocated(original, req, start_p, end_p, tree_cache, *args, **kwargs):
+    if _offset(req) == 0:
+        return original(req, start_p, end_p, tree_cache, *args, **kwargs)
+    if start_p < end_p:  # the original's assert compares token counts with slot counts
+        tree_cache.free_kv_row(req.kv, [(start_p, end_p)])
+    return None
+
+
+def on_release_report(req) -> None:
+    stats = compressor.stats(req)
+    if stats is None:
+        return
+    if req.customized_info is None:
+        req.customized_info = {}
+    req.customized_info[META_KEY] = [stats]
+
+
+def request_level_key(original, self, key, *args, **kwargs):
+    return key == META_KEY or original(self, key, *args, **kwargs)
+
+
+def internal_state(result, *args, **kwargs):
+    rt = runtime.RT
+    if rt is not None and getattr(result, "internal_state", None) is not None:
+        result.internal_state[META_KEY] = {"policy": st._server().policy, **rt.totals.as_dict()}
+    return result
+
+
+def _guard(fn, kind: HookType):
+    """Wrap a hook so that an exception in it is logged and SGLang proceeds as if it were absent."""
+    name = fn.__name__
+
+    if kind is HookType.AROUND:
+
+        def around(original, *args, **kwargs):
+            return fn(original, *args, **kwargs)
+
+        return around
+
+    def wrapped(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception:
+            logger.exception("kvevict: hook %s failed; continuing without it for this call", name)
+            return args[0] if kind is HookType.AFTER else None
+
+    wrapped.__name__ = name
+    return wrapped
+
+
+HOOKS: list[tuple[str, Any, HookType]] = [
+    ("sglang.srt.mem_cache.allocation.alloc_for_extend", alloc_for_extend, HookType.AROUND),
+    (f"{_SB}.ScheduleBatch.prepare_for_extend", prepare_for_extend, HookType.AFTER),
+    (f"{_SB}.ScheduleBatch.prepare_for_decode", prepare_for_decode, HookType.BEFORE),
+    ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", init_new, HookType.AFTER),
+    ("sglang.srt.mem_cache.common.release_kv_cache", release_kv_cache, HookType.BEFORE),
+    (f"{_SB}.Req.owned_kv_len", owned_kv_len, HookType.AROUND),
+    ("sglang.srt.mem_cache.common._release_overallocated_kv_indices", release_overallocated, HookType.AROUND),
+    ("sglang.srt.layers.radix_attention.RadixAttention.forward", capture.before_attention, HookType.BEFORE),
+    (
+        "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer.is_request_level_customized_info_key",
+        request_level_key,
+        HookType.AROUND,
+    ),
+    ("sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state", internal_state, HookType.AFTER),
+]
+
+
+def install(cfg: KvConfig) -> None:
+    for target, fn, kind in HOOKS:
+        HookRegistry.register(target, _guard(fn, kind), kind)
+
+
+def verify_installed() -> list[str]:
+    """Targets that failed to patch (HookRegistry only logs such failures)."""
+    return [t for t, _, _ in HOOKS if t not in HookRegistry._patched]

@@ -1,0 +1,135 @@
+"""SGLang plugin entry point (group `sglang.srt.plugins`), loaded by SGLang in every process.
+
+It adds `--kv-policy`, `--kv-budget`, `--kv-policy-config` to `launch_server`, validates them before the
+model loads, hands the validated config to the scheduler through the environment, registers the
+compressing radix cache backend, and (when a policy is active) installs the scheduler hooks.
+With `--kv-policy none` no cache backend or scheduler hook is installed: SGLang runs unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+from sgl_kvevict import policies
+from sgl_kvevict.config import ENV_VAR, REQUEST_KEY, KvConfig, parse_budget, request_override, server_config
+
+logger = logging.getLogger("sgl_kvevict")
+BACKEND_NAME = "kvevict"
+_SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+
+
+def _budget_arg(text: str) -> int | float:
+    try:
+        return parse_budget(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _json_arg(text: str) -> dict:
+    try:
+        val = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg} at char {e.pos}): {text!r}") from None
+    if not isinstance(val, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(val).__name__}")
+    return val
+
+
+def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
+    """AFTER ServerArgs.add_cli_args: our three flags. Choices come from the policy registry."""
+    if any("--kv-policy" in a.option_strings for a in parser._actions):
+        return result
+    group = parser.add_argument_group("sgl-kvevict (KV-cache compression)")
+    group.add_argument("--kv-policy", default="none", choices=policies.available(), help="KV compression policy for each request's own suffix")
+    group.add_argument("--kv-budget", type=_budget_arg, default=None, help="tokens kept per KV head beyond sinks+recent window (e.g. 256), or a ratio of the suffix (e.g. 0.5)")
+    group.add_argument("--kv-policy-config", type=_json_arg, default=None, help='policy config as JSON, e.g. \'{"lag": 64}\'')
+    return result
+
+
+def _fail(msg: str) -> None:
+    print(f"sglang launch_server: error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def from_cli_args(cls, ns: argparse.Namespace, *args, **kwargs):
+    """BEFORE ServerArgs.from_cli_args: validate, publish to child processes, pick our radix cache."""
+    policy = getattr(ns, "kv_policy", None)
+    if policy is None:
+        return None
+    cfg_kwargs: dict = {"policy": policy, "config": ns.kv_policy_config or {}}
+    if ns.kv_budget is not None:
+        cfg_kwargs["budget"] = ns.kv_budget
+    try:
+        cfg = KvConfig.model_validate(cfg_kwargs)
+        cfg.build()
+    except policies.PolicyConfigError as e:
+        _fail(f"argument --kv-policy-config: {e}")
+    except ValueError as e:
+        _fail(f"argument --kv-policy: {e}")
+    os.environ[ENV_VAR] = cfg.to_env()
+    if cfg.active:
+        current = getattr(ns, "radix_cache_backend", None)
+        if current not in (None, BACKEND_NAME):
+            _fail(f"--kv-policy {policy} needs --radix-cache-backend {BACKEND_NAME} (got {current!r})")
+        if getattr(ns, "disable_radix_cache", False):
+            _fail(f"--kv-policy {policy} needs the radix cache: drop --disable-radix-cache")
+        ns.radix_cache_backend = BACKEND_NAME
+        _restrict_features(ns, policy)
+    return None
+
+
+def _restrict_features(ns: argparse.Namespace, policy: str) -> None:
+    """Features that do not compose with per-request compaction: refuse or switch off, saying why."""
+    if getattr(ns, "page_size", None) not in (None, 1):
+        _fail(f"--kv-policy {policy} compacts per token and needs --page-size 1 (got {ns.page_size})")
+    if getattr(ns, "speculative_algorithm", None):
+        _fail(f"--kv-policy {policy} does not support speculative decoding (--speculative-algorithm)")
+    if not getattr(ns, "disable_overlap_schedule", False):
+        ns.disable_overlap_schedule = True
+        logger.warning("sgl-kvevict: overlap scheduler switched off: compression rewrites a request's row between steps")
+    if getattr(ns, "enable_mixed_chunk", False):
+        ns.enable_mixed_chunk = False
+        logger.warning("sgl-kvevict: --enable-mixed-chunk switched off: mixed batches compute positions without our offsets")
+
+
+def verify_request(result, sampling_params, *args, **kwargs):
+    """AFTER SamplingParams.verify (HTTP process): a bad per-request override is a ValueError -> HTTP 400."""
+    custom = getattr(sampling_params, "custom_params", None)
+    if not custom or REQUEST_KEY not in custom:
+        return result
+    base = server_config()
+    cfg = request_override(custom, base)
+    if cfg is not None and cfg.active and not base.active:
+        raise ValueError(
+            f"custom_params.{REQUEST_KEY}: this server runs without compression (--kv-policy none); "
+            "start it with a policy (e.g. --kv-policy lagkv) to allow per-request overrides"
+        )
+    return result
+
+
+def _register_backend() -> None:
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
+
+    if get_radix_cache_factory(BACKEND_NAME) is None:
+        from sgl_kvevict.tree import build_tree_cache
+
+        register_radix_cache_backend(BACKEND_NAME, build_tree_cache)
+
+
+def load() -> None:
+    """Entry point. Cheap and idempotent; SGLang applies the registered hooks right after."""
+    HookRegistry.register(f"{_SERVER_ARGS}.add_cli_args", add_cli_args, HookType.AFTER)
+    HookRegistry.register(f"{_SERVER_ARGS}.from_cli_args", from_cli_args, HookType.BEFORE)
+    HookRegistry.register("sglang.srt.sampling.sampling_params.SamplingParams.verify", verify_request, HookType.AFTER)
+    _register_backend()
+    cfg = server_config()
+    if cfg.active:
+        from sgl_kvevict import hooks
+
+        hooks.install(cfg)

@@ -1,0 +1,87 @@
+"""What the scheduler process knows once the tree is built: pools, model shapes, `o_proj`, totals."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("sgl_kvevict")
+
+
+@dataclass
+class Totals:
+    """Server-wide counters, reported in `/server_info` (internal_states[i]["kvevict"])."""
+
+    compressions: int = 0
+    tokens_evicted: int = 0
+    slots_freed: int = 0
+    tokens_merged: int = 0
+    seconds_compressing: float = 0.0
+    requests_compressed: int = 0
+    policy_failures: int = 0
+    started: float = field(default_factory=time.time)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["seconds_compressing"] = round(d["seconds_compressing"], 4)
+        return d
+
+
+class Runtime:
+    def __init__(self, cache: Any, ctx: Any) -> None:
+        self.tree = cache
+        self.req_to_token = ctx.params.req_to_token_pool.req_to_token
+        self.allocator = ctx.params.token_to_kv_pool_allocator
+        self.kv_pool = self.allocator.get_kvcache()
+        self.model = ctx.tp_worker.model_runner.model
+        cfg = ctx.model_config.hf_config
+        self.n_layers = int(cfg.num_hidden_layers)
+        tp = max(1, int(ctx.tp_size))
+        self.n_q_heads = int(cfg.num_attention_heads) // tp
+        self.n_kv_heads = max(1, int(cfg.num_key_value_heads) // tp)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.start_layer = int(getattr(self.kv_pool, "start_layer", 0) or 0)
+        self._o_proj: dict[int, torch.Tensor] = {}
+        self.totals = Totals()
+
+    def k_buffer(self, layer: int) -> torch.Tensor:
+        return self.kv_pool.get_key_buffer(layer + self.start_layer)
+
+    def v_buffer(self, layer: int) -> torch.Tensor:
+        return self.kv_pool.get_value_buffer(layer + self.start_layer)
+
+    def o_proj(self, layer: int) -> torch.Tensor:
+        """`[Hq, D, hidden]` per-query-head slices of this rank's W_O (cached)."""
+        if layer not in self._o_proj:
+            w = self.model.model.layers[layer].self_attn.o_proj.weight  # [hidden, Hq*D] (row-parallel shard)
+            self._o_proj[layer] = w.detach().t().reshape(self.n_q_heads, self.head_dim, -1).contiguous()
+        return self._o_proj[layer]
+
+
+RT: Runtime | None = None
+
+
+def attach(cache: Any, ctx: Any) -> None:
+    global RT
+    RT = Runtime(cache, ctx)
+    from sgl_kvevict import hooks
+    from sgl_kvevict.config import server_config
+
+    missing = hooks.verify_installed()
+    if missing:
+        raise RuntimeError(f"sgl-kvevict: hooks failed to apply (see the log above): {missing}")
+    cfg = server_config()
+    logger.info(
+        "sgl-kvevict: KV policy %r active (budget %s, config %s); compressing radix cache on %d layers x %d KV heads",
+        cfg.policy,
+        cfg.budget,
+        cfg.config,
+        RT.n_layers,
+        RT.n_kv_heads,
+    )

@@ -1,0 +1,264 @@
+"""The compressing radix cache: SGLang's `RadixCache` plus *compressed nodes*.
+
+A compressed node holds a finished request's compacted history: its key is the full token ids it
+covers, its value the (fewer) slots that survived compression. Three rules keep the tree honest:
+
+- Atomic: a lookup enters a compressed node only when it matches *all* of its tokens; it is never
+  split. Its uncompressed tail (the recent window) is an ordinary child node, which splits as usual.
+- Separate keys: compressed children live in `children` under a per-node unique key, so SGLang's own
+  insert/match code never walks into them, and a compressed and an uncompressed copy of the same
+  tokens can coexist (the lookup takes whichever covers more tokens; ties go to the uncompressed one).
+- Slots, not tokens, are counted: evictable/protected sizes use `len(node.value)`, which is what the
+  idle memory check compares with the allocator.
+
+A match that passes through a compressed node returns `device_prefix_len` in *tokens* (SGLang slices
+fill ids with it) and `cache_protected_len` in *slots*; the difference is the request's position offset,
+kept in its `ReqState` (see `state.py`) and applied by the hooks in `hooks.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
+
+from sgl_kvevict import state as st
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
+
+logger = logging.getLogger("sgl_kvevict")
+
+
+class _Compressed:
+    """Marker in a compressed child's dict key: (MARK, node id) never equals a token child key."""
+
+    def __repr__(self) -> str:
+        return "COMPRESSED"
+
+
+MARK = _Compressed()
+
+
+def is_compressed(node: TreeNode) -> bool:
+    return getattr(node, "kvevict_compressed", False)
+
+
+class KvEvictRadixCache(RadixCache):
+    """RadixCache that also stores and matches compressed request histories."""
+
+    def __init__(self, params: Any, rows: int) -> None:
+        super().__init__(params)
+        # Logical-position offset of each request row (evicted tokens before its next token).
+        self.offsets = torch.zeros(rows, dtype=torch.int64, device=self.device)
+
+    # ---- sizes count slots ------------------------------------------------------------------------
+    def inc_lock_ref(self, node: TreeNode):
+        from sglang.srt.mem_cache.base_prefix_cache import IncLockRefResult
+
+        if self.disable:
+            return IncLockRefResult(delta=0)
+        delta = 0
+        while node != self.root_node:
+            if node.lock_ref == 0:
+                self.evictable_size_ -= len(node.value)
+                self.protected_size_ += len(node.value)
+                delta -= len(node.value)
+            node.lock_ref += 1
+            self._update_leaf_status(node)
+            node = node.parent
+        return IncLockRefResult(delta=delta)
+
+    def dec_lock_ref(self, node: TreeNode, params: Any = None):
+        from sglang.srt.mem_cache.base_prefix_cache import DecLockRefResult
+
+        if self.disable:
+            return DecLockRefResult(delta=0)
+        delta = 0
+        while node != self.root_node:
+            if node.lock_ref == 1:
+                self.evictable_size_ += len(node.value)
+                self.protected_size_ -= len(node.value)
+                delta += len(node.value)
+            node.lock_ref -= 1
+            self._update_leaf_status(node)
+            node = node.parent
+        return DecLockRefResult(delta=delta)
+
+    def _delete_leaf(self, node: TreeNode) -> None:
+        key = (MARK, node.id) if is_compressed(node) else node.key.child_key(self.page_size)
+        v = node.parent.children.pop(key, None)
+        assert v is node, f"parent does not hold child {key}"
+        self.evictable_size_ -= len(node.value)
+        self.evictable_leaves.discard(node)
+        self._update_leaf_status(node.parent)
+
+    # ---- match --------------------------------------------------------------------------------------
+    def _compressed_children(self, node: TreeNode, first: Any) -> list[TreeNode]:
+        return [c for k, c in node.children.items() if isinstance(k, tuple) and k and k[0] is MARK and c.key.child_key(self.page_size) == first]
+
+    def _walk(self, key: RadixKey) -> tuple[list[torch.Tensor], TreeNode, int]:
+        """Longest match; returns (values, last node, matched tokens)."""
+        now = time.monotonic()
+        node = self.root_node
+        node.last_access_time = now
+        values: list[torch.Tensor] = []
+        tokens = 0
+        while len(key) > 0:
+            ck = key.child_key(self.page_size)
+            normal = node.children.get(ck)
+            n_len = normal.key.match(key, page_size=self.page_size) if normal is not None else 0
+            best = None
+            for c in self._compressed_children(node, ck):
+                if len(c.key) <= len(key) and c.key.match(key) == len(c.key) and len(c.key) > n_len:
+                    if best is None or len(c.key) > len(best.key):
+                        best = c
+            if best is not None:
+                best.last_access_time = now
+                values.append(best.value)
+                tokens += len(best.key)
+                node = best
+                key = key[len(best.key) :]
+                continue
+            if normal is None or n_len == 0:
+                break
+            normal.last_access_time = now
+            if n_len < len(normal.key):
+                new_node = self._split_node(normal.key, normal, n_len)
+                values.append(new_node.value)
+                tokens += n_len
+                node = new_node
+                break
+            values.append(normal.value)
+            tokens += n_len
+            node = normal
+            key = key[n_len:]
+        return values, node, tokens
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        key, _ = params.key.maybe_to_bigram_view(self.is_eagle)
+        if self.disable or len(key) == 0:
+            return self._empty_match_result
+        values, node, tokens = self._walk(key)
+        kv = sum(len(v) for v in values)
+        if params.req is not None:
+            st.on_match(params.req, node, tokens, kv)
+        if tokens == kv:
+            return MatchResult(device_prefix_len=kv, last_device_node=node, last_host_node=node, best_match_node=node)
+        return MatchResult(
+            device_prefix_len=tokens,
+            last_device_node=node,
+            last_host_node=node,
+            best_match_node=node,
+            cache_protected_len=kv,
+        )
+
+    def prefix_device_indices(self, req: Req) -> torch.Tensor:
+        # The hooks lower prefix_len to slots around allocation; the whole path is the prefix.
+        path = self.path_device_indices(req.last_node)
+        return path[: req.prefix_len]
+
+    # ---- insert -------------------------------------------------------------------------------------
+    def _insert_compressed(self, parent: TreeNode, key: RadixKey, value: torch.Tensor, priority: int) -> tuple[TreeNode, bool] | None:
+        """Hang a compressed node under `parent`. Returns (node, duplicate) or None if it cannot go in."""
+        for c in self._compressed_children(parent, key.child_key(self.page_size)):
+            if len(c.key) == len(key) and c.key.match(key) == len(key):
+                return (c, True) if len(c.value) == len(value) else None
+        node = TreeNode(priority=priority)
+        node.kvevict_compressed = True
+        node.parent = parent
+        node.key = key
+        node.value = value.clone()
+        parent.children[(MARK, node.id)] = node
+        self.evictable_size_ += len(value)
+        self._update_leaf_status(parent)
+        self._update_leaf_status(node)
+        return node, False
+
+    def checkpoint(self, req: Req, *, up_to: int) -> None:
+        s = st.get(req)
+        if self.disable or s is None or s.offset == 0:
+            return super().checkpoint(req, up_to=up_to)
+        # release_kv_cache passes a slot count (owned_kv_len); a running request's checkpoint its extend_end.
+        kv_end = up_to if req.finished() else up_to - s.offset
+        tokens_end = kv_end + s.offset
+        token_ids = req.full_untruncated_fill_ids[:tokens_end]
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        priority = req.priority or 0
+        node, kpos, tpos = s.anchor, s.anchor_kv, s.anchor_tokens
+        if node is None:
+            node = self.root_node
+        to_free: list[torch.Tensor] = []
+
+        def rkey(a: int, b: int) -> RadixKey:
+            return RadixKey(token_ids[a:b], req.extra_key, cache_salt=req.cache_salt)
+
+        if s.comp_slots > 0:
+            cval = row[kpos : kpos + s.comp_slots].to(torch.int64)
+            res = self._insert_compressed(node, rkey(tpos, tpos + s.comp_tokens), cval, priority)
+            if res is None:  # a different history with the same tokens is stored: keep it, free ours
+                self._finish_checkpoint(req, node, kpos)
+                return
+            cnode, dup = res
+            if dup:
+                to_free.append(cval.clone())
+                row[kpos : kpos + s.comp_slots] = cnode.value.to(row.dtype)
+            node, kpos, tpos = cnode, kpos + s.comp_slots, tpos + s.comp_tokens
+        if tokens_end > tpos:
+            tval = row[kpos:kv_end].to(torch.int64)
+            _, last = self._insert_helper(node, rkey(tpos, tokens_end), tval.clone(), priority, 0)
+            tree_vals = self._path_between(node, last)
+            own = torch.arange(kpos, kv_end, device=row.device) >= req.kv.cache_protected_len
+            dup_mask = (tree_vals != tval) & own
+            if dup_mask.any():
+                to_free.append(tval[dup_mask])
+            row[kpos:kv_end] = tree_vals.to(row.dtype)
+            node = last
+        for t in to_free:
+            self.token_to_kv_pool_allocator.free(t)
+        self._finish_checkpoint(req, node, kv_end)
+
+    def _path_between(self, top: TreeNode, bottom: TreeNode) -> torch.Tensor:
+        vals = []
+        while bottom is not top:
+            vals.append(bottom.value)
+            bottom = bottom.parent
+        vals.reverse()
+        return torch.cat(vals) if vals else self._empty_device_indices
+
+    def _finish_checkpoint(self, req: Req, node: TreeNode, protected: int) -> None:
+        req.kv.cache_protected_len = protected
+        self.unlock(req.lock)
+        req.lock = self.lock(node)
+        req.last_node = node
+
+    def on_release(self, req: Req, *, checkpointed: bool) -> None:
+        from sgl_kvevict import capture, hooks
+
+        row = req.kv.req_pool_idx
+        if row is not None:
+            self.offsets[row] = 0
+            capture.drop(row)
+        try:
+            hooks.on_release_report(req)
+        except Exception:
+            logger.exception("kvevict: could not report stats for request %s", req.rid)
+        st.drop(req)
+
+
+def build_tree_cache(ctx: TreeCacheBuildContext) -> KvEvictRadixCache:
+    """Factory registered as `--radix-cache-backend kvevict` (chosen automatically by `--kv-policy`)."""
+    from sgl_kvevict import runtime
+
+    params = ctx.params
+    if params.page_size != 1:
+        raise ValueError(f"sgl-kvevict compacts per token and needs --page-size 1 (got {params.page_size})")
+    rows = params.req_to_token_pool.req_to_token.shape[0]
+    cache = KvEvictRadixCache(params, rows)
+    runtime.attach(cache, ctx)
+    return cache
