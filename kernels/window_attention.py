@@ -18,11 +18,19 @@ from .dispatch import next_pow2, use_triton
 _MAX_LOGITS = 1 << 22
 
 
+def _check(w: int, n: int, causal: bool) -> None:
+    assert not causal or w <= n, "causal window attention needs the window's own tokens among the N slots"
+
+
 def window_attention_ref(
-    q: torch.Tensor, k_buffer: torch.Tensor, slots: torch.Tensor, scale: float
+    q: torch.Tensor, k_buffer: torch.Tensor, slots: torch.Tensor, scale: float, causal: bool = False
 ) -> torch.Tensor:
-    """Torch reference (used on CPU in production). q: [Hq, W, D]; k_buffer: [pool, Hkv, D]; slots: [N]."""
+    """Torch reference (used on CPU in production). q: [Hq, W, D]; k_buffer: [pool, Hkv, D]; slots: [N].
+
+    causal=True: query i of the window sits at position N - W + i and does not see later tokens.
+    """
     hq, w, d = q.shape
+    _check(w, slots.numel(), causal)
     hkv = k_buffer.shape[1]
     g = hq // hkv
     n = slots.numel()
@@ -34,6 +42,9 @@ def window_attention_ref(
         h1 = min(hkv, h0 + step)
         kh = k[:, h0:h1].permute(1, 2, 0)  # [h, D, N]
         logits = torch.matmul(qf[h0:h1], kh).mul_(scale)  # [h, G*W, N]
+        if causal:
+            future = torch.ones(w, w, dtype=torch.bool, device=k.device).triu_(1)  # [query, key in window]
+            logits.view(h1 - h0, g, w, n)[..., n - w :].masked_fill_(future, float("-inf"))
         out[h0:h1] = torch.softmax(logits, dim=-1).mean(dim=1)
     return out
 
@@ -42,7 +53,7 @@ def window_attention_ref(
 def _wa_lse_kernel(
     q_ptr, k_ptr, slots_ptr, lse_ptr, N, W, D, G, scale,
     sq_h, sq_w, sk_s, sk_h,
-    BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
 ):  # fmt: skip
     """Pass 1, one program per query head: log-sum-exp of every window query over all N tokens."""
     hq = tl.program_id(0)
@@ -69,7 +80,10 @@ def _wa_lse_kernel(
             other=0.0,
         )
         logits = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # [BW, BN]
-        logits = tl.where(mask_n[None, :], logits, float("-inf"))
+        visible = mask_n[None, :]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= (N - W + offs_w)[:, None])
+        logits = tl.where(visible, logits, float("-inf"))
         m_new = tl.maximum(m, tl.max(logits, axis=1))
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(logits - m_new[:, None]), axis=1)
         m = m_new
@@ -80,7 +94,7 @@ def _wa_lse_kernel(
 def _wa_prob_kernel(
     q_ptr, k_ptr, slots_ptr, lse_ptr, out_ptr, N, W, D, G, scale, inv_count,
     sq_h, sq_w, sk_s, sk_h,
-    BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
 ):  # fmt: skip
     """Pass 2, one program per (KV head, token block): sum of probabilities over the group's queries."""
     hkv = tl.program_id(0)
@@ -108,16 +122,20 @@ def _wa_prob_kernel(
         lse = tl.load(lse_ptr + hq * W + offs_w, mask=mask_w, other=0.0)
         logits = tl.dot(q.to(tl.float32), kt, input_precision="ieee") * scale
         p = tl.exp(logits - lse[:, None])
-        p = tl.where(mask_w[:, None], p, 0.0)
+        visible = mask_w[:, None]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= (N - W + offs_w)[:, None])
+        p = tl.where(visible, p, 0.0)
         acc += tl.sum(p, axis=0)
     tl.store(out_ptr + hkv * N + offs_n, acc * inv_count, mask=mask_n)
 
 
 def window_attention_triton(
-    q: torch.Tensor, k_buffer: torch.Tensor, slots: torch.Tensor, scale: float
+    q: torch.Tensor, k_buffer: torch.Tensor, slots: torch.Tensor, scale: float, causal: bool = False
 ) -> torch.Tensor:
     """Two-pass Triton version (LSE, then probabilities); never materialises [Hq, W, N]."""
     hq, w, d = q.shape
+    _check(w, slots.numel(), causal)
     hkv = k_buffer.shape[1]
     g = hq // hkv
     n = slots.numel()
@@ -133,20 +151,20 @@ def window_attention_triton(
     _wa_lse_kernel[(hq,)](
         q, k_buffer, slots, lse, n, w, d, g, float(scale),
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
-        BLOCK_W=bw, BLOCK_N=bn, BLOCK_D=bd,
+        BLOCK_W=bw, BLOCK_N=bn, BLOCK_D=bd, CAUSAL=causal,
     )  # fmt: skip
     _wa_prob_kernel[(hkv, triton.cdiv(n, bn))](
         q, k_buffer, slots, lse, out, n, w, d, g, float(scale), 1.0 / (g * w),
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
-        BLOCK_W=bw, BLOCK_N=bn, BLOCK_D=bd,
+        BLOCK_W=bw, BLOCK_N=bn, BLOCK_D=bd, CAUSAL=causal,
     )  # fmt: skip
     return out
 
 
 def window_attention(
-    q: torch.Tensor, k_buffer: torch.Tensor, slots: torch.Tensor, scale: float
+    q: torch.Tensor, k_buffer: torch.Tensor, slots: torch.Tensor, scale: float, causal: bool = False
 ) -> torch.Tensor:
     """`[Hkv, N]` float32 window attention; see the package docstring for the contract."""
     if use_triton(k_buffer):
-        return window_attention_triton(q, k_buffer, slots, scale)
-    return window_attention_ref(q, k_buffer, slots, scale)
+        return window_attention_triton(q, k_buffer, slots, scale, causal)
+    return window_attention_ref(q, k_buffer, slots, scale, causal)

@@ -62,7 +62,7 @@ def _rows(buf: torch.Tensor, slots: torch.Tensor, h: int) -> list[list[float]]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _naive_window_attention(q, k_buffer, slots, scale):
+def _naive_window_attention(q, k_buffer, slots, scale, causal=False):
     hq, w, _ = q.shape
     hkv = k_buffer.shape[1]
     g = hq // hkv
@@ -75,6 +75,8 @@ def _naive_window_attention(q, k_buffer, slots, scale):
             logits = [scale * sum(a * b for a, b in zip(qi, kj, strict=True)) for kj in keys]
             m = max(logits)
             ex = [math.exp(x - m) for x in logits]
+            if causal:  # query i is token n - w + i
+                ex = [x if j <= n - w + i else 0.0 for j, x in enumerate(ex)]
             s = sum(ex)
             for j in range(n):
                 out[h // g][j] += ex[j] / s / (g * w)
@@ -84,16 +86,18 @@ def _naive_window_attention(q, k_buffer, slots, scale):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv", GQA)
 @pytest.mark.parametrize("chunked", [False, True])
-def test_window_attention_ref_naive(monkeypatch, dtype, hq, hkv, chunked):
+@pytest.mark.parametrize("causal", [False, True])
+def test_window_attention_ref_naive(monkeypatch, dtype, hq, hkv, chunked, causal):
     if chunked:
         monkeypatch.setattr(wa_mod, "_MAX_LOGITS", 1)  # one KV head per chunk
     n, w, d = 11, 3, 8
     k_buffer, slots = _pool(n, hkv, d, dtype, seed=1)
     k_buffer, slots = k_buffer.cpu(), slots.cpu()
     q = torch.randn(hq, w, d, generator=torch.Generator().manual_seed(2)).to(dtype)
-    got = K.window_attention_ref(q, k_buffer, slots, 0.3)
+    got = K.window_attention_ref(q, k_buffer, slots, 0.3, causal=causal)
     assert got.dtype == torch.float32 and got.shape == (hkv, n)
-    torch.testing.assert_close(got, _naive_window_attention(q, k_buffer, slots, 0.3), rtol=1e-5, atol=1e-6)
+    want = _naive_window_attention(q, k_buffer, slots, 0.3, causal)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got.sum(-1), torch.ones(hkv), rtol=1e-5, atol=1e-5)
 
 
@@ -327,12 +331,13 @@ def test_triton_dispatch_env():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv", GQA)
 @pytest.mark.parametrize("n", SIZES)
-def test_triton_window_attention(n, hq, hkv, dtype):
-    d, w = 40, 5 if n != 129 else 32
+@pytest.mark.parametrize("causal", [False, True])
+def test_triton_window_attention(n, hq, hkv, dtype, causal):
+    d, w = 40, min(n, 5) if n != 129 else 32
     k_buffer, slots = _pool(n, hkv, d, dtype, seed=n)
     q = torch.randn(hq, w, d, generator=torch.Generator().manual_seed(n + 1)).to(dtype).to(DEVICE)
-    got = K.window_attention(q, k_buffer, slots, d**-0.5)  # dispatches to Triton here
-    want = K.window_attention_ref(q, k_buffer, slots, d**-0.5)
+    got = K.window_attention(q, k_buffer, slots, d**-0.5, causal=causal)  # dispatches to Triton here
+    want = K.window_attention_ref(q, k_buffer, slots, d**-0.5, causal=causal)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
