@@ -173,13 +173,11 @@ def main() -> None:
     cfg = model.config
     hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
 
-    rng = random.Random(1234)
     text, n_lines = "", 20
-    while len(tok(text).input_ids) < args.tokens:
+    while len(tok(text).input_ids) < args.tokens:  # same seed each time: a prefix-stable log
         n_lines += 10
         text = make_context(random.Random(1234), n_lines)
     ctx = torch.tensor([tok(text).input_ids[: args.tokens]])
-    del rng
     n = ctx.shape[1]
     q_ids = torch.tensor([tok(QUESTION, add_special_tokens=False).input_ids])
     print(f"context {n} tokens, question {q_ids.shape[1]} tokens; prefill ...", flush=True)
