@@ -1,11 +1,13 @@
 """CPU time of each kernel's torch reference at the shapes the CPU runner sees (SmolLM2-135M-like).
 
 30 layers, Hkv=3, Hq=9, D=64, hidden=576, bf16 pool; regions of 512, 2048 and 8192 tokens. Prints a
-table (best of a few repeats); no assertions. Run: python benchmarks/bench_kernels.py
+table (best of a few repeats, so other load on the machine inflates it less); no assertions.
+Run: python benchmarks/bench_kernels.py [--threads T] [--repeats R]
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable
 
@@ -17,10 +19,13 @@ SIZES = (512, 2048, 8192)
 DTYPE = torch.bfloat16
 
 
-def best_ms(fn: Callable[[], object], setup: Callable[[], None] | None = None, repeats: int = 3) -> float:
-    """Best wall time in ms over `repeats` runs (after one warm-up); `setup` runs untimed before each."""
+REPEATS = 5
+
+
+def best_ms(fn: Callable[[], object], setup: Callable[[], None] | None = None) -> float:
+    """Best wall time in ms over REPEATS runs (after one warm-up); `setup` runs untimed before each."""
     times = []
-    for i in range(repeats + 1):
+    for i in range(REPEATS + 1):
         if setup is not None:
             setup()
         t0 = time.perf_counter()
@@ -81,6 +86,14 @@ def bench_size(n: int, gen: torch.Generator) -> list[tuple[str, int, str, float,
 
 
 def main() -> None:
+    global REPEATS
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
+    parser.add_argument("--repeats", type=int, default=REPEATS)
+    args = parser.parse_args()
+    REPEATS = args.repeats
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     rows = [row for n in SIZES for row in bench_size(n, gen)]
     print(
