@@ -6,7 +6,7 @@ position ids are kept (the cache is never shortened), exactly as the server keep
 
 Protocol: a deterministic ~2K-token operations log (generated below from a seeded RNG, with one fact
 planted early) is prefilled; post-RoPE K/V come from the cache, the last `window` queries of each layer
-are captured inside the attention function. Every policy then selects, on every layer, 50% of the
+are captured inside the attention function (window attention is causal). Every policy then selects, on every layer, 50% of the
 context (sinks 4 + recent 32 + candidate budget; LagKV keeps what its per-partition ratio gives, capped
 by the same budget), question-agnostically (the question is not seen). The question plus the full-cache
 greedy answer are then teacher-forced over the masked cache; the table reports the mean KL(full || policy)
@@ -221,7 +221,11 @@ def main() -> None:
             kb = k[0].transpose(0, 1).contiguous()  # [N, Hkv, D]
             vb = v[0].transpose(0, 1).contiguous()
             slots = torch.arange(n)
-            attn = window_attention(STATE["queries"][li], kb, slots, scale) if "attn" in pol.needs else None
+            attn = (
+                window_attention(STATE["queries"][li], kb, slots, scale, causal=True)
+                if "attn" in pol.needs
+                else None
+            )
             view = LayerView(li, kb, vb, slots, SINKS, RECENT, 0, attn=attn, o_proj=o_proj[li])
             if name == "none" or not pol.should_compress(n, SINKS, RECENT, 0, budget, "prefill"):
                 keep = torch.arange(n).expand(hkv, -1)
