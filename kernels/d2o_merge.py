@@ -28,7 +28,7 @@ from ._pool import head_rows, region, write_head_rows
 from .dispatch import next_pow2, use_triton
 
 NORM_EPS = 1e-12
-_MAX_SIMS = 1 << 22  # elements of one [H, chunk, b] similarity block in the reference
+_MAX_SIMS = 1 << 20  # elements of one [H, chunk, b] similarity block in the reference
 
 
 def _prepare(

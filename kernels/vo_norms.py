@@ -13,7 +13,7 @@ import triton.language as tl
 from ._pool import region
 from .dispatch import next_pow2, use_triton
 
-_MAX_PROD = 1 << 22  # elements of one [Hq, chunk, hidden] product block in the reference
+_MAX_PROD = 1 << 20  # elements of one [Hq, chunk, hidden] product block in the reference
 
 
 def vo_norms_ref(v_buffer: torch.Tensor, slots: torch.Tensor, o_proj: torch.Tensor) -> torch.Tensor:

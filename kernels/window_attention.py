@@ -15,7 +15,7 @@ from ._pool import region
 from .dispatch import next_pow2, use_triton
 
 # Logits per chunk of KV heads are [G, W, N] fp32; bound the chunk so N=8192 stays small in memory.
-_MAX_LOGITS = 1 << 22
+_MAX_LOGITS = 1 << 20
 
 
 def _check(w: int, n: int, causal: bool) -> None:
