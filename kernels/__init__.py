@@ -25,13 +25,15 @@ API (implemented in the modules below; this list is the contract the policies an
     keep: [Hkv, b] sorted region indices; evicted = the complement per head. For each evicted e, nearest
     kept c by key cosine similarity u; threshold tau' = mean(u) if init else beta*max(u)+(1-beta)*tau
     per head; evicted with u >= tau' merge into c: Z_c = e + sum exp(u_e), k_c <- (e*k_c + sum exp(u_e) k_e)/Z_c,
-    same weights for v. Written back into the kept slots (before compaction). tau: [Hkv] tensor or float
-    (ignored when init). If `stats` (a dict) is given, it receives "merged" (evicted tokens merged, over
+    same weights for v. Written back into the kept slots (before compaction). tau: [Hkv] tensor, float or
+    None (ignored when init); with nothing evicted it is returned unchanged (zeros for None). If `stats` (a dict) is given, it receives "merged" (evicted tokens merged, over
     all heads) and "evicted" (evicted tokens over all heads). The paper reading is in d2o_merge.py.
 - vo_norms(v_buffer, slots, o_proj) -> [Hkv, N] float32
     o_proj: [Hq, D, hidden]; || v_{h_kv} @ o_proj[h_q] ||_1 per token and query head, mean over the group.
 
 Every op also exists as `<op>_ref` (torch, fp32 accumulation, bf16 or fp32 buffers) and `<op>_triton`.
+The re-exported functions shadow their modules' names here: reach a module (e.g. to tune a chunk size)
+with `importlib.import_module("sgl_kvevict.kernels.vo_norms")`.
 """
 
 from .compact import compact, compact_ref, compact_triton
