@@ -1,0 +1,21 @@
+"""Multi-turn scenarios for the replay benchmark, deterministic from a seed (see `base.py`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from . import agent, forks, recall, sharegpt
+from .base import Scenario, ScenarioConfig
+
+BUILDERS: dict[str, Callable[[ScenarioConfig], Scenario]] = {
+    "agent": agent.build,
+    "recall": recall.build,
+    "forks": forks.build,
+    "sharegpt": sharegpt.build,
+}
+
+
+def build(name: str, cfg: ScenarioConfig) -> Scenario:
+    if name not in BUILDERS:
+        raise ValueError(f"unknown scenario {name!r}; valid: {', '.join(BUILDERS)}")
+    return BUILDERS[name](cfg)

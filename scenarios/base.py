@@ -1,0 +1,81 @@
+"""The scenario data model: sessions of turns, replayed in order inside a session.
+
+A turn appends `inputs` (user/tool messages, or a scripted assistant tool call) to the conversation,
+then the model answers; the model's *own* answer becomes history, as in a real chat, so the next turn's
+prompt extends the previous prompt + answer token for token and the server can reuse that history.
+A turn with `branches` is a fork: each branch is sent concurrently from the same context; the first
+branch's answer continues the session.
+"""
+
+from __future__ import annotations
+
+import random
+
+from pydantic import BaseModel, ConfigDict, Field
+
+CHARS_PER_TOKEN = 4.0  # rough English/JSON average for a BPE tokenizer; sizes are targets, not exact
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: str
+    content: str
+
+
+class Turn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    inputs: list[Message]
+    branches: list[list[Message]] = Field(
+        default_factory=list, description="fork: sent concurrently after inputs"
+    )
+    expect: str | None = Field(None, description="exact string the answer must contain (recall check)")
+    max_new_tokens: int | None = Field(None, description="overrides the benchmark's default for this turn")
+
+
+class Session(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    kind: str
+    system: str | None = None
+    turns: list[Turn]
+
+
+class Scenario(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    seed: int
+    sessions: list[Session]
+
+
+class ScenarioConfig(BaseModel):
+    """Sizes of the generated scenarios. Defaults fit a 2-core CPU; scale them up on a GPU."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sessions: int = Field(4, ge=1)
+    turns: int = Field(
+        4, ge=1, description="turns per session (agent: 4-8; recall: facts + filler + question)"
+    )
+    seed: int = 0
+    system_tokens: int = Field(600, ge=0, description="shared system prompt (agent tool descriptions)")
+    tool_tokens_min: int = Field(300, ge=1)
+    tool_tokens_max: int = Field(2000, ge=1)
+    filler_tokens: int = Field(200, ge=1, description="recall chat: size of each filler turn")
+    branches: int = Field(3, ge=1, description="forks: branches per turn")
+    path: str | None = Field(None, description="sharegpt: the JSON/JSONL file to load")
+
+
+def rng_for(seed: int, *keys: object) -> random.Random:
+    """A stream per (seed, keys): adding a session never changes the others."""
+    return random.Random(f"{seed}:" + ":".join(str(k) for k in keys))
+
+
+def fill(r: random.Random, target_tokens: int, unit, chars_per_token: float = CHARS_PER_TOKEN) -> str:
+    """Concatenate `unit(r)` lines until about `target_tokens` tokens (logs/JSON: ~2 chars per token)."""
+    lines: list[str] = []
+    size = 0.0
+    while size < target_tokens * chars_per_token:
+        line = unit(r)
+        lines.append(line)
+        size += len(line) + 1
+    return "\n".join(lines)
