@@ -1,0 +1,443 @@
+"""Replay multi-turn scenarios against a live SGLang server under several KV policies at a fixed KV pool,
+and compare each with `none` from the same run: memory, speed and quality.
+
+Why a replay: compression pays off only across turns (the compressed history is what the next turn
+reuses, and what lets more sessions fit in the pool), so it must be measured on whole sessions, with
+turn order kept inside a session and several sessions at once.
+
+Per turn it records TTFT and decode tokens/s (with --stream), e2e latency, decode tokens/s, prompt/cached/completion tokens, KV held
+(`meta_info["kvevict"]`) and the answer; per run, peak running requests and tokens in use (sampled from
+`GET /v1/loads`), the plugin's totals, and the teacher-forced log-likelihood of `none`'s answers.
+
+Full CPU benchmark (SmolLM2-135M, 2 cores, alone on the machine; about 30-40 min; NOT run in CI):
+
+    HF_HUB_OFFLINE=1 /root/.cache/sgl-kvevict/venv-dca1c6560ddb/bin/python benchmarks/replay.py \\
+        --scenarios agent,recall --sessions 4 --turns 4 --concurrency 4 --max-new-tokens 24 \\
+        --tool-tokens 300,900 --filler-tokens 200 --max-total-tokens 9000 \\
+        --policies none,streaming,knorm,h2o,snapkv,lagkv,d2o,graphkv,criticalkv --budgets 0.5 \\
+        --bench-serving --out results/smollm2-cpu
+    (add --stream for TTFT/decode rate: the plugin does not yet put meta_info["kvevict"] into streamed
+    responses, so KV held is then missing; run it once each way until that is fixed)
+
+Small plumbing check (two policies, one server; ~5 min):
+
+    HF_HUB_OFFLINE=1 /root/.cache/sgl-kvevict/venv-dca1c6560ddb/bin/python benchmarks/replay.py \\
+        --scenarios agent,recall --sessions 1 --turns 2 --concurrency 2 --max-new-tokens 8 \\
+        --tool-tokens 150,300 --filler-tokens 80 --system-tokens 200 --max-total-tokens 4000 \\
+        --policies none,lagkv --server-mode shared --out results/smoke
+
+Recall calibration (full cache only): `--scenarios recall --sessions 10 --policies none`.
+
+Server modes: `per-run` starts a fresh server for every policy/budget (`none` is then plain SGLang),
+`shared` starts one server with a policy and picks each run's policy per request (`custom_params`;
+faster, and `none` still goes through the plugin's tree), `url` uses a running server (`--url`).
+On a GPU, scale every size flag up (sessions, turns, tool tokens, --max-total-tokens) and pass
+`--server-arg=--model-path=...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from sgl_kvevict.scenarios import build
+from sgl_kvevict.scenarios.base import Scenario, ScenarioConfig, Session
+from sgl_kvevict.scenarios.recall import correct
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import replay_client as rc  # noqa: E402
+import replay_report as rr  # noqa: E402
+
+ALL_POLICIES = ["none", "streaming", "knorm", "h2o", "snapkv", "lagkv", "d2o", "graphkv", "criticalkv"]
+
+
+class BenchConfig(BaseModel):
+    """Everything a replay run depends on; saved in the result file so a run can be repeated."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    scenarios: list[str] = ["agent", "recall"]
+    scenario: ScenarioConfig = Field(default_factory=ScenarioConfig)
+    concurrency: int = Field(4, ge=1, description="sessions replayed at once")
+    max_new_tokens: int = Field(24, ge=1, description="answer length cap per turn")
+    policies: list[str] = Field(default_factory=lambda: list(ALL_POLICIES))
+    budgets: list[float | int] = [0.5]
+    max_total_tokens: int = Field(
+        9000, ge=256, description="KV pool: small enough to pressure the full cache"
+    )
+    server_mode: Literal["per-run", "shared", "url"] = "per-run"
+    url: str | None = None
+    shared_policy: str = Field("lagkv", description="policy the shared server starts with (runs override it)")
+    server_args: list[str] = Field(default_factory=list)
+    server_env: dict[str, str] = Field(default_factory=dict)
+    stream: bool = Field(
+        False,
+        description="stream for TTFT; the plugin omits meta_info[kvevict] from streamed responses (so far)",
+    )
+    score: Literal["none", "last", "all"] = Field(
+        "last", description="turns scored by teacher-forced LL of none's answer"
+    )
+    bench_serving: bool = False
+    bench_serving_args: list[str] = Field(
+        default_factory=lambda: [
+            "--gsp-num-groups",
+            "2",
+            "--gsp-prompts-per-group",
+            "2",
+            "--gsp-system-prompt-len",
+            "600",
+            "--gsp-question-len",
+            "200",
+            "--gsp-output-len",
+            "24",
+            "--gsp-num-turns",
+            "3",
+            "--num-prompts",
+            "4",
+            "--max-concurrency",
+            "4",
+        ]
+    )
+    poll_interval: float = Field(1.0, gt=0)
+    model_path: str | None = None
+    out: Path = Path("results/replay")
+
+
+def runs_of(cfg: BenchConfig) -> list[tuple[str, float | int | None]]:
+    """`none` first (the baseline every other run is compared with), then each policy x budget."""
+    out: list[tuple[str, float | int | None]] = [("none", None)]
+    out += [(p, b) for p in cfg.policies if p != "none" for b in cfg.budgets]
+    return out
+
+
+def label(policy: str, budget: float | int | None) -> str:
+    return policy if budget is None else f"{policy}@{budget}"
+
+
+def load_scenarios(cfg: BenchConfig) -> list[Session]:
+    sessions: list[Session] = []
+    scs: list[Scenario] = [build(name, cfg.scenario) for name in cfg.scenarios]
+    for i in range(max(len(s.sessions) for s in scs)):  # interleave kinds so each batch mixes them
+        sessions += [s.sessions[i] for s in scs if i < len(s.sessions)]
+    return sessions
+
+
+class Replayer:
+    """Replays all sessions under one policy; keeps the prompt ids for the scoring phase."""
+
+    def __init__(self, cfg: BenchConfig, chat: rc.ChatIds, url: str, kv: dict | None, bar: tqdm) -> None:
+        self.cfg, self.chat, self.url, self.kv, self.bar = cfg, chat, url, kv, bar
+        self.records: list[dict[str, Any]] = []
+        self.prompts: dict[tuple[str, int, int], list[int]] = {}
+        self.lock = threading.Lock()
+
+    def _record(
+        self, s: Session, t: int, b: int, prompt: list[int], call: rc.Call, expect: str | None
+    ) -> None:
+        meta = call.meta
+        stats = (meta.get("kvevict") or [None])[-1]
+        kv_tokens = stats["kv_tokens"] if stats else None
+        if (
+            kv_tokens is None
+            and not call.error
+            and (self.kv or {}).get("policy", "none") == "none"
+            and self.cfg.server_mode != "shared"
+        ):
+            kv_tokens = int(meta.get("prompt_tokens", 0)) + int(
+                meta.get("completion_tokens", 0)
+            )  # plain SGLang keeps every token
+        rec = {
+            "session": s.id,
+            "kind": s.kind,
+            "turn": t,
+            "branch": b,
+            "prompt_tokens": int(meta.get("prompt_tokens", len(prompt))),
+            "cached_tokens": int(meta.get("cached_tokens", 0)),
+            "completion_tokens": int(meta.get("completion_tokens", 0)),
+            "kv_tokens": kv_tokens,
+            "kv_source": "meta_info" if stats else ("full" if kv_tokens is not None else "missing"),
+            "logical_tokens": stats.get("logical_tokens") if stats else None,
+            "evicted": stats.get("evicted") if stats else None,
+            "compressions": stats.get("compressions") if stats else None,
+            "policy_failed": stats.get("failed") if stats else None,
+            "retractions": int(meta.get("num_retractions", 0) or 0),
+            "ttft": call.ttft,
+            "decode_tps": call.decode_tps,
+            "e2e": call.e2e,
+            "start": call.start,
+            "end": call.end,
+            "answer": call.text,
+            "output_ids": call.output_ids,
+            "expect": expect,
+            "correct": correct(call.text, expect) if expect is not None else None,
+            "error": call.error,
+        }
+        with self.lock:
+            self.records.append(rec)
+            self.prompts[(s.id, t, b)] = prompt
+            self.bar.update(1)
+
+    def session(self, s: Session) -> None:
+        chat, cfg = self.chat, self.cfg
+        ids = chat.start(s.system)
+        for t, turn in enumerate(s.turns):
+            for m in turn.inputs:
+                ids = ids + chat.message(m.role, m.content)
+            mnt = min(cfg.max_new_tokens, turn.max_new_tokens or cfg.max_new_tokens)
+            prompts = [
+                ids + sum((chat.message(m.role, m.content) for m in br), []) + chat.gen_prompt
+                for br in turn.branches
+            ] or [ids + chat.gen_prompt]
+            if len(prompts) > 1:
+                with ThreadPoolExecutor(len(prompts)) as ex:
+                    calls = list(
+                        ex.map(lambda p, n=mnt: rc.generate(self.url, p, n, self.kv, cfg.stream), prompts)
+                    )
+            else:
+                calls = [rc.generate(self.url, prompts[0], mnt, self.kv, cfg.stream)]
+            for b, (p, c) in enumerate(zip(prompts, calls, strict=True)):
+                self._record(s, t, b, p, c, turn.expect)
+            if calls[0].error:
+                return
+            ids = prompts[0] + chat.after_answer(calls[0].output_ids)
+
+    def run(self, sessions: list[Session]) -> float:
+        t0 = time.time()
+        with ThreadPoolExecutor(self.cfg.concurrency) as ex:
+            list(ex.map(self.session, sessions))
+        return time.time() - t0
+
+
+def score(
+    cfg: BenchConfig,
+    url: str,
+    kv: dict | None,
+    prompts: dict,
+    base: dict[tuple, list[int]],
+    sessions: list[Session],
+) -> dict[str, Any]:
+    """Teacher-forced log-likelihood of none's answer after this policy's own prompt (untimed)."""
+    if cfg.score == "none":
+        return {}
+    last = {s.id: len(s.turns) - 1 for s in sessions}
+    keys = [k for k in prompts if k[2] == 0 and (cfg.score == "all" or k[1] == last[k[0]]) and base.get(k)]
+    out = {}
+    for k in tqdm(sorted(keys), desc="score", file=sys.stderr, leave=False):
+        out["/".join(map(str, k))] = rc.loglik(url, prompts[k], base[k], kv)
+    return out
+
+
+def warmup(url: str, chat: rc.ChatIds, kv: dict | None) -> None:
+    """The first forward passes of a fresh server are several times slower (lazy init): keep them out of
+    the first measured run, then flush so no run starts with a warm prefix."""
+    ids = chat.start("warm up") + chat.message("user", " ".join(["warm"] * 300)) + chat.gen_prompt
+    for _ in range(2):
+        rc.generate(url, ids, 8, kv, stream=False)
+    rc.flush(url)
+
+
+def start_server(cfg: BenchConfig, policy: str, budget: float | int | None, log: Path) -> Any:
+    from sgl_kvevict.serverproc import Server
+
+    args = ["--kv-policy", policy, "--max-total-tokens", str(cfg.max_total_tokens), *cfg.server_args]
+    if budget is not None:
+        args += ["--kv-budget", str(budget)]
+    if cfg.model_path:
+        args += ["--model-path", cfg.model_path]
+    return Server(args, log_path=log, env=cfg.server_env)
+
+
+def git_commit() -> str | None:
+    try:
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+            ).stdout.strip()
+            or None
+        )
+    except OSError:
+        return None
+
+
+def main(cfg: BenchConfig) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from sgl_kvevict.model import default_model_path
+
+    model = cfg.model_path or str(default_model_path())
+    chat = rc.ChatIds(AutoTokenizer.from_pretrained(model))
+    sessions = load_scenarios(cfg)
+    n_requests = sum(max(1, len(t.branches)) for s in sessions for t in s.turns)
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    runs: list[dict[str, Any]] = []
+    bench: dict[str, dict] = {}
+    base_ids: dict[tuple, list[int]] = {}
+    with ExitStack() as stack:
+        shared_url = cfg.url
+        if cfg.server_mode == "shared":
+            shared_url = stack.enter_context(
+                start_server(cfg, cfg.shared_policy, None, cfg.out / "server-shared.log")
+            ).url
+        for policy, budget in runs_of(cfg):
+            name = label(policy, budget)
+            with ExitStack() as run_stack:
+                if cfg.server_mode == "per-run":
+                    url = run_stack.enter_context(
+                        start_server(cfg, policy, budget, cfg.out / f"server-{name}.log")
+                    ).url
+                    kv = None
+                else:
+                    assert shared_url, "--url is required with --server-mode url"
+                    url = shared_url
+                    kv = {"policy": policy} if budget is None else {"policy": policy, "budget": budget}
+                    rc.flush(url)
+                before = rc.server_totals(url)
+                bar = tqdm(total=n_requests, desc=name, file=sys.stderr)
+                rep = Replayer(cfg, chat, url, kv, bar)
+                with rc.LoadPoller(url, cfg.poll_interval) as poller:
+                    wall = rep.run(sessions)
+                bar.close()
+                after = rc.server_totals(url)
+                totals = {
+                    k: after[k] - before.get(k, 0)
+                    for k in after
+                    if isinstance(after[k], int | float) and k != "started"
+                }
+                if policy == "none":
+                    base_ids = {
+                        (r["session"], r["turn"], r["branch"]): r["output_ids"]
+                        for r in rep.records
+                        if not r["error"]
+                    }
+                scores = score(cfg, url, kv, rep.prompts, base_ids, sessions)
+                if cfg.bench_serving:
+                    rc.flush(url)
+                    bench[name] = rc.bench_serving(
+                        url,
+                        model,
+                        cfg.out / f"bench_serving-{name}.jsonl",
+                        cfg.bench_serving_args,
+                        kv,
+                        cfg.scenario.seed,
+                    )
+                records = sorted(rep.records, key=lambda r: (r["session"], r["turn"], r["branch"]))
+                runs.append(
+                    {
+                        "label": name,
+                        "policy": policy,
+                        "budget": budget,
+                        "wall_seconds": wall,
+                        "load": poller.summary(),
+                        "totals": totals,
+                        "scores": scores,
+                        "turns": records,
+                    }
+                )
+    summaries = [rr.summarize(r, runs[0] if r is not runs[0] else None, cfg.max_total_tokens) for r in runs]
+    result = {
+        "config": json.loads(cfg.model_dump_json()),
+        "model": model,
+        "git_commit": git_commit(),
+        "command": " ".join(sys.argv),
+        "summary": summaries,
+        "bench_serving": bench,
+        "runs": runs,
+    }
+    (cfg.out / "replay.json").write_text(json.dumps(result, indent=1))
+    table = rr.markdown(summaries, bench or None)
+    (cfg.out / "replay.md").write_text(f"Command: `{result['command']}`\n\n" + table)
+    rr.plots(runs, summaries, cfg.out)
+    print(table)
+    return result
+
+
+def parse(argv: list[str] | None = None) -> BenchConfig:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    p.add_argument(
+        "--scenarios", default="agent,recall", help="comma list of: agent, recall, forks, sharegpt"
+    )
+    p.add_argument("--scenario-path", help="sharegpt/OpenAI-messages JSON or JSONL file (scenario sharegpt)")
+    p.add_argument("--sessions", type=int, default=4, help="sessions per scenario")
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--system-tokens", type=int, default=600)
+    p.add_argument(
+        "--tool-tokens", default="300,2000", help="min,max tokens of a tool output / forks document"
+    )
+    p.add_argument("--filler-tokens", type=int, default=200)
+    p.add_argument("--branches", type=int, default=3)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--policies", default=",".join(ALL_POLICIES))
+    p.add_argument("--budgets", default="0.5", help="comma list: ratios (0.5) or tokens (256)")
+    p.add_argument("--max-total-tokens", type=int, default=9000)
+    p.add_argument("--server-mode", choices=["per-run", "shared", "url"], default="per-run")
+    p.add_argument("--url")
+    p.add_argument("--shared-policy", default="lagkv")
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra server flag, e.g. --server-arg=--max-running-requests=8",
+    )
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="stream turns to measure TTFT (KV stats are then missing: plugin bug)",
+    )
+    p.add_argument("--score", choices=["none", "last", "all"], default="last")
+    p.add_argument(
+        "--bench-serving", action="store_true", help="also run sglang.benchmark.serving per policy"
+    )
+    p.add_argument("--model-path")
+    p.add_argument("--out", default="results/replay")
+    a = p.parse_args(argv)
+    from sgl_kvevict.config import parse_budget
+
+    lo, hi = (int(x) for x in a.tool_tokens.split(","))
+    return BenchConfig(
+        scenarios=a.scenarios.split(","),
+        scenario=ScenarioConfig(
+            sessions=a.sessions,
+            turns=a.turns,
+            seed=a.seed,
+            system_tokens=a.system_tokens,
+            tool_tokens_min=lo,
+            tool_tokens_max=hi,
+            filler_tokens=a.filler_tokens,
+            branches=a.branches,
+            path=a.scenario_path,
+        ),
+        concurrency=a.concurrency,
+        max_new_tokens=a.max_new_tokens,
+        policies=a.policies.split(","),
+        budgets=[parse_budget(b) for b in a.budgets.split(",")],
+        max_total_tokens=a.max_total_tokens,
+        server_mode=a.server_mode,
+        url=a.url,
+        shared_policy=a.shared_policy,
+        server_args=[x for arg in a.server_arg for x in arg.split("=", 1)] if a.server_arg else [],
+        stream=a.stream,
+        score=a.score,
+        bench_serving=a.bench_serving,
+        model_path=a.model_path,
+        out=Path(a.out),
+    )
+
+
+if __name__ == "__main__":
+    main(parse())

@@ -1,0 +1,205 @@
+"""Aggregation of replay runs (each policy against `none` from the same run), markdown table and plots."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    i = min(len(xs) - 1, max(0, int(round(q * (len(xs) - 1)))))
+    return xs[i]
+
+
+def mean(xs: list[Any]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else None
+
+
+def _key(t: dict) -> tuple:
+    return (t["session"], t["turn"], t["branch"])
+
+
+def final_kv(turns: list[dict]) -> dict[str, int | None]:
+    """KV held by each session when its last turn finished (branch 0)."""
+    last: dict[str, dict] = {}
+    for t in turns:
+        if t["branch"] == 0 and (t["session"] not in last or t["turn"] > last[t["session"]]["turn"]):
+            last[t["session"]] = t
+    return {s: t["kv_tokens"] for s, t in last.items()}
+
+
+def summarize(run: dict, base: dict | None, pool: int) -> dict[str, Any]:
+    turns = [t for t in run["turns"] if not t.get("error")]
+    prompt = sum(t["prompt_tokens"] for t in turns)
+    cached = sum(t["cached_tokens"] for t in turns)
+    kv = final_kv(turns)
+    kv_mean = mean(list(kv.values()))
+    recall = [t["correct"] for t in turns if t.get("expect") is not None]
+    out: dict[str, Any] = {
+        "label": run["label"],
+        "policy": run["policy"],
+        "budget": run["budget"],
+        "requests": len(run["turns"]),
+        "errors": sum(1 for t in run["turns"] if t.get("error")),
+        "kv_per_session": kv_mean,
+        "capacity_sessions": pool / kv_mean if kv_mean else None,
+        "peak_running_reqs": run["load"].get("peak_running_reqs"),
+        "peak_used_tokens": run["load"].get("peak_used_tokens"),
+        "peak_token_usage": run["load"].get("peak_token_usage"),
+        "radix_hit_rate": cached / prompt if prompt else None,
+        "prefill_recomputed": prompt - cached,
+        "retractions": sum(t.get("retractions", 0) for t in turns),
+        "e2e_seconds": run["wall_seconds"],
+        "ttft_p50": pct([t["ttft"] for t in turns], 0.5),
+        "ttft_p99": pct([t["ttft"] for t in turns], 0.99),
+        "decode_tps_per_req": mean([t["decode_tps"] for t in turns]),
+        "output_tps": sum(t["completion_tokens"] for t in turns) / run["wall_seconds"]
+        if run["wall_seconds"]
+        else None,
+        "recall_accuracy": mean([float(c) for c in recall]) if recall else None,
+        "recall_n": len(recall),
+        "loglik_mean": mean([s["mean"] for s in run.get("scores", {}).values() if s]),
+        "compressions": run.get("totals", {}).get("compressions"),
+        "policy_failures": run.get("totals", {}).get("policy_failures"),
+    }
+    if base is not None:
+        b = {_key(t): t for t in base["turns"] if not t.get("error")}
+        same = [t["answer"] == b[_key(t)]["answer"] for t in turns if _key(t) in b]
+        out["greedy_agreement"] = mean([float(x) for x in same]) if same else None
+        bs = summarize(base, None, pool)
+        for k in (
+            "kv_per_session",
+            "capacity_sessions",
+            "prefill_recomputed",
+            "e2e_seconds",
+            "output_tps",
+            "recall_accuracy",
+            "peak_running_reqs",
+        ):
+            out[f"{k}_vs_none"] = out[k] / bs[k] if out[k] is not None and bs[k] else None
+        out["loglik_delta_vs_none"] = (
+            out["loglik_mean"] - bs["loglik_mean"]
+            if out["loglik_mean"] is not None and bs["loglik_mean"] is not None
+            else None
+        )
+    return out
+
+
+COLUMNS = [
+    ("label", "policy@budget", "{}"),
+    ("kv_per_session", "KV/session", "{:.0f}"),
+    ("kv_per_session_vs_none", "vs none", "{:.2f}"),
+    ("capacity_sessions_vs_none", "capacity x", "{:.2f}"),
+    ("peak_running_reqs", "peak running", "{}"),
+    ("peak_used_tokens", "peak tokens", "{}"),
+    ("radix_hit_rate", "radix hit", "{:.2f}"),
+    ("prefill_recomputed", "prefill recomputed", "{}"),
+    ("retractions", "retracted", "{}"),
+    ("e2e_seconds", "e2e s", "{:.0f}"),
+    ("ttft_p50", "TTFT p50 s", "{:.2f}"),
+    ("ttft_p99", "TTFT p99 s", "{:.2f}"),
+    ("decode_tps_per_req", "decode tok/s/req", "{:.1f}"),
+    ("output_tps", "out tok/s", "{:.1f}"),
+    ("recall_accuracy", "recall", "{:.2f}"),
+    ("greedy_agreement", "agree w/ none", "{:.2f}"),
+    ("loglik_delta_vs_none", "dLL/token", "{:+.3f}"),
+]
+
+
+def fmt(v: Any, spec: str) -> str:
+    if v is None:
+        return "-"
+    try:
+        return spec.format(v)
+    except (ValueError, TypeError):
+        return str(v)
+
+
+def markdown(summaries: list[dict], bench: dict[str, dict] | None = None) -> str:
+    lines = ["| " + " | ".join(c[1] for c in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for s in summaries:
+        lines.append("| " + " | ".join(fmt(s.get(k), spec) for k, _, spec in COLUMNS) + " |")
+    if bench:
+        keys = ["completed", "duration", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "mean_itl_ms"]
+        lines += [
+            "",
+            "SGLang `bench_serving` (generated-shared-prefix, multi-turn) on the same server:",
+            "",
+            "| policy@budget | " + " | ".join(keys) + " |",
+            "|" + "---|" * (len(keys) + 1),
+        ]
+        for label, r in bench.items():
+            lines.append(
+                f"| {label} | "
+                + " | ".join(fmt(r.get(k), "{:.2f}" if isinstance(r.get(k), float) else "{}") for k in keys)
+                + (f" | {r['error']}" if "error" in r else "")
+                + " |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _save(fig: Any, ax: Any, out: Path, name: str, xlabel: str, ylabel: str) -> str:
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
+def plots(runs: list[dict], summaries: list[dict], out: Path) -> list[str]:
+    """KV per session over turns, quality against memory saved, throughput per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for run in runs:
+        by_turn: dict[int, list[int]] = {}
+        for t in run["turns"]:
+            if t["branch"] == 0 and t.get("kv_tokens") is not None:
+                by_turn.setdefault(t["turn"], []).append(t["kv_tokens"])
+        xs = sorted(by_turn)
+        ax.plot(
+            [x + 1 for x in xs], [statistics.fmean(by_turn[x]) for x in xs], marker="o", label=run["label"]
+        )
+    ax.legend(fontsize=7)
+    files = [_save(fig, ax, out, "kv_per_turn.png", "turn", "KV tokens held per session (mean)")]
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for s in summaries:
+        saved = 1 - s["kv_per_session_vs_none"] if s.get("kv_per_session_vs_none") is not None else 0.0
+        q = (
+            s.get("recall_accuracy")
+            if s.get("recall_accuracy") is not None
+            else s.get("greedy_agreement", 1.0)
+        )
+        if q is None:
+            continue
+        ax.scatter(saved, q)
+        ax.annotate(s["label"], (saved, q), fontsize=7)
+    files.append(
+        _save(
+            fig,
+            ax,
+            out,
+            "quality_vs_memory.png",
+            "KV memory saved vs none",
+            "quality (recall accuracy, else agreement with none)",
+        )
+    )
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar([s["label"] for s in summaries], [s.get("output_tps") or 0 for s in summaries])
+    ax.tick_params(axis="x", rotation=45, labelsize=7)
+    files.append(_save(fig, ax, out, "throughput.png", "policy@budget", "output tokens/s (whole replay)"))
+    return files
