@@ -76,7 +76,7 @@ def compress(req: Any, phase: Phase) -> int:
             q = ring.get(layer)
             if q.shape[1] > 0:
                 all_slots = torch.cat([row[:a].to(torch.int64), region])
-                attn = kernels.window_attention(q, rt.k_buffer(layer), all_slots, rt.scale)[:, a:]
+                attn = kernels.window_attention(q, rt.k_buffer(layer), all_slots, rt.scale, causal=True)[:, a:]
         return LayerView(
             layer=layer,
             k_buffer=rt.k_buffer(layer),
@@ -151,6 +151,7 @@ def compress(req: Any, phase: Phase) -> int:
         for name, val in v.stats.items():
             s.layer_stats.setdefault(name, [0.0] * rt.n_layers)[v.layer] = float(val)
         s.merged += int(v.stats.get("d2o_merged", 0))
+        rt.totals.tokens_merged += int(v.stats.get("d2o_merged", 0))
     region_tokens = n + s.own_evicted
     comp = max(compacted_len(kp, n) for kp in keeps)
     s.comp_slots = comp
@@ -215,6 +216,10 @@ def stats(req: Any) -> dict[str, Any] | None:
         "seconds": round(s.seconds, 4),
         "failed": s.failed,
     }
+    if st.DEBUG:
+        out["prefix_slots"] = s.anchor_kv
+        out["prefix_digest"] = s.prefix_digest
+        out["prefix_digest_end"] = s.prefix_digest_end
     for name, vals in s.layer_stats.items():
         out[f"layer_{name}"] = [round(x, 5) for x in vals]
     return out

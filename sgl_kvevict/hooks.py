@@ -161,7 +161,13 @@ def request_level_key(original, self, key, *args, **kwargs):
 def internal_state(result, *args, **kwargs):
     rt = runtime.RT
     if rt is not None and getattr(result, "internal_state", None) is not None:
-        result.internal_state[META_KEY] = {"policy": st._server().policy, **rt.totals.as_dict()}
+        pool = {
+            "max_total_tokens": int(rt.allocator.size),
+            "available_tokens": int(rt.allocator.available_size()),
+            "evictable_tokens": int(rt.tree.evictable_size()),
+            "protected_tokens": int(rt.tree.protected_size()),
+        }
+        result.internal_state[META_KEY] = {"policy": st._server().policy, **rt.totals.as_dict(), **pool}
     return result
 
 

@@ -124,6 +124,8 @@ def _register_backend() -> None:
 
 def load() -> None:
     """Entry point. Cheap and idempotent; SGLang applies the registered hooks right after."""
+    if os.environ.get("KVEVICT_TEST_POLICIES") == "1" and "test_raise" not in policies.REGISTRY:
+        from sgl_kvevict import testing  # noqa: F401
     HookRegistry.register(f"{_SERVER_ARGS}.add_cli_args", add_cli_args, HookType.AFTER)
     HookRegistry.register(f"{_SERVER_ARGS}.from_cli_args", from_cli_args, HookType.BEFORE)
     HookRegistry.register("sglang.srt.sampling.sampling_params.SamplingParams.verify", verify_request, HookType.AFTER)

@@ -13,6 +13,7 @@ and `own_evicted` in the request's own region; their sum is the position offset 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ from sgl_kvevict.policies import Policy
 
 logger = logging.getLogger("sgl_kvevict")
 ATTR = "_kvevict"
+DEBUG = os.environ.get("KVEVICT_DEBUG", "0") == "1"  # prefix digests in meta_info (tests)
 
 
 @dataclass
@@ -40,6 +42,8 @@ class ReqState:
     seconds: float = 0.0
     layer_state: list[dict] = field(default_factory=list)
     layer_stats: dict[str, list[float]] = field(default_factory=dict)
+    prefix_digest: str = ""
+    prefix_digest_end: str = ""
 
     @property
     def offset(self) -> int:

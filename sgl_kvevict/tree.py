@@ -147,7 +147,9 @@ class KvEvictRadixCache(RadixCache):
         values, node, tokens = self._walk(key)
         kv = sum(len(v) for v in values)
         if params.req is not None:
-            st.on_match(params.req, node, tokens, kv)
+            s = st.on_match(params.req, node, tokens, kv)
+            if st.DEBUG:
+                s.prefix_digest = self.prefix_digest(self.path_device_indices(node))
         if tokens == kv:
             return MatchResult(device_prefix_len=kv, last_device_node=node, last_host_node=node, best_match_node=node)
         return MatchResult(
@@ -157,6 +159,21 @@ class KvEvictRadixCache(RadixCache):
             best_match_node=node,
             cache_protected_len=kv,
         )
+
+    def prefix_digest(self, slots: torch.Tensor) -> str:
+        """SHA-1 of the K/V rows of `slots` in every layer (debug: proves a shared prefix is untouched)."""
+        import hashlib
+
+        from sgl_kvevict import runtime
+
+        h = hashlib.sha1()
+        rt = runtime.RT
+        if rt is None or slots.numel() == 0:
+            return ""
+        for layer in range(rt.n_layers):
+            for buf in (rt.k_buffer(layer), rt.v_buffer(layer)):
+                h.update(buf[slots.to(torch.int64)].contiguous().view(torch.uint8).cpu().numpy().tobytes())
+        return h.hexdigest()
 
     def prefix_device_indices(self, req: Req) -> torch.Tensor:
         # The hooks lower prefix_len to slots around allocation; the whole path is the prefix.
@@ -244,6 +261,9 @@ class KvEvictRadixCache(RadixCache):
         if row is not None:
             self.offsets[row] = 0
             capture.drop(row)
+        s = st.get(req)
+        if st.DEBUG and s is not None and s.anchor is not None:
+            s.prefix_digest_end = self.prefix_digest(self.req_to_token_pool.req_to_token[row, : s.anchor_kv] if row is not None else self._empty_device_indices)
         try:
             hooks.on_release_report(req)
         except Exception:

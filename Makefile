@@ -1,0 +1,30 @@
+# Every target creates or reuses the pinned venv first (scripts/env.sh: seconds when nothing changed).
+POLICY ?= lagkv
+BUDGET ?= 0.5
+PORT ?= 30000
+ARGS ?=
+ENV := bash scripts/env.sh
+
+.PHONY: env serve test test-fast lint model-path bench-kernels bench-fidelity bench-compress bench-replay
+
+env:
+	@$(ENV) >/dev/null
+
+## Start the real SGLang server on the embedded SmolLM2 with a KV policy (CPU flags added when there is no GPU).
+serve:
+	@PY=$$($(ENV)) && $$PY -m sgl_kvevict.launch --kv-policy $(POLICY) --kv-budget $(BUDGET) --port $(PORT) $(ARGS)
+
+## The whole test suite (unit, integration on SGLang's real pools, end-to-end on the real server).
+test:
+	@PY=$$($(ENV)) && echo "[test] ruff" && $$PY -m ruff check . && $$PY -m ruff format --check . && \
+	  echo "[test] pytest" && $$PY -m sgl_kvevict.model >/dev/null && $$PY -m pytest -v -rs tests
+
+## Only the tests that need no server.
+test-fast:
+	@PY=$$($(ENV)) && $$PY -m pytest -v -m "not server" tests
+
+lint:
+	@PY=$$($(ENV)) && $$PY -m ruff check . && $$PY -m ruff format --check .
+
+model-path:
+	@PY=$$($(ENV)) && $$PY -m sgl_kvevict.model

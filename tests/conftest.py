@@ -1,0 +1,30 @@
+"""Shared fixtures: real SGLang servers on the embedded SmolLM2, one per test session and configuration.
+
+Every server runs with SGLang's memory-leak checks on: the idle check (on by default) and the busy check
+after every batch (`SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY=1`). A leaked or double-freed KV slot
+kills the scheduler, and the next request of the test fails.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from sgl_kvevict.serverproc import Server
+
+from .helpers import POOL, _server
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+@pytest.fixture(scope="session")
+def plain_server() -> Iterator[Server]:
+    """The plugin installed but no --kv-policy flag: plain SGLang behaviour (fp32, to compare with HF exactly)."""
+    yield from _server([*POOL, "--dtype", "float32"])
+
+
+@pytest.fixture(scope="session")
+def kv_server() -> Iterator[Server]:
+    """One compressing server; tests pick other policies per request (custom_params)."""
+    yield from _server([*POOL, "--kv-policy", "d2o", "--kv-budget", "256"])
