@@ -11,7 +11,9 @@ import torch
 
 
 class Ring:
-    def __init__(self, layers: int, window: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, layers: int, window: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.buf = torch.zeros(layers, window, heads, dim, dtype=dtype, device=device)
         self.count = [0] * layers
         self.window = window
@@ -44,7 +46,9 @@ class Ring:
 RINGS: dict[int, Ring] = {}  # by req_pool_idx
 
 
-def ensure(row: int, layers: int, window: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device) -> None:
+def ensure(
+    row: int, layers: int, window: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device
+) -> None:
     r = RINGS.get(row)
     if r is None or r.window != window:
         RINGS[row] = Ring(layers, window, heads, dim, dtype, device)

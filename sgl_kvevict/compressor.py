@@ -76,7 +76,9 @@ def compress(req: Any, phase: Phase) -> int:
             q = ring.get(layer)
             if q.shape[1] > 0:
                 all_slots = torch.cat([row[:a].to(torch.int64), region])
-                attn = kernels.window_attention(q, rt.k_buffer(layer), all_slots, rt.scale, causal=True)[:, a:]
+                attn = kernels.window_attention(q, rt.k_buffer(layer), all_slots, rt.scale, causal=True)[
+                    :, a:
+                ]
         return LayerView(
             layer=layer,
             k_buffer=rt.k_buffer(layer),
@@ -168,7 +170,16 @@ def compress(req: Any, phase: Phase) -> int:
     tot.seconds_compressing += dt
     if s.compressions == 1:
         tot.requests_compressed += 1
-    logger.debug("kvevict %s: %s %s kept %d of %d region slots (offset %d) in %.3fs", req.rid, s.cfg.policy, phase, k, n, s.offset, dt)
+    logger.debug(
+        "kvevict %s: %s %s kept %d of %d region slots (offset %d) in %.3fs",
+        req.rid,
+        s.cfg.policy,
+        phase,
+        k,
+        n,
+        s.offset,
+        dt,
+    )
     return n - k
 
 
@@ -192,7 +203,9 @@ def safe_compress(req: Any, phase: Phase) -> int:
             s.failed = True
             if runtime.RT is not None:
                 runtime.RT.totals.policy_failures += 1
-            logger.exception("kvevict: policy %r failed for request %s; it continues uncompressed", s.cfg.policy, req.rid)
+            logger.exception(
+                "kvevict: policy %r failed for request %s; it continues uncompressed", s.cfg.policy, req.rid
+            )
         return 0
     finally:
         if torch.get_num_threads() != prev:

@@ -33,7 +33,9 @@ def parse_budget(text: str | int | float) -> int | float:
             try:
                 val = float(s)
             except ValueError:
-                raise ValueError(f"budget {text!r} is not a number: give tokens (e.g. 256) or a ratio in (0, 1] (e.g. 0.5)") from None
+                raise ValueError(
+                    f"budget {text!r} is not a number: give tokens (e.g. 256) or a ratio in (0, 1] (e.g. 0.5)"
+                ) from None
     else:
         val = text
     if isinstance(val, float) and val.is_integer() and val > 1:
@@ -53,7 +55,9 @@ class KvConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     policy: str = "none"
-    budget: int | float = Field(DEFAULT_BUDGET, description="tokens kept per head beyond sinks+recent, or a ratio of the suffix")
+    budget: int | float = Field(
+        DEFAULT_BUDGET, description="tokens kept per head beyond sinks+recent, or a ratio of the suffix"
+    )
     config: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("budget", mode="before")
@@ -103,8 +107,14 @@ def request_override(custom_params: dict[str, Any] | None, base: KvConfig) -> Kv
         raise ValueError(f"custom_params.{REQUEST_KEY} must be an object with policy/budget/config")
     unknown = set(raw) - {"policy", "budget", "config"}
     if unknown:
-        raise ValueError(f"custom_params.{REQUEST_KEY}: unknown field(s) {sorted(unknown)}; valid: policy, budget, config")
-    merged = {"policy": base.policy, "budget": base.budget, "config": base.config if "policy" not in raw else {}}
+        raise ValueError(
+            f"custom_params.{REQUEST_KEY}: unknown field(s) {sorted(unknown)}; valid: policy, budget, config"
+        )
+    merged = {
+        "policy": base.policy,
+        "budget": base.budget,
+        "config": base.config if "policy" not in raw else {},
+    }
     merged.update(raw)
     try:
         cfg = KvConfig.model_validate(merged)

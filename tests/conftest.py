@@ -18,6 +18,7 @@ from .helpers import POOL, _server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+
 @pytest.fixture(scope="session")
 def plain_server() -> Iterator[Server]:
     """The plugin installed but no --kv-policy flag: plain SGLang behaviour (fp32, to compare with HF exactly)."""

@@ -32,6 +32,7 @@ def _server(args: list[str]) -> Iterator[Server]:
         srv.stop()
         assert alive, f"server died during the tests; log tail:\n{tail}"
 
+
 _WORDS = (
     "river stone lantern orchard copper meadow signal harbor quiet amber forest engine ledger "
     "violet canyon marble thunder candle garden silver rocket window basket pepper island"
@@ -51,14 +52,18 @@ def long_text(n_tokens: int, seed: int = 0) -> str:
     while len(tokenizer().encode(text)) < n_tokens:
         for _ in range(20):
             w = rng.sample(_WORDS, 3)
-            lines.append(f"[{len(lines):04d}] worker-{rng.randint(1, 9)} moved the {w[0]} {w[1]} to the {w[2]} (status {rng.choice(['ok', 'retry', 'done'])}).")
+            lines.append(
+                f"[{len(lines):04d}] worker-{rng.randint(1, 9)} moved the {w[0]} {w[1]} to the {w[2]} (status {rng.choice(['ok', 'retry', 'done'])})."
+            )
         text = "\n".join(lines)
     ids = tokenizer().encode(text)[:n_tokens]
     return tokenizer().decode(ids)
 
 
 def chat_ids(messages: list[dict]) -> list[int]:
-    return tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return tokenizer().apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
 
 
 def not_collapsed(output_ids: list[int]) -> bool:

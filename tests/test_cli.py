@@ -16,7 +16,13 @@ def launch(*args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", MISSING_MODEL, *args]
     for flag, val in CPU_FLAGS.items():
         cmd += [flag] if val is None else [flag, val]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    return subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+    )
 
 
 @pytest.mark.parametrize(
@@ -28,8 +34,14 @@ def launch(*args: str) -> subprocess.CompletedProcess:
         (["--kv-policy", "lagkv", "--kv-policy-config", "{lag: 3"], ["--kv-policy-config", "not valid JSON"]),
         (["--kv-policy", "lagkv", "--kv-policy-config", '{"lag": -1}'], ["--kv-policy-config", "'lag'"]),
         (["--kv-policy", "lagkv", "--kv-policy-config", '{"colour": 1}'], ["--kv-policy-config", "'colour'"]),
-        (["--kv-policy", "criticalkv", "--kv-policy-config", '{"base": "lagkv"}'], ["--kv-policy-config", "lagkv"]),
-        (["--kv-policy", "graphkv", "--kv-policy-config", '{"base": "nope"}'], ["--kv-policy-config", "nope"]),
+        (
+            ["--kv-policy", "criticalkv", "--kv-policy-config", '{"base": "lagkv"}'],
+            ["--kv-policy-config", "lagkv"],
+        ),
+        (
+            ["--kv-policy", "graphkv", "--kv-policy-config", '{"base": "nope"}'],
+            ["--kv-policy-config", "nope"],
+        ),
         (["--kv-policy", "lagkv", "--page-size", "16"], ["--page-size 1"]),
     ],
 )

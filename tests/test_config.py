@@ -8,7 +8,9 @@ from sgl_kvevict import policies
 from sgl_kvevict.config import KvConfig, parse_budget, request_override
 
 
-@pytest.mark.parametrize(("text", "want"), [("256", 256), ("0.5", 0.5), ("1", 1), ("1.0", 1.0), ("300.0", 300), (64, 64)])
+@pytest.mark.parametrize(
+    ("text", "want"), [("256", 256), ("0.5", 0.5), ("1", 1), ("1.0", 1.0), ("300.0", 300), (64, 64)]
+)
 def test_parse_budget_accepts(text, want):
     got = parse_budget(text)
     assert got == want and type(got) is type(want)

@@ -28,10 +28,18 @@ def none_server() -> Iterator[Server]:
 
 
 def hf_greedy(ids: list[int], n: int) -> list[int]:
-    model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(
+        default_model_path(), dtype=torch.float32, attn_implementation="eager"
+    )
     model.eval()
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=tokenizer().eos_token_id)
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=tokenizer().eos_token_id,
+        )
     return out[0, len(ids) :].tolist()
 
 
