@@ -121,7 +121,9 @@ class Policy:
         self.config = config if config is not None else self.Config()
 
     # -- when -------------------------------------------------------------------------------------
-    def should_compress(self, n_region: int, n_sink: int, n_recent: int, n_compacted: int, budget: int, phase: Phase) -> bool:
+    def should_compress(
+        self, n_region: int, n_sink: int, n_recent: int, n_compacted: int, budget: int, phase: Phase
+    ) -> bool:
         """Default: after prefill/finish when over budget; in decode once `interval` tokens over it."""
         n_cand = n_region - n_sink - n_recent
         slack = self.config.interval if phase == "decode" else 0

@@ -10,5 +10,7 @@ from .base import Phase, Policy
 class NonePolicy(Policy):
     name = "none"
 
-    def should_compress(self, n_region: int, n_sink: int, n_recent: int, n_compacted: int, budget: int, phase: Phase) -> bool:
+    def should_compress(
+        self, n_region: int, n_sink: int, n_recent: int, n_compacted: int, budget: int, phase: Phase
+    ) -> bool:
         return False
