@@ -221,6 +221,7 @@ def stats(req: Any) -> dict[str, Any] | None:
         "policy": s.cfg.policy,
         "budget": s.cfg.budget,
         "kv_tokens": int(req.kv.kv_committed_len),
+        "prefix_kv_tokens": s.anchor_kv,
         "logical_tokens": int(req.kv.kv_committed_len) + s.offset,
         "evicted": s.own_evicted,
         "reused_evicted": s.anchor_tokens - s.anchor_kv,
@@ -230,7 +231,6 @@ def stats(req: Any) -> dict[str, Any] | None:
         "failed": s.failed,
     }
     if st.DEBUG:
-        out["prefix_slots"] = s.anchor_kv
         out["prefix_digest"] = s.prefix_digest
         out["prefix_digest_end"] = s.prefix_digest_end
     for name, vals in s.layer_stats.items():

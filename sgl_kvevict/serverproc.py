@@ -100,9 +100,17 @@ class Server:
 
     # -- helpers ------------------------------------------------------------------------------------
     def generate(
-        self, text: str | None = None, input_ids: list[int] | None = None, timeout: float = 600, **sampling
+        self,
+        text: str | None = None,
+        input_ids: list[int] | None = None,
+        timeout: float = 600,
+        kv: dict | None = None,
+        **sampling,
     ) -> dict:
+        """Greedy `/generate`; `kv` is the per-request override (custom_params["kvevict"])."""
         body: dict = {"sampling_params": {"temperature": 0, **sampling}}
+        if kv is not None:
+            body["sampling_params"]["custom_params"] = {"kvevict": kv}
         if input_ids is not None:
             body["input_ids"] = input_ids
         else:

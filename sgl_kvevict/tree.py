@@ -53,6 +53,7 @@ class KvEvictRadixCache(RadixCache):
     """RadixCache that also stores and matches compressed request histories."""
 
     def __init__(self, params: Any, rows: int) -> None:
+        self._normal_only = False  # set while SGLang's own checkpoint re-matches its uncompressed insert
         super().__init__(params)
         # Logical-position offset of each request row (evicted tokens before its next token).
         self.offsets = torch.zeros(rows, dtype=torch.int64, device=self.device)
@@ -106,42 +107,61 @@ class KvEvictRadixCache(RadixCache):
             if isinstance(k, tuple) and k and k[0] is MARK and c.key.child_key(self.page_size) == first
         ]
 
+    def _candidates(self, node: TreeNode, key: RadixKey) -> list[tuple[TreeNode, int]]:
+        """Children a lookup may enter, with the tokens each matches: the token child (any prefix of it)
+        and the compressed children whose whole key matches."""
+        ck = key.child_key(self.page_size)
+        out: list[tuple[TreeNode, int]] = []
+        normal = node.children.get(ck)
+        if normal is not None:
+            m = normal.key.match(key, page_size=self.page_size)
+            if m > 0:
+                out.append((normal, m))
+        if not self._normal_only:
+            for c in self._compressed_children(node, ck):
+                if len(c.key) <= len(key) and c.key.match(key) == len(c.key):
+                    out.append((c, len(c.key)))
+        return out
+
+    def _reach(self, node: TreeNode, key: RadixKey) -> int:
+        """Tokens the best path below `node` matches (dry run: nothing is split)."""
+        best = 0
+        for child, m in self._candidates(node, key) if len(key) else ():
+            if m == len(child.key) and m < len(key):
+                m += self._reach(child, key[m:])
+            best = max(best, m)
+        return best
+
     def _walk(self, key: RadixKey) -> tuple[list[torch.Tensor], TreeNode, int]:
-        """Longest match; returns (values, last node, matched tokens)."""
+        """Longest match; returns (values, last node, matched tokens).
+
+        At each step the child whose path reaches furthest wins; on a tie a compressed child wins (it
+        holds fewer slots: reusing it is the point, and the uncompressed copy stays evictable).
+        """
         now = time.monotonic()
         node = self.root_node
         node.last_access_time = now
         values: list[torch.Tensor] = []
         tokens = 0
         while len(key) > 0:
-            ck = key.child_key(self.page_size)
-            normal = node.children.get(ck)
-            n_len = normal.key.match(key, page_size=self.page_size) if normal is not None else 0
-            best = None
-            for c in self._compressed_children(node, ck):
-                if len(c.key) <= len(key) and c.key.match(key) == len(c.key) and len(c.key) > n_len:
-                    if best is None or len(c.key) > len(best.key):
-                        best = c
-            if best is not None:
-                best.last_access_time = now
-                values.append(best.value)
-                tokens += len(best.key)
-                node = best
-                key = key[len(best.key) :]
-                continue
-            if normal is None or n_len == 0:
+            best, best_m, best_reach = None, 0, -1
+            for child, m in self._candidates(node, key):
+                reach = m + (self._reach(child, key[m:]) if m == len(child.key) and m < len(key) else 0)
+                if reach > best_reach or (reach == best_reach and is_compressed(child)):
+                    best, best_m, best_reach = child, m, reach
+            if best is None:
                 break
-            normal.last_access_time = now
-            if n_len < len(normal.key):
-                new_node = self._split_node(normal.key, normal, n_len)
+            best.last_access_time = now
+            if best_m < len(best.key):  # ends inside a token node: split it, as SGLang does
+                new_node = self._split_node(best.key, best, best_m)
                 values.append(new_node.value)
-                tokens += n_len
+                tokens += best_m
                 node = new_node
                 break
-            values.append(normal.value)
-            tokens += n_len
-            node = normal
-            key = key[n_len:]
+            values.append(best.value)
+            tokens += best_m
+            node = best
+            key = key[best_m:]
         return values, node, tokens
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
@@ -208,7 +228,11 @@ class KvEvictRadixCache(RadixCache):
     def checkpoint(self, req: Req, *, up_to: int) -> None:
         s = st.get(req)
         if self.disable or s is None or s.offset == 0:
-            return super().checkpoint(req, up_to=up_to)
+            self._normal_only = True
+            try:
+                return super().checkpoint(req, up_to=up_to)
+            finally:
+                self._normal_only = False
         # release_kv_cache passes a slot count (owned_kv_len); a running request's checkpoint its extend_end.
         kv_end = up_to if req.finished() else up_to - s.offset
         tokens_end = kv_end + s.offset
@@ -223,7 +247,7 @@ class KvEvictRadixCache(RadixCache):
         def rkey(a: int, b: int) -> RadixKey:
             return RadixKey(token_ids[a:b], req.extra_key, cache_salt=req.cache_salt)
 
-        if s.comp_slots > 0:
+        if s.comp_tokens > 0:  # (may hold 0 slots: e.g. streaming keeps only the newest tokens)
             cval = row[kpos : kpos + s.comp_slots].to(torch.int64)
             res = self._insert_compressed(node, rkey(tpos, tpos + s.comp_tokens), cval, priority)
             if res is None:  # a different history with the same tokens is stored: keep it, free ours

@@ -1,0 +1,223 @@
+"""Decode-time suffix compression inside the live SGLang server (real model, HTTP, leak checks on).
+
+One compressing server (`--kv-policy d2o --kv-budget 256`) serves every test; other policies and budgets
+come per request through `custom_params`, as a user of one shared server would send them.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+import sglang as sgl
+
+from sgl_kvevict.serverproc import Server
+
+from .helpers import chat_ids, long_text, not_collapsed, tokenizer
+
+pytestmark = pytest.mark.server
+
+SINKS, RECENT = 4, 32
+NO_EVICT = {"budget": 100000}
+
+
+def kvinfo(out: dict) -> dict:
+    return out["meta_info"]["kvevict"][0]
+
+
+def run_parallel(fn, items):
+    with ThreadPoolExecutor(len(items)) as ex:
+        return list(ex.map(fn, items))
+
+
+def conversation(srv: Server, kv: dict, turns: list[str], n: int) -> list[list[int]]:
+    msgs: list[dict] = []
+    outs = []
+    for text in turns:
+        msgs.append({"role": "user", "content": text})
+        out = srv.generate(input_ids=chat_ids(msgs), max_new_tokens=n, kv=kv)
+        outs.append(out["output_ids"])
+        msgs.append({"role": "assistant", "content": out["text"]})
+    return outs
+
+
+# ---- 1. nothing evicted => token-identical to the full cache --------------------------------------
+def test_no_eviction_is_token_identical_single_and_multiturn(kv_server: Server):
+    ids = chat_ids([{"role": "user", "content": long_text(400, seed=3) + "\nWhat happened last?"}])
+    ref = kv_server.generate(input_ids=ids, max_new_tokens=32, kv={"policy": "none"})
+    got = kv_server.generate(input_ids=ids, max_new_tokens=32, kv=NO_EVICT)
+    assert got["output_ids"] == ref["output_ids"]
+    assert kvinfo(got)["evicted"] == 0 and kvinfo(got)["policy"] == "d2o"
+    turns = ["Name three colours.", "Which of them is the warmest?", "Say it in French."]
+    assert conversation(kv_server, NO_EVICT, turns, 16) == conversation(
+        kv_server, {"policy": "none"}, turns, 16
+    )
+
+
+def test_no_eviction_is_token_identical_batch_of_8(kv_server: Server):
+    prompts = [
+        chat_ids([{"role": "user", "content": f"Tell me fact number {i} about {w}."}])
+        for i, w in enumerate("abcdefgh")
+    ]
+
+    def run(kv):
+        return run_parallel(
+            lambda ids: kv_server.generate(input_ids=ids, max_new_tokens=16, kv=kv)["output_ids"], prompts
+        )
+
+    assert run(NO_EVICT) == run({"policy": "none"})
+
+
+# ---- 2. every policy compresses a long request after prefill and during decode -------------------
+POLICIES = {
+    "streaming": {},
+    "snapkv": {},
+    "lagkv": {"lag": 32},
+    "d2o": {},
+    "graphkv": {},
+    "criticalkv": {},
+}
+
+
+def window_of(policy: str, cfg: dict) -> int:
+    return 2 * cfg["lag"] - 1 if policy == "lagkv" else RECENT
+
+
+def test_six_policies_at_once_hold_their_budget(kv_server: Server):
+    prompts = {
+        n: chat_ids(
+            [{"role": "user", "content": long_text(2000, seed=50 + i) + "\nSummarize the log above."}]
+        )
+        for i, n in enumerate(POLICIES)
+    }
+
+    def one(item):
+        name, cfg = item
+        kv = {"policy": name, "budget": 256, "config": cfg}
+        return name, kv_server.generate(input_ids=prompts[name], max_new_tokens=200, ignore_eos=True, kv=kv)
+
+    results = dict(run_parallel(one, list(POLICIES.items())))
+    for name, out in results.items():
+        info = kvinfo(out)
+        assert info["policy"] == name and not info["failed"]
+        assert info["compressions"] >= 2, (name, info)  # after prefill and during decode
+        bound = 256 + window_of(name, POLICIES[name]) + SINKS
+        assert info["kv_tokens"] - info["prefix_kv_tokens"] <= bound, (name, info)  # the shared prefix aside
+        assert info["logical_tokens"] == len(prompts[name]) + 199
+        assert len(out["output_ids"]) == 200 and not_collapsed(out["output_ids"]), (name, out["text"])
+    kv_server.flush()
+    state = kv_server.server_info()["internal_states"][0]["kvevict"]
+    assert state["available_tokens"] == state["max_total_tokens"]
+    assert state["compressions"] >= 12 and state["slots_freed"] > 6 * 1500
+
+
+# ---- 3. a shared prefix stays bit-identical and shared --------------------------------------------
+def test_shared_prefix_is_intact_and_reused(kv_server: Server):
+    system = {"role": "system", "content": long_text(1000, seed=11)}
+    outs = []
+    for q in (long_text(600, seed=12), long_text(600, seed=13)):
+        ids = chat_ids([system, {"role": "user", "content": q + "\nWhich worker appears most?"}])
+        outs.append(kv_server.generate(input_ids=ids, max_new_tokens=24))
+    first, second = kvinfo(outs[0]), kvinfo(outs[1])
+    assert first["evicted"] > 0 and second["evicted"] > 0  # both compressed their own suffix
+    assert outs[1]["meta_info"]["cached_tokens"] >= 1000
+    assert second["prefix_kv_tokens"] >= 1000
+    assert second["prefix_digest"] and second["prefix_digest"] == second["prefix_digest_end"]
+
+
+# ---- 4. multi-turn reuse through the OpenAI chat API ----------------------------------------------
+def test_multiturn_openai_chat_reuses_compressed_history(kv_server: Server):
+    msgs: list[dict] = [{"role": "system", "content": "You are a helpful operations assistant."}]
+    extra = {"custom_params": {"kvevict": {"policy": "lagkv", "budget": 0.5}}, "return_meta_info": True}
+    turns = []
+    for i in range(4):
+        msgs.append(
+            {
+                "role": "user",
+                "content": long_text(500, seed=20 + i) + f"\nQuestion {i}: which status is most common?",
+            }
+        )
+        body = {"model": "default", "messages": msgs, "max_tokens": 16, "temperature": 0, **extra}
+        r = requests.post(kv_server.url + "/v1/chat/completions", json=body, timeout=600)
+        r.raise_for_status()
+        j = r.json()
+        meta = j["choices"][0]["meta_info"]
+        turns.append(
+            (
+                j["usage"]["prompt_tokens"],
+                j["usage"]["completion_tokens"],
+                meta["cached_tokens"],
+                meta["kvevict"][0],
+            )
+        )
+        msgs.append({"role": "assistant", "content": j["choices"][0]["message"]["content"]})
+    for k in range(1, 4):
+        prev_prompt, prev_completion = turns[k - 1][0], turns[k - 1][1]
+        prompt, _, cached, info = turns[k]
+        # Earlier turns come from the tree; the re-rendered reply may re-tokenize differently at its end.
+        assert cached >= prev_prompt and cached >= 0.95 * (prev_prompt + prev_completion), (k, turns[k])
+        assert prompt - cached <= 560  # only the new user turn (+ template tokens) is prefilled
+        assert info["reused_evicted"] > 0  # the matched history was compressed
+    last = turns[-1][3]
+    assert last["kv_tokens"] <= 0.7 * last["logical_tokens"], last
+
+
+# ---- 5. an SGLang frontend program that forks ----------------------------------------------------
+def test_frontend_fork_shares_the_context(kv_server: Server):
+    context = long_text(700, seed=31)
+
+    @sgl.function
+    def branches(s, ctx):
+        s += sgl.system("Answer in a few words.")
+        s += sgl.user(ctx)
+        s += sgl.assistant("I have read the log.")
+        s.text()  # commits the shared prefix before forking (ENVIRONMENT.md)
+        forks = s.fork(4)
+        for i, f in enumerate(forks):
+            f += sgl.user(f"Question {i}: name one worker from the log.")
+            f += sgl.assistant(sgl.gen("answer", max_tokens=12, temperature=0))
+        return [f["answer"] for f in forks], [f.get_meta_info("answer") for f in forks]
+
+    backend = sgl.RuntimeEndpoint(kv_server.url, chat_template_name="chatml")
+    state = branches.run(ctx=context, backend=backend)
+    answers, metas = state.ret_value
+    assert len(answers) == 4 and all(a.strip() for a in answers)
+    n_ctx = len(tokenizer().encode(context))
+    for m in metas:
+        assert m["cached_tokens"] >= n_ctx, m
+        assert m["kvevict"][0]["policy"] == "d2o"
+
+
+# ---- 6. a failing policy degrades only its request ------------------------------------------------
+def test_policy_failure_leaves_request_uncompressed_and_server_healthy(kv_server: Server):
+    ids = chat_ids([{"role": "user", "content": long_text(600, seed=41) + "\nWhat is the last line?"}])
+    out = kv_server.generate(input_ids=ids, max_new_tokens=16, kv={"policy": "test_raise", "budget": 64})
+    info = kvinfo(out)
+    assert info["failed"] and info["evicted"] == 0 and info["kv_tokens"] == info["logical_tokens"]
+    kv_server.flush()
+    ref = kv_server.generate(input_ids=ids, max_new_tokens=16, kv={"policy": "none"})
+    assert out["output_ids"] == ref["output_ids"]
+    other = chat_ids([{"role": "user", "content": long_text(600, seed=42) + "\nWhat is the last line?"}])
+    ok = kv_server.generate(input_ids=other, max_new_tokens=4, kv={"policy": "snapkv", "budget": 64})
+    assert kvinfo(ok)["evicted"] > 0
+    assert kv_server.server_info()["internal_states"][0]["kvevict"]["policy_failures"] >= 1
+
+
+def test_bad_per_request_override_is_http_400(kv_server: Server):
+    for bad, word in [
+        ({"policy": "nope"}, "valid choices"),
+        ({"budget": 7.5}, "budget"),
+        ({"policy": "lagkv", "config": {"lag": 0}}, "lag"),
+    ]:
+        body = {"text": "hello", "sampling_params": {"max_new_tokens": 2, "custom_params": {"kvevict": bad}}}
+        r = requests.post(kv_server.url + "/generate", json=body, timeout=60)
+        assert r.status_code == 400 and word in r.text, (bad, r.status_code, r.text[:300])
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": "hi"}],
+        "custom_params": {"kvevict": {"policy": "nope"}},
+    }
+    r = requests.post(kv_server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and "valid choices" in r.text
+    assert kv_server.generate("The capital of France is", max_new_tokens=3)["text"].strip()

@@ -1,0 +1,112 @@
+"""The compressing radix cache on SGLang's real pools (ReqToTokenPool, MHATokenToKVPool, allocator)."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+import torch
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+from sgl_kvevict.tree import KvEvictRadixCache, is_compressed
+
+POOL = 512
+
+
+def key(ids) -> RadixKey:
+    return RadixKey(array("q", list(ids)))
+
+
+@pytest.fixture()
+def tree() -> KvEvictRadixCache:
+    r2t = ReqToTokenPool(8, 256, "cpu", False)
+    kv = MHATokenToKVPool(POOL, 1, torch.bfloat16, 3, 64, 2, "cpu", False)
+    alloc = TokenToKVPoolAllocator(POOL, torch.bfloat16, "cpu", kv, False)
+    params = CacheInitParams(
+        disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=1
+    )
+    return KvEvictRadixCache(params, r2t.req_to_token.shape[0])
+
+
+def build_history(t: KvEvictRadixCache):
+    """prefix P = tokens 0..9 (10 slots) -> compressed C = tokens 10..29 in 8 slots -> tail = 30..34."""
+    alloc = t.token_to_kv_pool_allocator
+    p_slots = alloc.alloc(10).to(torch.int64)
+    t.insert(InsertParams(key=key(range(10)), value=p_slots))
+    p_node = t.match_prefix(MatchPrefixParams(key=key(range(10)))).last_device_node
+    c_slots = alloc.alloc(8).to(torch.int64)
+    c_node, dup = t._insert_compressed(p_node, key(range(10, 30)), c_slots, 0)
+    assert not dup and is_compressed(c_node)
+    tail_slots = alloc.alloc(5).to(torch.int64)
+    _, tail = t._insert_helper(c_node, key(range(30, 35)), tail_slots, 0, 0)
+    return p_node, c_node, tail, torch.cat([p_slots, c_slots, tail_slots])
+
+
+def test_full_match_reports_tokens_and_slots(tree):
+    _, _, tail, slots = build_history(tree)
+    res = tree.match_prefix(MatchPrefixParams(key=key([*range(35), 99])))
+    assert res.device_prefix_len == 35  # tokens: SGLang slices fill ids with it
+    assert res.cache_protected_len == 23  # slots on the path
+    assert res.last_device_node is tail
+    assert torch.equal(tree.path_device_indices(tail), slots)
+
+
+def test_compressed_node_is_atomic(tree):
+    p_node, c_node, _, _ = build_history(tree)
+    res = tree.match_prefix(MatchPrefixParams(key=key([*range(20), 77])))
+    assert res.device_prefix_len == 10 and res.cache_protected_len is None
+    assert res.last_device_node is p_node
+    assert len(c_node.key) == 20 and len(c_node.value) == 8  # never split
+
+
+def test_uncompressed_tail_splits_like_any_node(tree):
+    _, c_node, _, slots = build_history(tree)
+    res = tree.match_prefix(MatchPrefixParams(key=key([*range(32), 55])))
+    assert res.device_prefix_len == 32 and res.cache_protected_len == 20
+    node = res.last_device_node
+    assert node.parent is c_node and len(node.key) == 2
+    assert torch.equal(tree.path_device_indices(node), slots[:20])
+
+
+def test_sizes_count_slots_and_eviction_frees_everything(tree):
+    _, _, tail, _ = build_history(tree)
+    alloc = tree.token_to_kv_pool_allocator
+    assert tree.evictable_size() == 23 and tree.protected_size() == 0
+    assert alloc.available_size() + tree.evictable_size() == POOL
+    lock = tree.lock(tail)
+    assert tree.protected_size() == 23 and tree.evictable_size() == 0
+    tree.unlock(lock)
+    assert tree.evictable_size() == 23
+    tree.evict(EvictParams(num_tokens=1000))
+    assert tree.evictable_size() == 0 and alloc.available_size() == POOL
+
+
+def test_compressed_and_uncompressed_copies_coexist(tree):
+    p_node, c_node, _, _ = build_history(tree)
+    alloc = tree.token_to_kv_pool_allocator
+    tree.insert(
+        InsertParams(
+            key=key(range(15)),
+            value=torch.cat([tree.path_device_indices(p_node), alloc.alloc(5).to(torch.int64)]),
+        )
+    )
+    # The uncompressed branch covers 5 tokens after P, the compressed one 20: the longer wins.
+    res = tree.match_prefix(MatchPrefixParams(key=key([*range(30), 1])))
+    assert res.last_device_node is c_node and res.device_prefix_len == 30
+    res = tree.match_prefix(MatchPrefixParams(key=key([*range(15), 88])))
+    assert res.device_prefix_len == 15 and res.cache_protected_len is None
+    assert not is_compressed(res.last_device_node)
+    tree.evict(EvictParams(num_tokens=1000))
+    assert alloc.available_size() == POOL
+
+
+def test_duplicate_compressed_history_is_reused(tree):
+    p_node, c_node, _, _ = build_history(tree)
+    other = tree.token_to_kv_pool_allocator.alloc(8).to(torch.int64)
+    node, dup = tree._insert_compressed(p_node, key(range(10, 30)), other, 0)
+    assert dup and node is c_node
+    assert tree._insert_compressed(p_node, key(range(10, 30)), other[:6], 0) is None  # same tokens, other KV
