@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 import torch
+
 from sgl_kvevict.kernels import compact_ref, d2o_merge_ref, lag_scores_ref, vo_norms_ref, window_attention_ref
 
 LAYERS, HKV, HQ, D, HIDDEN, W, LAG = 30, 3, 9, 64, 576, 32, 128

@@ -26,12 +26,12 @@ import time
 from typing import Any
 
 import torch
-from sgl_kvevict.kernels import window_attention
-from sgl_kvevict.policies.base import LayerView
 from transformers import AttentionInterface, AttentionMaskInterface, AutoModelForCausalLM, AutoTokenizer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from sgl_kvevict import policies as P
+from sgl_kvevict.kernels import window_attention
+from sgl_kvevict.policies.base import LayerView
 
 MODEL = "/root/.cache/sgl-kvevict/models/SmolLM2-135M-Instruct-v1"
 SINKS, RECENT, WINDOW = 4, 32, 32

@@ -49,10 +49,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from tqdm import tqdm
+
 from sgl_kvevict.scenarios import build
 from sgl_kvevict.scenarios.base import Scenario, ScenarioConfig, Session
 from sgl_kvevict.scenarios.recall import correct
-from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import replay_client as rc  # noqa: E402

@@ -29,6 +29,7 @@ from sgl_kvevict.config import KvConfig
 
 logger = logging.getLogger("sgl_kvevict")
 META_KEY = "kvevict"
+STREAM_KEY = "kvevict_stream"  # streamed responses: per-token list, the stats in the last entry
 _SB = "sglang.srt.managers.schedule_batch"
 
 
@@ -165,7 +166,12 @@ def on_release_report(req) -> None:
         return
     if req.customized_info is None:
         req.customized_info = {}
-    req.customized_info[META_KEY] = [stats]
+    if req.stream:
+        # SGLang sends request-level info only with a stream's first chunk; a per-token list whose last
+        # entry is the stats reaches the final chunk instead.
+        req.customized_info[STREAM_KEY] = [None] * (len(req.output_ids) - 1) + [stats]
+    else:
+        req.customized_info[META_KEY] = [stats]
 
 
 def request_level_key(original, self, key, *args, **kwargs):

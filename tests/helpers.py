@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import functools
-import random
 from collections.abc import Iterator
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from sgl_kvevict.model import default_model_path
+from sgl_kvevict.scenarios.text import log_text
 from sgl_kvevict.serverproc import Server
 
 CHECKED_ENV = {
@@ -33,31 +33,14 @@ def _server(args: list[str]) -> Iterator[Server]:
         assert alive, f"server died during the tests; log tail:\n{tail}"
 
 
-_WORDS = (
-    "river stone lantern orchard copper meadow signal harbor quiet amber forest engine ledger "
-    "violet canyon marble thunder candle garden silver rocket window basket pepper island"
-).split()
-
-
 @functools.cache
 def tokenizer() -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(default_model_path())
 
 
 def long_text(n_tokens: int, seed: int = 0) -> str:
-    """A log-like text of about `n_tokens` tokens (deterministic)."""
-    rng = random.Random(seed)
-    lines: list[str] = []
-    text = ""
-    while len(tokenizer().encode(text)) < n_tokens:
-        for _ in range(20):
-            w = rng.sample(_WORDS, 3)
-            lines.append(
-                f"[{len(lines):04d}] worker-{rng.randint(1, 9)} moved the {w[0]} {w[1]} to the {w[2]} (status {rng.choice(['ok', 'retry', 'done'])})."
-            )
-        text = "\n".join(lines)
-    ids = tokenizer().encode(text)[:n_tokens]
-    return tokenizer().decode(ids)
+    """A log-like text of `n_tokens` tokens (deterministic)."""
+    return log_text(tokenizer(), n_tokens, seed)
 
 
 def chat_ids(messages: list[dict]) -> list[int]:

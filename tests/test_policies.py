@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
-from sgl_kvevict.policies.base import LayerView
 
 from sgl_kvevict import policies as P
+from sgl_kvevict.policies.base import LayerView
 
 H, HQ, D, HID = 3, 9, 16, 24
 

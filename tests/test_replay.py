@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import replay  # noqa: E402
 from replay_report import final_kv  # noqa: E402
+
 from sgl_kvevict.scenarios.base import ScenarioConfig  # noqa: E402
 
 TURN_FIELDS = {
