@@ -5,7 +5,7 @@ Why a replay: compression pays off only across turns (the compressed history is 
 reuses, and what lets more sessions fit in the pool), so it must be measured on whole sessions, with
 turn order kept inside a session and several sessions at once.
 
-Per turn it records TTFT and decode tokens/s (with --stream), e2e latency, decode tokens/s, prompt/cached/completion tokens, KV held
+Per turn it records TTFT and decode tokens/s (streamed turns; --no-stream to turn off), e2e latency, prompt/cached/completion tokens, KV held
 (`meta_info["kvevict"]`) and the answer; per run, peak running requests and tokens in use (sampled from
 `GET /v1/loads`), the plugin's totals, and the teacher-forced log-likelihood of `none`'s answers.
 
@@ -16,8 +16,6 @@ Full CPU benchmark (SmolLM2-135M, 2 cores, alone on the machine; about 30-40 min
         --tool-tokens 300,900 --filler-tokens 200 --max-total-tokens 9000 \\
         --policies none,streaming,knorm,h2o,snapkv,lagkv,d2o,graphkv,criticalkv --budgets 0.5 \\
         --bench-serving --out results/smollm2-cpu
-    (add --stream for TTFT/decode rate: the plugin does not yet put meta_info["kvevict"] into streamed
-    responses, so KV held is then missing; run it once each way until that is fixed)
 
 Small plumbing check (two policies, one server; ~5 min):
 
@@ -396,9 +394,10 @@ def parse(argv: list[str] | None = None) -> BenchConfig:
         help="extra server flag, e.g. --server-arg=--max-running-requests=8",
     )
     p.add_argument(
-        "--stream",
-        action="store_true",
-        help="stream turns to measure TTFT (KV stats are then missing: plugin bug)",
+        "--no-stream",
+        dest="stream",
+        action="store_false",
+        help="non-streamed turns (no TTFT / decode rate); streamed by default",
     )
     p.add_argument("--score", choices=["none", "last", "all"], default="last")
     p.add_argument(

@@ -110,10 +110,13 @@ def generate(
         t1 = time.time()
         return Call("", [], {}, None, t1 - t0, t0, t1, error=f"{type(e).__name__}: {e}")
     t1 = time.time()
+    meta = dict(last.get("meta_info", {}))
+    if "kvevict_stream" in meta:  # streamed: the stats ride in the last entry of a per-token list
+        meta["kvevict"] = [x for x in meta.pop("kvevict_stream") if x][-1:]
     return Call(
         last.get("text") or "",
         list(last.get("output_ids") or []),
-        last.get("meta_info", {}),
+        meta,
         ttft,
         t1 - t0,
         t0,
