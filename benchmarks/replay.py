@@ -79,10 +79,7 @@ class BenchConfig(BaseModel):
     shared_policy: str = Field("lagkv", description="policy the shared server starts with (runs override it)")
     server_args: list[str] = Field(default_factory=list)
     server_env: dict[str, str] = Field(default_factory=dict)
-    stream: bool = Field(
-        False,
-        description="stream for TTFT; the plugin omits meta_info[kvevict] from streamed responses (so far)",
-    )
+    stream: bool = Field(True, description="stream turns, for TTFT and decode tokens/s")
     score: Literal["none", "last", "all"] = Field(
         "last", description="turns scored by teacher-forced LL of none's answer"
     )

@@ -33,6 +33,19 @@ def _merges(policy: Policy) -> bool:
     return type(policy).merge is not Policy.merge
 
 
+def select_layers(policy: Policy, views: list[LayerView], budget: int) -> list[torch.Tensor]:
+    """Step 1 for every layer: `[Hkv, k]` kept region indices per layer, nothing written yet.
+
+    A separate function so `benchmarks/bench_policies.py` times the server's own selection. The counts
+    must match across layers, or the request's row could not stay rectangular.
+    """
+    keeps = [policy.select(v, budget) for v in views]
+    k = int(keeps[0].shape[1])
+    if any(int(x.shape[1]) != k for x in keeps):
+        raise RuntimeError(f"policy {policy.name!r} kept different counts across layers")
+    return keeps
+
+
 def _alloc(n: int) -> torch.Tensor | None:
     from sglang.srt.mem_cache.allocation import alloc_token_slots
 
@@ -94,10 +107,8 @@ def compress(req: Any, phase: Phase) -> int:
 
     # 1. selection (pure)
     views = [view(layer, slots) for layer in range(rt.n_layers)]
-    keeps = [s.policy.select(v, budget) for v in views]
+    keeps = select_layers(s.policy, views, budget)
     k = int(keeps[0].shape[1])
-    if any(int(x.shape[1]) != k for x in keeps):
-        raise RuntimeError(f"policy {s.cfg.policy!r} kept different counts across layers")
     if k >= n:
         return 0
     keep = torch.stack(keeps).to(torch.int64)  # [L, Hkv, k]
