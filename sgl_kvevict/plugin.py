@@ -107,6 +107,9 @@ def _restrict_features(ns: argparse.Namespace, policy: str) -> None:
         logger.warning(
             "sgl-kvevict: overlap scheduler switched off: compression rewrites a request's row between steps"
         )
+    if not getattr(ns, "disable_cuda_graph", False):
+        ns.disable_cuda_graph = True
+        logger.warning("sgl-kvevict: CUDA graphs switched off: window-query capture runs in Python hooks")
     if getattr(ns, "enable_mixed_chunk", False):
         ns.enable_mixed_chunk = False
         logger.warning(

@@ -28,4 +28,5 @@ def plain_server() -> Iterator[Server]:
 @pytest.fixture(scope="session")
 def kv_server() -> Iterator[Server]:
     """One compressing server; tests pick other policies per request (custom_params)."""
-    yield from _server([*POOL, "--kv-policy", "d2o", "--kv-budget", "256"])
+    # A small prefill chunk: 2,000-token prompts (and reused compressed histories) go through chunked prefill.
+    yield from _server([*POOL, "--kv-policy", "d2o", "--kv-budget", "256", "--chunked-prefill-size", "768"])

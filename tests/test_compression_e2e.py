@@ -221,3 +221,46 @@ def test_bad_per_request_override_is_http_400(kv_server: Server):
     r = requests.post(kv_server.url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400 and "valid choices" in r.text
     assert kv_server.generate("The capital of France is", max_new_tokens=3)["text"].strip()
+
+
+# ---- SGLang features that interact: retraction --------------------------------------------------
+@pytest.fixture(scope="module")
+def retract_server():
+    from .helpers import CHECKED_ENV
+
+    env = {**CHECKED_ENV, "SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "25"}
+    srv = Server(
+        [
+            "--max-total-tokens",
+            "40000",
+            "--kv-policy",
+            "lagkv",
+            "--kv-budget",
+            "128",
+            "--kv-policy-config",
+            '{"lag": 32}',
+        ],
+        env=env,
+    )
+    with srv:
+        yield srv
+        assert srv.alive(), srv.tail()
+
+
+def test_retracted_compressed_requests_complete(retract_server: Server):
+    prompts = [
+        chat_ids([{"role": "user", "content": long_text(500, seed=60 + i) + "\nList three workers."}])
+        for i in range(3)
+    ]
+    outs = run_parallel(
+        lambda ids: retract_server.generate(input_ids=ids, max_new_tokens=60, ignore_eos=True), prompts
+    )
+    assert sum(o["meta_info"]["num_retractions"] for o in outs) >= 1
+    for ids, out in zip(prompts, outs, strict=True):
+        info = kvinfo(out)
+        assert len(out["output_ids"]) == 60
+        assert info["logical_tokens"] == len(ids) + 59
+        assert info["kv_tokens"] < info["logical_tokens"] and not info["failed"]
+    retract_server.flush()
+    state = retract_server.server_info()["internal_states"][0]["kvevict"]
+    assert state["available_tokens"] == state["max_total_tokens"]
