@@ -8,10 +8,10 @@ Run: python benchmarks/bench_kernels.py [--threads T] [--repeats R]
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import torch
+from timing import times_ms  # benchmarks/timing.py (scripts run with benchmarks/ on sys.path)
 
 from sgl_kvevict.kernels import compact_ref, d2o_merge_ref, lag_scores_ref, vo_norms_ref, window_attention_ref
 
@@ -24,16 +24,8 @@ REPEATS = 5
 
 
 def best_ms(fn: Callable[[], object], setup: Callable[[], None] | None = None) -> float:
-    """Best wall time in ms over REPEATS runs (after one warm-up); `setup` runs untimed before each."""
-    times = []
-    for i in range(REPEATS + 1):
-        if setup is not None:
-            setup()
-        t0 = time.perf_counter()
-        fn()
-        if i:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return min(times)
+    """Best wall time in ms over REPEATS runs (after one warm-up)."""
+    return min(times_ms(fn, REPEATS, setup))
 
 
 def sorted_keep(n: int, b: int, heads: int, gen: torch.Generator) -> torch.Tensor:

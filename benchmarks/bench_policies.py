@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from timing import times_ms  # benchmarks/timing.py (scripts run with benchmarks/ on sys.path)
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -54,16 +55,8 @@ def log(msg: str) -> None:
 
 
 def median_ms(fn: Callable[[], object], repeats: int, setup: Callable[[], None] | None = None) -> float:
-    """Median wall time in ms over `repeats` runs after one warm-up; `setup` runs untimed before each."""
-    times = []
-    for i in range(repeats + 1):
-        if setup is not None:
-            setup()
-        t0 = time.perf_counter()
-        fn()
-        if i:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    """Median wall time in ms over `repeats` runs after one warm-up."""
+    return statistics.median(times_ms(fn, repeats, setup))
 
 
 def corpus() -> str:

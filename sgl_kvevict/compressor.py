@@ -14,6 +14,7 @@ are never written (invariant 1) and become evictable like any cached prefix.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -116,38 +117,33 @@ def compress(req: Any, phase: Phase) -> int:
     # 2-3. merge + compaction
     k_bufs = [rt.k_buffer(layer) for layer in range(rt.n_layers)]
     v_bufs = [rt.v_buffer(layer) for layer in range(rt.n_layers)]
-    private = kv.cache_protected_len <= a
-    merges = _merges(s.policy)
-    if private:
-        if merges:
-            for v, kp in zip(views, keeps, strict=True):
-                s.policy.merge(v, kp)
-        kernels.compact(k_bufs, v_bufs, slots, keep)
-        rt.allocator.free(slots[k:])
-        new_region = slots[:k]
+    own_start = kv.cache_protected_len
+    shared = own_start > a  # part of the region is still the tree's (the checkpointed prompt)
+    if shared and not _merges(s.policy):
+        new = _alloc(k)
+        if new is None:
+            return 0
+        # compact() writes slots'[i] <- slots'[keep[i]]; with slots' = [new | region] and keep shifted
+        # by k, it reads only region slots and writes only the new ones.
+        kernels.compact(k_bufs, v_bufs, torch.cat([new, slots]), keep + k)
+        new_region = new
     else:
-        if merges:  # merge needs private targets: copy the whole region first (transient n slots)
-            tmp = _alloc(n)
-            if tmp is None:
+        work = slots
+        if shared:  # a merge writes kept slots: give it a private copy of the region (transient n slots)
+            work = _alloc(n)
+            if work is None:
                 return 0
             for kb, vb in zip(k_bufs, v_bufs, strict=True):
-                kb[tmp] = kb[slots]
-                vb[tmp] = vb[slots]
-            views = [view(layer, tmp) for layer in range(rt.n_layers)]
+                kb[work] = kb[slots]
+                vb[work] = vb[slots]
+            views = [dataclasses.replace(v, slots=work) for v in views]
+        if _merges(s.policy):
             for v, kp in zip(views, keeps, strict=True):
                 s.policy.merge(v, kp)
-            kernels.compact(k_bufs, v_bufs, tmp, keep)
-            rt.allocator.free(tmp[k:])
-            new_region = tmp[:k]
-        else:
-            new = _alloc(k)
-            if new is None:
-                return 0
-            # compact() writes slots'[i] <- slots'[keep[i]]; with slots' = [new | region] and keep shifted
-            # by k, it reads only region slots and writes only the new ones.
-            kernels.compact(k_bufs, v_bufs, torch.cat([new, slots]), keep + k)
-            new_region = new
-        own_start = kv.cache_protected_len
+        kernels.compact(k_bufs, v_bufs, work, keep)
+        rt.allocator.free(work[k:])
+        new_region = work[:k]
+    if shared:
         if own_start < a + n:
             rt.allocator.free(row[own_start : a + n].to(torch.int64))
         rt.tree.unlock(req.lock)
