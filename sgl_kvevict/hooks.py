@@ -137,10 +137,22 @@ def init_new(result, cls, batch, model_runner, *args, **kwargs):
 
 
 def release_kv_cache(req, tree_cache, *args, **kwargs):
-    """A finished turn gets one last compression before its history goes into the tree."""
+    """A finished turn gets one last compression before its history goes into the tree.
+
+    A compressed request released unfinished (retraction under memory pressure) is checkpointed too:
+    its compressed history goes into the tree, so when it is re-admitted it matches that history and
+    resumes compressed instead of re-prefilling and holding everything it had evicted.
+    """
     s = st.get(req)
-    if s is not None and s.active and req.kv.holds_kv and req.finished():
-        compressor.safe_compress(req, "finish")
+    if s is None or not req.kv.holds_kv:
+        return None
+    if req.finished():
+        if s.active:
+            compressor.safe_compress(req, "finish")
+        return None
+    if s.offset > 0 and not kwargs.get("checkpoint", True) and not req.skip_radix_cache_insert:
+        s.releasing = True
+        return (req, tree_cache, *args), {**kwargs, "checkpoint": True}
     return None
 
 

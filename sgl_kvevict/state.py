@@ -36,6 +36,7 @@ class ReqState:
     comp_slots: int = 0
     comp_tokens: int = 0
     after_extend: bool = False  # the next compression check is the one right after a prefill
+    releasing: bool = False  # released unfinished (retraction): the tree checkpoint gets a slot count
     failed: bool = False
     compressions: int = 0
     merged: int = 0

@@ -234,7 +234,7 @@ class KvEvictRadixCache(RadixCache):
             finally:
                 self._normal_only = False
         # release_kv_cache passes a slot count (owned_kv_len); a running request's checkpoint its extend_end.
-        kv_end = up_to if req.finished() else up_to - s.offset
+        kv_end = up_to if req.finished() or s.releasing else up_to - s.offset
         tokens_end = kv_end + s.offset
         token_ids = req.full_untruncated_fill_ids[:tokens_end]
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
