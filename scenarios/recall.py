@@ -1,13 +1,25 @@
 """Recall chat: a fact (a code, a name or a number) is planted in the first turn, filler turns follow,
 and the last turn asks for it; the answer must contain the exact value.
 
-Kept easy on purpose (one clear statement, a direct question, a short answer) so that SmolLM2-135M gets
-it right with a full cache: only then does a miss under compression measure what compression costs.
+Calibrated so that SmolLM2-135M-Instruct gets it right with a full cache (19-20/20 offline, see
+results/README.md "Recall calibration"): only then does a miss under compression measure what
+compression costs. What made the difference, measured on 20 chats:
+
+- the plant is one short statement with nothing to do ("Remember this: the vault code is 4817."):
+  asking for a confirmation or an echo made the model answer with a canned refusal or garble it;
+- the filler turns ask for the note's topic in a few words, not a summary: a summary copies a filler
+  sentence, and the model then repeats that sentence instead of answering the question;
+- the question names the fact as planted and asks for the bare value.
+
+The fact stays in the first turn, with every filler turn after it, so it is the oldest part of the
+history that a compression policy sees. Beyond two filler turns (`turns` > 4) SmolLM2-135M loses the
+fact even with a full cache; scale `turns` up only with a bigger model.
 """
 
 from __future__ import annotations
 
 import random
+import re
 
 from .base import Message, Scenario, ScenarioConfig, Session, Turn, fill, rng_for
 
@@ -36,20 +48,20 @@ def _fact(r: random.Random) -> tuple[str, str, str]:
     kind = r.choice(["code", "name", "number"])
     if kind == "code":
         v = str(r.randint(1000, 9999))
-        return f"My locker code is {v}.", "What is my locker code? Answer with the code only.", v
+        return f"the vault code is {v}", "What is the vault code? Answer with the number only.", v
     if kind == "name":
         v = f"{r.choice(FIRST)} {r.choice(LAST)}"
-        return (
-            f"My new manager is called {v}.",
-            "What is the name of my new manager? Answer with the name only.",
-            v,
-        )
+        return f"my manager is {v}", "What is the name of my manager? Answer with the name only.", v
     v = str(r.randint(20, 990))
     return (
-        f"The trip budget is {v} dollars.",
-        "What is the trip budget in dollars? Answer with the number only.",
+        f"the trip budget is {v} dollars",
+        "What is the trip budget? Answer with the number only.",
         v,
     )
+
+
+def _user(content: str) -> list[Message]:
+    return [Message(role="user", content=content)]
 
 
 def build(cfg: ScenarioConfig) -> Scenario:
@@ -57,31 +69,24 @@ def build(cfg: ScenarioConfig) -> Scenario:
     for i in range(cfg.sessions):
         r = rng_for(cfg.seed, "recall", i)
         statement, question, value = _fact(r)
-        turns = [
-            Turn(
-                inputs=[
-                    Message(role="user", content=f"Please remember this: {statement} Just confirm briefly.")
-                ]
-            )
-        ]
+        turns = [Turn(inputs=_user(f"Remember this: {statement}."))]
         for _ in range(max(0, cfg.turns - 2)):
             topic = r.choice(TOPICS)
             text = fill(r, cfg.filler_tokens, lambda r, t=topic: r.choice(SENTENCES).format(t=t))
-            turns.append(
-                Turn(
-                    inputs=[
-                        Message(
-                            role="user",
-                            content=f"Here is a note about {topic}:\n{text}\nSummarize it in one sentence.",
-                        )
-                    ]
-                )
-            )
-        turns.append(Turn(inputs=[Message(role="user", content=question)], expect=value, max_new_tokens=16))
+            note = f"Here is a note:\n{text}\nWhat is the topic of this note? Answer in a few words."
+            turns.append(Turn(inputs=_user(note)))
+        turns.append(Turn(inputs=_user(question), expect=value, max_new_tokens=16))
         sessions.append(Session(id=f"recall-{i}", kind="recall", turns=turns))
     return Scenario(name="recall", seed=cfg.seed, sessions=sessions)
 
 
 def correct(answer: str, expect: str) -> bool:
-    """Exact match of the value inside the answer (case-sensitive, as planted)."""
-    return expect in answer
+    """The exact value somewhere in the answer, formatting aside.
+
+    A number must appear as a whole number ("The code is 4817." is right, "48170" is not; a thousands
+    separator is ignored); a name must appear as whole words, case and spacing aside.
+    """
+    if expect.isdigit():
+        return expect in re.findall(r"\d+", re.sub(r"(?<=\d),(?=\d{3}\b)", "", answer))
+    words = r"\s+".join(re.escape(w) for w in expect.split())
+    return re.search(rf"(?<!\w){words}(?!\w)", answer, flags=re.IGNORECASE) is not None
