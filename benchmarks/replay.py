@@ -70,6 +70,10 @@ class BenchConfig(BaseModel):
     concurrency: int = Field(4, ge=1, description="sessions replayed at once")
     max_new_tokens: int = Field(24, ge=1, description="answer length cap per turn")
     policies: list[str] = Field(default_factory=lambda: list(ALL_POLICIES))
+    policy_configs: dict[str, dict] = Field(
+        default_factory=dict,
+        description='per-policy config, e.g. {"lagkv": {"lag": 32}} (--kv-policy-config)',
+    )
     budgets: list[float | int] = [0.5]
     max_total_tokens: int = Field(
         9000, ge=256, description="KV pool: small enough to pressure the full cache"
@@ -248,6 +252,8 @@ def start_server(cfg: BenchConfig, policy: str, budget: float | int | None, log:
     args = ["--kv-policy", policy, "--max-total-tokens", str(cfg.max_total_tokens), *cfg.server_args]
     if budget is not None:
         args += ["--kv-budget", str(budget)]
+    if cfg.policy_configs.get(policy):
+        args += ["--kv-policy-config", json.dumps(cfg.policy_configs[policy])]
     if cfg.model_path:
         args += ["--model-path", cfg.model_path]
     return Server(args, log_path=log, env=cfg.server_env)
@@ -296,6 +302,8 @@ def main(cfg: BenchConfig) -> dict[str, Any]:
                     assert shared_url, "--url is required with --server-mode url"
                     url = shared_url
                     kv = {"policy": policy} if budget is None else {"policy": policy, "budget": budget}
+                    if cfg.policy_configs.get(policy):
+                        kv["config"] = cfg.policy_configs[policy]
                     rc.flush(url)
                 before = rc.server_totals(url)
                 bar = tqdm(total=n_requests, desc=name, file=sys.stderr)
@@ -379,6 +387,9 @@ def parse(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--policies", default=",".join(ALL_POLICIES))
+    p.add_argument(
+        "--policy-config", default="{}", help='JSON: per-policy config, e.g. \'{"lagkv": {"lag": 32}}\''
+    )
     p.add_argument("--budgets", default="0.5", help="comma list: ratios (0.5) or tokens (256)")
     p.add_argument("--max-total-tokens", type=int, default=9000)
     p.add_argument("--server-mode", choices=["per-run", "shared", "url"], default="per-run")
@@ -422,6 +433,7 @@ def parse(argv: list[str] | None = None) -> BenchConfig:
         concurrency=a.concurrency,
         max_new_tokens=a.max_new_tokens,
         policies=a.policies.split(","),
+        policy_configs=json.loads(a.policy_config),
         budgets=[parse_budget(b) for b in a.budgets.split(",")],
         max_total_tokens=a.max_total_tokens,
         server_mode=a.server_mode,

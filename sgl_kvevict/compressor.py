@@ -71,7 +71,7 @@ def compress(req: Any, phase: Phase) -> int:
     cfg = s.policy.config
     n_sink = max(0, min(cfg.sinks - s.anchor_tokens, n))
     n_recent = max(0, min(cfg.recent, n - n_sink))
-    budget = s.cfg.resolve_budget(n + s.own_evicted)
+    budget = s.cfg.resolve_budget(n + s.own_evicted, n_sink + n_recent)
     if not s.policy.should_compress(n, n_sink, n_recent, s.comp_slots, budget, phase):
         return 0
 

@@ -76,11 +76,15 @@ class KvConfig(BaseModel):
         """Validate the policy config too (raises PolicyConfigError naming the field)."""
         return policies.build(self.policy, self.config)
 
-    def resolve_budget(self, suffix_tokens: int) -> int:
-        """Absolute tokens, or the ratio of the request's own (unshared) tokens."""
+    def resolve_budget(self, suffix_tokens: int, always_kept: int = 0) -> int:
+        """Candidate tokens to keep per head, beyond the `always_kept` sinks and recent window.
+
+        Tokens: exactly that many beyond the windows. A ratio: of the request's own (unshared) tokens,
+        windows included, so that a request holds about `ratio` of its suffix once it is long enough.
+        """
         if isinstance(self.budget, int):
             return self.budget
-        return max(1, int(round(self.budget * suffix_tokens)))
+        return max(0, int(round(self.budget * suffix_tokens)) - always_kept)
 
     def to_env(self) -> str:
         return self.model_dump_json()

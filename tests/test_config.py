@@ -25,7 +25,9 @@ def test_parse_budget_rejects(text):
 def test_ratio_budget_resolves_against_suffix():
     cfg = KvConfig(policy="snapkv", budget=0.25)
     assert cfg.resolve_budget(1000) == 250
-    assert KvConfig(policy="snapkv", budget=128).resolve_budget(1000) == 128
+    assert cfg.resolve_budget(1000, always_kept=36) == 214  # a ratio counts the windows inside it
+    assert cfg.resolve_budget(100, always_kept=36) == 0
+    assert KvConfig(policy="snapkv", budget=128).resolve_budget(1000, always_kept=36) == 128
 
 
 def test_unknown_policy_names_valid_choices():
