@@ -73,6 +73,12 @@ class LayerView:
     def values(self) -> torch.Tensor:
         return self.v_buffer[self.slots].transpose(0, 1)
 
+    def require_attn(self, who: str) -> torch.Tensor:
+        """`attn`, or a clear error naming the policy that needed it."""
+        if self.attn is None:
+            raise ValueError(f"{who} needs view.attn (window attention)")
+        return self.attn
+
     def candidates(self) -> slice:
         """Region indices that may be evicted."""
         return slice(self.n_sink, self.n - self.n_recent)

@@ -29,7 +29,8 @@ import torch
 from pydantic import Field
 
 from . import register
-from .base import LayerView, Need, Policy, PolicyConfig, topk_keep
+from .base import LayerView, PolicyConfig, topk_keep
+from .h2o import H2OPolicy
 
 
 class D2OConfig(PolicyConfig):
@@ -39,17 +40,12 @@ class D2OConfig(PolicyConfig):
 
 
 @register
-class D2OPolicy(Policy):
+class D2OPolicy(H2OPolicy):
+    """H2O's window-accumulated score (inherited), its own selection split and the merge."""
+
     name = "d2o"
     Config = D2OConfig
     config: D2OConfig
-    needs = frozenset[Need]({"attn"})
-    attention_scores = True
-
-    def score(self, view: LayerView) -> torch.Tensor:
-        if view.attn is None:
-            raise ValueError("d2o needs view.attn (window attention)")
-        return view.attn.float() * self.config.window
 
     def select(self, view: LayerView, budget: int) -> torch.Tensor:
         s = self.score(view)

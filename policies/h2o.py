@@ -28,6 +28,4 @@ class H2OPolicy(Policy):
     attention_scores = True
 
     def score(self, view: LayerView) -> torch.Tensor:
-        if view.attn is None:
-            raise ValueError("h2o needs view.attn (window attention)")
-        return view.attn.float() * self.config.window
+        return view.require_attn(self.name).float() * self.config.window

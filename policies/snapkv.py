@@ -54,6 +54,4 @@ class SnapKVPolicy(Policy):
     attention_scores = True
 
     def score(self, view: LayerView) -> torch.Tensor:
-        if view.attn is None:
-            raise ValueError("snapkv needs view.attn (window attention)")
-        return pool_scores(view.attn, self.config.kernel_size, self.config.pooling)
+        return pool_scores(view.require_attn(self.name), self.config.kernel_size, self.config.pooling)
