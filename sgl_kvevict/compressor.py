@@ -57,6 +57,54 @@ def _alloc(n: int) -> torch.Tensor | None:
         return None
 
 
+def _releasable(req: Any, anchor: Any, own_start: int, a: int, n: int) -> int:
+    """Slots that come back if the request frees its own tail and unlocks the tree part of its region:
+    nodes between the anchor and its lock that nobody else holds."""
+    rt = runtime.RT
+    total = rt.allocator.available_size() + rt.tree.evictable_size() + max(0, a + n - own_start)
+    node = req.lock.node if req.lock is not None else None
+    while node is not None and node is not anchor and node is not rt.tree.root_node:
+        if node.lock_ref == 1:
+            total += len(node.value)
+        node = node.parent
+    return total
+
+
+def _compact_out_of_tree(req, s, views, keeps, keep, k_bufs, v_bufs, slots, own_start) -> torch.Tensor | None:
+    """The region starts with slots the tree owns (the prompt, checkpointed after prefill so others can
+    share it). They are never written: the region is staged in dense copies outside the pool, merged
+    and compacted there, the request lets go of the tree part (which becomes evictable cache) and of its
+    own tail, and only then takes `k` fresh slots. Staging first means a full pool is no obstacle: the
+    slots it needs are the ones it is giving back."""
+    rt = runtime.RT
+    kv = req.kv
+    a, n, k = s.anchor_kv, int(slots.numel()), int(keep.shape[-1])
+    anchor = s.anchor if s.anchor is not None else rt.tree.root_node
+    if _releasable(req, anchor, own_start, a, n) < k:
+        return None
+    idx = torch.arange(n, device=slots.device)
+    dense_k = [kb.index_select(0, slots) for kb in k_bufs]
+    dense_v = [vb.index_select(0, slots) for vb in v_bufs]
+    if _merges(s.policy):
+        for v, kp, dk, dv in zip(views, keeps, dense_k, dense_v, strict=True):
+            s.policy.merge(dataclasses.replace(v, k_buffer=dk, v_buffer=dv, slots=idx), kp)
+    kernels.compact(dense_k, dense_v, idx, keep)
+    row = rt.req_to_token[kv.req_pool_idx]
+    if own_start < a + n:
+        rt.allocator.free(row[own_start : a + n].to(torch.int64))
+    rt.tree.unlock(req.lock)
+    req.lock = rt.tree.lock(anchor)
+    req.last_node = anchor
+    kv.cache_protected_len = a
+    new = _alloc(k)
+    if new is None:  # cannot happen after the check above; fail loudly rather than lose KV silently
+        raise RuntimeError(f"kvevict: no {k} slots after releasing the region of request {req.rid}")
+    for kb, vb, dk, dv in zip(k_bufs, v_bufs, dense_k, dense_v, strict=True):
+        kb[new] = dk[:k]
+        vb[new] = dv[:k]
+    return new
+
+
 def compress(req: Any, phase: Phase) -> int:
     """Run one compression step if the policy's trigger fires. Returns the slots freed (0 if none)."""
     s = st.get(req)
@@ -118,39 +166,17 @@ def compress(req: Any, phase: Phase) -> int:
     k_bufs = [rt.k_buffer(layer) for layer in range(rt.n_layers)]
     v_bufs = [rt.v_buffer(layer) for layer in range(rt.n_layers)]
     own_start = kv.cache_protected_len
-    shared = own_start > a  # part of the region is still the tree's (the checkpointed prompt)
-    if shared and not _merges(s.policy):
-        new = _alloc(k)
-        if new is None:
-            return 0
-        # compact() writes slots'[i] <- slots'[keep[i]]; with slots' = [new | region] and keep shifted
-        # by k, it reads only region slots and writes only the new ones.
-        kernels.compact(k_bufs, v_bufs, torch.cat([new, slots]), keep + k)
-        new_region = new
-    else:
-        work = slots
-        if shared:  # a merge writes kept slots: give it a private copy of the region (transient n slots)
-            work = _alloc(n)
-            if work is None:
-                return 0
-            for kb, vb in zip(k_bufs, v_bufs, strict=True):
-                kb[work] = kb[slots]
-                vb[work] = vb[slots]
-            views = [dataclasses.replace(v, slots=work) for v in views]
+    if own_start <= a:  # the whole region is the request's own: merge and compact in place
         if _merges(s.policy):
             for v, kp in zip(views, keeps, strict=True):
                 s.policy.merge(v, kp)
-        kernels.compact(k_bufs, v_bufs, work, keep)
-        rt.allocator.free(work[k:])
-        new_region = work[:k]
-    if shared:
-        if own_start < a + n:
-            rt.allocator.free(row[own_start : a + n].to(torch.int64))
-        rt.tree.unlock(req.lock)
-        anchor = s.anchor if s.anchor is not None else rt.tree.root_node
-        req.lock = rt.tree.lock(anchor)
-        req.last_node = anchor
-        kv.cache_protected_len = a
+        kernels.compact(k_bufs, v_bufs, slots, keep)
+        rt.allocator.free(slots[k:])
+        new_region = slots[:k]
+    else:
+        new_region = _compact_out_of_tree(req, s, views, keeps, keep, k_bufs, v_bufs, slots, own_start)
+        if new_region is None:
+            return 0
 
     row[a : a + k] = new_region.to(row.dtype)
     kv.kv_committed_len = kv.kv_allocated_len = a + k
