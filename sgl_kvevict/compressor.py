@@ -7,9 +7,9 @@ Steps (all layers at once, so the row stays rectangular):
 4. shrink the request's KV lengths and record the position offset for its next tokens.
 
 When the region still overlaps tree-owned slots (its prompt was checkpointed into the radix tree right
-after prefill, so that other requests can share it), the kept tokens are *copied* into freshly
-allocated private slots and the request drops its lock on that part of the tree instead: shared slots
-are never written (invariant 1) and become evictable like any cached prefix.
+after prefill, so that other requests can share it), the region is staged outside the pool, the
+request drops its lock on that part of the tree and then takes fresh slots for the kept tokens: shared
+slots are never written (invariant 1) and become evictable like any cached prefix.
 """
 
 from __future__ import annotations
@@ -92,10 +92,7 @@ def _compact_out_of_tree(req, s, views, keeps, keep, k_bufs, v_bufs, slots, own_
     row = rt.req_to_token[kv.req_pool_idx]
     if own_start < a + n:
         rt.allocator.free(row[own_start : a + n].to(torch.int64))
-    rt.tree.unlock(req.lock)
-    req.lock = rt.tree.lock(anchor)
-    req.last_node = anchor
-    kv.cache_protected_len = a
+    rt.tree.relock(req, anchor, a)
     new = _alloc(k)
     if new is None:  # cannot happen after the check above; fail loudly rather than lose KV silently
         raise RuntimeError(f"kvevict: no {k} slots after releasing the region of request {req.rid}")

@@ -204,15 +204,11 @@ def internal_state(result, *args, **kwargs):
 
 
 def _guard(fn, kind: HookType):
-    """Wrap a hook so that an exception in it is logged and SGLang proceeds as if it were absent."""
-    name = fn.__name__
-
+    """Wrap a BEFORE/AFTER hook so that an exception in it is logged and SGLang proceeds as if it were
+    absent. AROUND hooks stay as they are: they call the original themselves and are kept small."""
     if kind is HookType.AROUND:
-
-        def around(original, *args, **kwargs):
-            return fn(original, *args, **kwargs)
-
-        return around
+        return fn
+    name = fn.__name__
 
     def wrapped(*args, **kwargs):
         try:

@@ -251,7 +251,7 @@ class KvEvictRadixCache(RadixCache):
             cval = row[kpos : kpos + s.comp_slots].to(torch.int64)
             res = self._insert_compressed(node, rkey(tpos, tpos + s.comp_tokens), cval, priority)
             if res is None:  # a different history with the same tokens is stored: keep it, free ours
-                self._finish_checkpoint(req, node, kpos)
+                self.relock(req, node, kpos)
                 return
             cnode, dup = res
             if dup:
@@ -270,7 +270,7 @@ class KvEvictRadixCache(RadixCache):
             node = last
         for t in to_free:
             self.token_to_kv_pool_allocator.free(t)
-        self._finish_checkpoint(req, node, kv_end)
+        self.relock(req, node, kv_end)
 
     def _path_between(self, top: TreeNode, bottom: TreeNode) -> torch.Tensor:
         vals = []
@@ -280,7 +280,8 @@ class KvEvictRadixCache(RadixCache):
         vals.reverse()
         return torch.cat(vals) if vals else self._empty_device_indices
 
-    def _finish_checkpoint(self, req: Req, node: TreeNode, protected: int) -> None:
+    def relock(self, req: Req, node: TreeNode, protected: int) -> None:
+        """Move the request's tree lock to `node`; the tree owns its row up to `protected`."""
         req.kv.cache_protected_len = protected
         self.unlock(req.lock)
         req.lock = self.lock(node)
