@@ -13,6 +13,11 @@ Region layout, per KV head, in position order (index 0 = first slot after the pr
 `select` returns, per KV head, the region indices to keep, sorted ascending, the same count for every
 head (invariant 5: equal budgets across heads and layers keep the paged layout rectangular and make
 tensor parallelism free). The runner then merges (D2O), compacts and frees the rest.
+
+Every count that decides slots is known on the host before any score is computed: the kept count is
+`select`'s shape, and `raw_tail` says how many of the kept indices are, by construction, the region's
+last tokens for every head (so they stay one token per slot). The runner never infers either from the
+selected indices, so tensor-parallel ranks holding different heads agree on them without talking.
 """
 
 from __future__ import annotations
@@ -144,6 +149,37 @@ class Policy:
         """`[Hkv, k]` sorted region indices to keep (k equal for every head)."""
         return topk_keep(self.score(view), view, budget)
 
+    def raw_tail(self, view: LayerView) -> int:
+        """Kept indices that are the region's last tokens for every head whatever the scores: the recent
+        window by default. After compaction they remain the uncompressed tail (one token per slot)."""
+        return view.n_recent
+
     def merge(self, view: LayerView, keep: torch.Tensor) -> None:
         """Optional: fold evicted tokens into kept slots in place, before compaction (D2O)."""
         return None
+
+    @property
+    def merges(self) -> bool:
+        return type(self).merge is not Policy.merge
+
+
+class Refiner(Policy):
+    """A policy that re-ranks another policy's scores (GraphKV, CriticalKV): it wraps `self.base` and
+    takes from it everything but the ranking: trigger, needs, raw tail and merge."""
+
+    base: Policy
+
+    def should_compress(
+        self, n_region: int, n_sink: int, n_recent: int, n_compacted: int, budget: int, phase: Phase
+    ) -> bool:
+        return self.base.should_compress(n_region, n_sink, n_recent, n_compacted, budget, phase)
+
+    def raw_tail(self, view: LayerView) -> int:
+        return self.base.raw_tail(view)
+
+    def merge(self, view: LayerView, keep: torch.Tensor) -> None:
+        self.base.merge(view, keep)
+
+    @property
+    def merges(self) -> bool:
+        return self.base.merges
