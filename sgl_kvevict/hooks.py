@@ -69,7 +69,10 @@ def _after_extend_alloc(reqs: list, offs: list[int]) -> None:
             continue
         rt.tree.offsets[row] = d
         s = st.get(r)
-        if s is None or not s.active:
+        if s is None:
+            continue
+        s.ran = True
+        if not s.active:
             continue
         s.after_extend = True
         if "attn" in s.policy.needs:
@@ -161,7 +164,7 @@ def owned_kv_len(original, req, *args, **kwargs):
     if s is None or s.offset == 0 or req.finished_len is None:
         return original(req, *args, **kwargs)
     owned_tokens = len(req.origin_input_ids) + len(req.output_ids_through_stop)
-    return min(req.kv.kv_committed_len, owned_tokens - s.offset)
+    return min(req.kv.kv_committed_len, s.slots_for(owned_tokens))
 
 
 def release_overallocated(original, req, start_p, end_p, tree_cache, *args, **kwargs):
