@@ -41,6 +41,50 @@ class PolicyConfig(BaseModel):
     recent: int = Field(32, ge=0, description="most recent tokens always kept")
     interval: int = Field(16, ge=1, description="decode steps of slack before compressing again")
     window: int = Field(32, ge=1, description="last W queries used for attention-based scores")
+    scope: Literal["request", "branch"] = Field(
+        "branch",
+        description="what one budget caps: the request's new tokens ('request'), or the branch's whole own "
+        "history since its branch point, earlier turns included ('branch')",
+    )
+    shared_prefix: int = Field(
+        0,
+        ge=0,
+        le=1 << 20,
+        description="tokens at the start of the sequence declared shared (a system prompt, a fork point): "
+        "never compressed by branch scope",
+    )
+
+
+class WindowScoreConfig(PolicyConfig):
+    """Policies whose scores come from the observation window: how a kept token's score survives."""
+
+    carry: Literal["none", "max", "decay"] = Field(
+        "max",
+        description="combine a kept token's earlier score with the new window's: 'none' (the newest window "
+        "decides alone), 'max' (its best score so far), 'decay' (carry_decay * earlier + new)",
+    )
+    carry_decay: float = Field(0.5, ge=0.0, le=1.0, description="weight of the earlier score under 'decay'")
+
+
+def carry_scores(view: LayerView, scores: torch.Tensor, cfg: WindowScoreConfig) -> torch.Tensor:
+    """Combine the window's `[H, N]` scores with those the region's first tokens (the kept ones, in
+    order) carried from earlier compressions, and leave the result in `view.state["scored"]`; the runner
+    keeps the kept tokens' entries as the next compression's carried scores.
+
+    Why: a window of the newest queries forgets what earlier turns needed; re-scoring a whole branch
+    history with it alone loses early facts that per-turn scoring kept."""
+    scores = scores.float()
+    old = view.state.get("carried")
+    if cfg.carry != "none" and old is not None and old.shape[0] == scores.shape[0]:
+        m = min(old.shape[1], scores.shape[1])
+        scores = scores.clone()
+        old = old[:, :m].to(scores.device)
+        if cfg.carry == "max":
+            scores[:, :m] = torch.maximum(scores[:, :m], old)
+        else:
+            scores[:, :m] = scores[:, :m] + cfg.carry_decay * old
+    view.state["scored"] = scores
+    return scores
 
 
 @dataclass

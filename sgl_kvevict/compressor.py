@@ -94,9 +94,21 @@ def _plan(
     tail = min(s.policy.raw_tail(views[0]), k)
     if st.DEBUG:
         _check_tail(keep, n, tail, s.policy.name)
+    for v, kp in zip(views, keeps, strict=True):  # scores carried to the next compression (kept order)
+        scored = v.state.pop("scored", None)
+        if scored is not None:
+            v.state["carried"] = scored.gather(1, kp.to(scored.device))
     plan = Plan(slots=slots, keep=keep, views=views, tail=tail)
-    if stage or s.policy.merges:
-        rt = runtime.RT
+    rt = runtime.RT
+    if stage and not s.policy.merges:  # gather only the kept rows: O(k), never the whole region
+        heads = torch.arange(keep.shape[1], device=slots.device).unsqueeze(-1)
+        plan.dense_k = [
+            rt.k_buffer(lay)[slots[keep[lay]], heads].transpose(0, 1) for lay in range(rt.n_layers)
+        ]
+        plan.dense_v = [
+            rt.v_buffer(lay)[slots[keep[lay]], heads].transpose(0, 1) for lay in range(rt.n_layers)
+        ]
+    elif s.policy.merges:  # the merge reads evicted tokens and writes kept ones: stage the region
         idx = torch.arange(n, device=slots.device)
         dk = [rt.k_buffer(layer).index_select(0, slots) for layer in range(rt.n_layers)]
         dv = [rt.v_buffer(layer).index_select(0, slots) for layer in range(rt.n_layers)]
@@ -200,6 +212,30 @@ def _commit(req: Any, s: st.ReqState, plan: Plan, own_start: int) -> bool:
     return True
 
 
+def _branch_point_moved(req: Any, s: st.ReqState) -> None:
+    """Branch scope: a region node that another running request now holds (a fork sibling admitted
+    after this request matched) is shared from now on; the region starts below it."""
+    rt = runtime.RT
+    if req.lock is None or req.kv.cache_protected_len <= s.anchor_kv:
+        return
+    chain, node = [], req.lock.node
+    while node is not None and node is not s.anchor and node is not rt.tree.root_node:
+        chain.append(node)
+        node = node.parent
+    for i, n in enumerate(chain):  # bottom-up: the first held node is the deepest
+        if n.lock_ref > 1:
+            above = chain[i:]
+            if any(getattr(x, "kvevict_compressed", False) for x in above):
+                s.own_evicted -= s.comp_tokens - s.comp_slots
+                s.inherited_evicted = 0
+                s.comp_slots = s.comp_tokens = 0
+                s.layer_state = []
+            s.anchor = n
+            s.anchor_tokens += sum(len(x.key) for x in above)
+            s.anchor_kv += sum(len(x.value) for x in above)
+            return
+
+
 def compress(req: Any, phase: Phase) -> int:
     """Run one compression step if the policy's trigger fires. Returns the slots freed (0 if none)."""
     s = st.get(req)
@@ -207,11 +243,13 @@ def compress(req: Any, phase: Phase) -> int:
     if s is None or not s.active or rt is None:
         return 0
     kv = req.kv
+    cfg = s.policy.config
+    if cfg.scope == "branch":
+        _branch_point_moved(req, s)
     a = s.anchor_kv
     n = kv.kv_committed_len - a
     if n <= 0 or kv.kv_allocated_len != kv.kv_committed_len:
         return 0
-    cfg = s.policy.config
     n_sink = max(0, min(cfg.sinks - s.anchor_tokens, n))
     n_recent = max(0, min(cfg.recent, n - n_sink))
     budget = s.cfg.resolve_budget(n + s.own_evicted, n_sink + n_recent)
@@ -346,8 +384,9 @@ def stats(req: Any) -> dict[str, Any] | None:
         "kv_tokens": int(req.kv.kv_committed_len),
         "prefix_kv_tokens": s.anchor_kv,
         "logical_tokens": s.tokens_for(int(req.kv.kv_committed_len)),
-        "evicted": s.own_evicted,
-        "reused_evicted": s.anchor_tokens - s.anchor_kv,
+        "evicted": s.own_evicted - s.inherited_evicted,
+        "reused_evicted": s.reused_evicted,
+        "branch_kv_tokens": int(req.kv.kv_committed_len) - s.anchor_kv,
         "compressions": s.compressions,
         "merged": s.merged,
         "seconds": round(s.seconds, 4),

@@ -41,10 +41,8 @@ def fingerprint(cfg: KvConfig, policy: Policy) -> str | None:
     """Identity of a compressed history's producer; None for `none` (it never produces or reads one)."""
     if not cfg.active:
         return None
-    raw = json.dumps(
-        {"policy": cfg.policy, "budget": cfg.budget, "config": policy.config.model_dump(mode="json")},
-        sort_keys=True,
-    )
+    config = policy.config.model_dump(mode="json", exclude={"shared_prefix"})  # where, not how
+    raw = json.dumps({"policy": cfg.policy, "budget": cfg.budget, "config": config}, sort_keys=True)
     return hashlib.sha1(raw.encode()).hexdigest()[:16]
 
 
@@ -57,6 +55,8 @@ class ReqState:
     anchor_tokens: int = 0
     anchor_kv: int = 0
     own_evicted: int = 0
+    reused_evicted: int = 0  # tokens already evicted in the history the request matched
+    inherited_evicted: int = 0  # of `own_evicted`, those of a matched branch history (not this request's)
     comp_slots: int = 0
     comp_tokens: int = 0
     after_extend: bool = False  # the next compression check is the one right after a prefill
@@ -139,18 +139,39 @@ def ensure(req: Any) -> ReqState:
     return s
 
 
-def on_match(req: Any, node: Any, tokens: int, kv: int, prefix_pos: torch.Tensor | None = None) -> ReqState:
-    """Called by the tree at every admission match (new request, or a retracted one coming back)."""
+def copy_layer_state(layers: list[dict], slots: int | None = None) -> list[dict]:
+    """A deep copy; with `slots`, per-slot entries (carried scores) cut to the first `slots` slots, the
+    ones a compressed node holds (its tail may be re-matched only in part)."""
+
+    def cp(k: str, v: Any) -> Any:
+        if not isinstance(v, torch.Tensor):
+            return v
+        return (v[:, :slots] if k == "carried" and slots is not None else v).clone()
+
+    return [{k: cp(k, v) for k, v in d.items()} for d in layers]
+
+
+def on_match(req: Any, region: Any, prefix_pos: torch.Tensor | None = None) -> ReqState:
+    """Called by the tree at every admission match (new request, or a retracted one coming back).
+
+    The request's own region starts after `region.anchor`. When it starts with a compressed node (the
+    branch's history, re-compressed with the new tokens under one budget), the node's compacted slots
+    and evicted tokens become the request's own, and so does the policy state stored with it."""
     s = ensure(req)
-    # A fresh match (re)starts the request's own region after the matched prefix.
-    s.anchor, s.anchor_tokens, s.anchor_kv = node, tokens, kv
-    s.own_evicted = s.comp_slots = s.comp_tokens = 0
+    s.anchor, s.anchor_tokens, s.anchor_kv = region.anchor, region.anchor_tokens, region.anchor_kv
+    s.own_evicted = s.inherited_evicted = s.comp_slots = s.comp_tokens = 0
+    s.reused_evicted = region.tokens - region.kv
     s.layer_state = []
+    first = region.first
+    if first is not None and getattr(first, "kvevict_compressed", False):
+        s.comp_slots, s.comp_tokens = len(first.value), len(first.key)
+        s.own_evicted = s.inherited_evicted = s.comp_tokens - s.comp_slots
+        s.layer_state = copy_layer_state(getattr(first, "kvevict_state", []))
     if prefix_pos is not None:
         if not s.ran:  # a waiting request is matched again at every scheduling pass: keep the last
             s.timeline = []
         s.ran = False
-        s.debug_event(prefix_pos, tokens)
+        s.debug_event(prefix_pos, region.tokens)
     return s
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -52,6 +53,20 @@ MARK = _Compressed()
 
 def is_compressed(node: TreeNode) -> bool:
     return getattr(node, "kvevict_compressed", False)
+
+
+@dataclass
+class Region:
+    """Where a matched request's own region starts: after `anchor` (the branch point), reached by
+    `anchor_tokens` tokens in `anchor_kv` slots; `first` is the region's first tree node, if any; the
+    whole match covers `tokens` tokens in `kv` slots."""
+
+    anchor: TreeNode
+    anchor_tokens: int
+    anchor_kv: int
+    first: TreeNode | None
+    tokens: int = 0
+    kv: int = 0
 
 
 class KvEvictRadixCache(RadixCache):
@@ -181,7 +196,21 @@ class KvEvictRadixCache(RadixCache):
         path, node, tokens = self._walk(key, fp)
         kv = sum(len(n.value) for n in path)
         if req is not None:
-            s = st.on_match(req, node, tokens, kv, self._path_positions(path) if st.DEBUG else None)
+            s = st.get(req)
+            cut = self._branch_start(path, s.policy.config) if s.cfg.active else len(path)
+            anchor = path[cut - 1] if cut > 0 else self.root_node
+            st.on_match(
+                req,
+                Region(
+                    anchor=anchor,
+                    anchor_tokens=sum(len(n.key) for n in path[:cut]),
+                    anchor_kv=sum(len(n.value) for n in path[:cut]),
+                    first=path[cut] if cut < len(path) else None,
+                    tokens=tokens,
+                    kv=kv,
+                ),
+                self._path_positions(path) if st.DEBUG else None,
+            )
             if st.DEBUG:
                 s.prefix_digest = self.prefix_digest(self.path_device_indices(node))
         if tokens == kv:
@@ -195,6 +224,38 @@ class KvEvictRadixCache(RadixCache):
             best_match_node=node,
             cache_protected_len=kv,
         )
+
+    def _branch_start(self, path: list[TreeNode], cfg: Any) -> int:
+        """Index in `path` of the first node of the request's own region (`len(path)`: none of it).
+
+        Request scope: the region is the new tokens only. Branch scope: everything after the deepest
+        shared node, where shared means held by a running request (`lock_ref > 0`: nobody else is
+        holding it at match time, since a waiting request holds no lock) or inside the declared
+        `shared_prefix` (a normal node it cuts is split there). Unlocked siblings are cache, not
+        sharers: a chat template that re-renders the end of a turn leaves one such stale remainder at
+        every turn, and counting it would stop a session from ever re-compressing. The own region may
+        start with one compressed node (the branch's history) and then holds only normal nodes; a
+        later compressed node (another config's or scope's layout) moves the start to it.
+        """
+        if cfg.scope != "branch":
+            return len(path)
+        start, tokens = 0, 0
+        for i, n in enumerate(list(path)):
+            if tokens < cfg.shared_prefix < tokens + len(n.key) and not is_compressed(n):
+                top = self._split_node(n.key, n, cfg.shared_prefix - tokens)
+                path[i : i + 1] = [top, n]
+                return self._branch_start(path, cfg)
+            tokens += len(n.key)
+            if (
+                n.lock_ref > 0
+                or tokens <= cfg.shared_prefix
+                or (is_compressed(n) and tokens - len(n.key) < cfg.shared_prefix)
+            ):
+                start = i + 1
+        for i in range(len(path) - 1, start, -1):
+            if is_compressed(path[i]):
+                return i
+        return start
 
     def _path_positions(self, path: list[TreeNode]) -> torch.Tensor | None:
         """Debug: `[L, H, slots]` logical positions held along a matched path (for the test oracle)."""
@@ -289,6 +350,8 @@ class KvEvictRadixCache(RadixCache):
                 self.relock(req, node, kpos)
                 return
             cnode, dup = res
+            if not dup:  # the policy's per-head state continues in the branch's next turn
+                cnode.kvevict_state = st.copy_layer_state(s.layer_state, s.comp_slots)
             if dup:
                 to_free.append(cval.clone())
                 row[kpos : kpos + s.comp_slots] = cnode.value.to(row.dtype)

@@ -22,7 +22,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sgl_kvevict import capture, compressor, runtime
 from sgl_kvevict import state as st
 from sgl_kvevict.runtime import Runtime, Totals
-from sgl_kvevict.tree import KvEvictRadixCache, is_compressed
+from sgl_kvevict.tree import KvEvictRadixCache, Region, is_compressed
 
 L, HKV, GROUP, D = 2, 4, 2, 16  # layers, KV heads (2 per rank), query heads per KV head, head dim
 POOL, PROMPT, DECODE = 1024, 160, 40
@@ -132,7 +132,7 @@ def _start(rank: Rank, policy: str, config: dict, share_prompt: bool) -> SimpleN
     req.lock = rank.tree.lock(rank.tree.root_node)
     req.last_node = rank.tree.root_node
     s = st.ensure(req)
-    st.on_match(req, rank.tree.root_node, 0, 0)
+    st.on_match(req, Region(rank.tree.root_node, 0, 0, None))
     if "attn" in s.policy.needs:
         rank.rings[0] = capture.Ring(
             L,
