@@ -154,9 +154,11 @@ class KvEvictRadixCache(RadixCache):
     def _walk(self, key: RadixKey, fp: str | None) -> tuple[list[TreeNode], TreeNode, int]:
         """Longest match for a request of fingerprint `fp`; returns (path nodes, last node, tokens).
 
-        At each step the child whose path reaches furthest wins; on a tie a compressed child wins (it
-        holds fewer slots: reusing it is the point, and the uncompressed copy stays evictable). Only a
-        request of the same fingerprint sees a compressed child at all.
+        At each step the child whose path reaches furthest wins; on a tie the uncompressed child wins:
+        a repeated request then runs exactly as its first run did while the full KV is cached (and
+        compresses to the same history), and a compressed history is taken only where it reaches
+        further (the next turn of a conversation). Only a request of the same fingerprint sees a
+        compressed child at all.
         """
         now = time.monotonic()
         node = self.root_node
@@ -167,7 +169,7 @@ class KvEvictRadixCache(RadixCache):
             best, best_m, best_reach = None, 0, -1
             for child, m in self._candidates(node, key, fp):
                 reach = m + (self._reach(child, key[m:], fp) if m == len(child.key) and m < len(key) else 0)
-                if reach > best_reach or (reach == best_reach and is_compressed(child)):
+                if reach > best_reach or (reach == best_reach and best is not None and is_compressed(best)):
                     best, best_m, best_reach = child, m, reach
             if best is None:
                 break
@@ -197,7 +199,7 @@ class KvEvictRadixCache(RadixCache):
         kv = sum(len(n.value) for n in path)
         if req is not None:
             s = st.get(req)
-            cut = self._branch_start(path, s.policy.config) if s.cfg.active else len(path)
+            cut = self._branch_start(path, s.policy.config, req) if s.cfg.active else len(path)
             anchor = path[cut - 1] if cut > 0 else self.root_node
             st.on_match(
                 req,
@@ -225,12 +227,14 @@ class KvEvictRadixCache(RadixCache):
             cache_protected_len=kv,
         )
 
-    def _branch_start(self, path: list[TreeNode], cfg: Any) -> int:
+    def _branch_start(self, path: list[TreeNode], cfg: Any, req: Req | None = None) -> int:
         """Index in `path` of the first node of the request's own region (`len(path)`: none of it).
 
         Request scope: the region is the new tokens only. Branch scope: everything after the deepest
-        shared node, where shared means held by a running request (`lock_ref > 0`: nobody else is
-        holding it at match time, since a waiting request holds no lock) or inside the declared
+        shared node, where shared means declared shared (a committed prefix, see `_mark_shared`), held
+        by another running request (a `lock_ref` beyond the
+        request's own lock, which a chunked prefill holds on its earlier chunks when it is matched
+        again) or inside the declared
         `shared_prefix` (a normal node it cuts is split there). Unlocked siblings are cache, not
         sharers: a chat template that re-renders the end of a turn leaves one such stale remainder at
         every turn, and counting it would stop a session from ever re-compressing. The own region may
@@ -239,15 +243,21 @@ class KvEvictRadixCache(RadixCache):
         """
         if cfg.scope != "branch":
             return len(path)
+        mine = set()
+        node = req.lock.node if req is not None and getattr(req, "lock", None) is not None else None
+        while node is not None and node is not self.root_node:
+            mine.add(id(node))
+            node = node.parent
         start, tokens = 0, 0
         for i, n in enumerate(list(path)):
             if tokens < cfg.shared_prefix < tokens + len(n.key) and not is_compressed(n):
                 top = self._split_node(n.key, n, cfg.shared_prefix - tokens)
                 path[i : i + 1] = [top, n]
-                return self._branch_start(path, cfg)
+                return self._branch_start(path, cfg, req)
             tokens += len(n.key)
             if (
-                n.lock_ref > 0
+                n.lock_ref > (id(n) in mine)
+                or getattr(n, "kvevict_shared", False)
                 or tokens <= cfg.shared_prefix
                 or (is_compressed(n) and tokens - len(n.key) < cfg.shared_prefix)
             ):
@@ -327,7 +337,10 @@ class KvEvictRadixCache(RadixCache):
     def checkpoint(self, req: Req, *, up_to: int) -> None:
         s = st.get(req)
         if self.disable or s is None or s.offset == 0:
-            return super().checkpoint(req, up_to=up_to)  # its re-match carries no request: normal only
+            super().checkpoint(req, up_to=up_to)  # its re-match carries no request: normal only
+            if s is not None and s.commit and req.finished():
+                self._mark_shared(req.last_node)
+            return
         # release_kv_cache passes a slot count (owned_kv_len); a running request's checkpoint its extend_end.
         kv_end = up_to if req.finished() or s.releasing else s.slots_for(up_to)
         tokens_end = s.tokens_for(kv_end)
@@ -352,8 +365,11 @@ class KvEvictRadixCache(RadixCache):
             cnode, dup = res
             if not dup:  # the policy's per-head state continues in the branch's next turn
                 cnode.kvevict_state = st.copy_layer_state(s.layer_state, s.comp_slots)
-            if dup:
-                to_free.append(cval.clone())
+            if dup:  # free our copy, never slots the tree owns (an adopted branch history is the node itself)
+                own = torch.arange(kpos, kpos + s.comp_slots, device=row.device) >= req.kv.cache_protected_len
+                mask = (cnode.value != cval) & own
+                if mask.any():
+                    to_free.append(cval[mask].clone())
                 row[kpos : kpos + s.comp_slots] = cnode.value.to(row.dtype)
             node, kpos, tpos = cnode, kpos + s.comp_slots, tpos + s.comp_tokens
         if tokens_end > tpos:
@@ -369,6 +385,19 @@ class KvEvictRadixCache(RadixCache):
         for t in to_free:
             self.token_to_kv_pool_allocator.free(t)
         self.relock(req, node, kv_end)
+
+    def _mark_shared(self, node: TreeNode) -> None:
+        """A committed prefix (a request that generates nothing, as SGLang's frontend sends before `fork`)
+        is declared shared: branch scope never compresses it."""
+        while node is not None and node is not self.root_node:
+            node.kvevict_shared = True
+            node = node.parent
+
+    def _split_node(self, key: RadixKey, child: TreeNode, split_len: int) -> TreeNode:
+        new = super()._split_node(key, child, split_len)
+        if getattr(child, "kvevict_shared", False):
+            new.kvevict_shared = True
+        return new
 
     def _path_between(self, top: TreeNode, bottom: TreeNode) -> torch.Tensor:
         vals = []
@@ -393,6 +422,8 @@ class KvEvictRadixCache(RadixCache):
             self.offsets[row] = 0
             capture.drop(row)
         s = st.get(req)
+        if s is not None and not req.finished():
+            return  # retraction: the request comes back, with its counters, failure flag and policy state
         if st.DEBUG and s is not None and s.anchor is not None:
             s.prefix_digest_end = self.prefix_digest(
                 self.req_to_token_pool.req_to_token[row, : s.anchor_kv]
