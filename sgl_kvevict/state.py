@@ -70,6 +70,7 @@ class ReqState:
     layer_state: list[dict] = field(default_factory=list)
     layer_stats: dict[str, list[float]] = field(default_factory=dict)
     prefix_digest: str = ""
+    digest_kv: int = 0  # slots the digests cover: the shared prefix at admission
     prefix_digest_end: str = ""
     # debug (KVEVICT_DEBUG=1): logical positions held by row slots [0, m) per layer and KV head, the
     # logical tokens they stand for, and the events a test oracle replays (see `debug_event`).

@@ -49,6 +49,7 @@ class _Compressed:
 
 
 MARK = _Compressed()
+BRANCH_MIN = 16  # a child off the matched path with this many tokens is another branch (see _branch_start)
 
 
 def is_compressed(node: TreeNode) -> bool:
@@ -154,10 +155,10 @@ class KvEvictRadixCache(RadixCache):
     def _walk(self, key: RadixKey, fp: str | None) -> tuple[list[TreeNode], TreeNode, int]:
         """Longest match for a request of fingerprint `fp`; returns (path nodes, last node, tokens).
 
-        At each step the child whose path reaches furthest wins; on a tie the uncompressed child wins:
-        a repeated request then runs exactly as its first run did while the full KV is cached (and
-        compresses to the same history), and a compressed history is taken only where it reaches
-        further (the next turn of a conversation). Only a request of the same fingerprint sees a
+        At each step the child whose path reaches furthest wins; on a tie the uncompressed child, then
+        the shorter compressed one: a repeated request (or session) then runs exactly as its first run
+        did while that KV is cached, and compresses to the same histories; a longer compressed history
+        is taken only where it reaches further (the next turn of a conversation). Only a request of the same fingerprint sees a
         compressed child at all.
         """
         now = time.monotonic()
@@ -166,11 +167,12 @@ class KvEvictRadixCache(RadixCache):
         path: list[TreeNode] = []
         tokens = 0
         while len(key) > 0:
-            best, best_m, best_reach = None, 0, -1
+            best, best_m, best_rank = None, 0, (-1, 0)
             for child, m in self._candidates(node, key, fp):
                 reach = m + (self._reach(child, key[m:], fp) if m == len(child.key) and m < len(key) else 0)
-                if reach > best_reach or (reach == best_reach and best is not None and is_compressed(best)):
-                    best, best_m, best_reach = child, m, reach
+                rank = (reach, -m if is_compressed(child) else 0)
+                if rank > best_rank:
+                    best, best_m, best_rank = child, m, rank
             if best is None:
                 break
             best.last_access_time = now
@@ -213,8 +215,9 @@ class KvEvictRadixCache(RadixCache):
                 ),
                 self._path_positions(path) if st.DEBUG else None,
             )
-            if st.DEBUG:
-                s.prefix_digest = self.prefix_digest(self.path_device_indices(node))
+            if st.DEBUG:  # the shared prefix before the branch point: compression must never change it
+                s.digest_kv = s.anchor_kv
+                s.prefix_digest = self.prefix_digest(self.path_device_indices(node)[: s.anchor_kv])
         if tokens == kv:
             return MatchResult(
                 device_prefix_len=kv, last_device_node=node, last_host_node=node, best_match_node=node
@@ -235,9 +238,11 @@ class KvEvictRadixCache(RadixCache):
         by another running request (a `lock_ref` beyond the
         request's own lock, which a chunked prefill holds on its earlier chunks when it is matched
         again) or inside the declared
-        `shared_prefix` (a normal node it cuts is split there). Unlocked siblings are cache, not
-        sharers: a chat template that re-renders the end of a turn leaves one such stale remainder at
-        every turn, and counting it would stop a session from ever re-compressing. The own region may
+        `shared_prefix` (a normal node it cuts is split there), or with another branch below it (a
+        child off the path with `BRANCH_MIN` tokens or more: another session on the same system
+        prompt). Shorter children are not branches: a chat template that re-renders the end of a turn
+        leaves such a stale remainder at every turn, and counting it would stop a session from ever
+        re-compressing. The own region may
         start with one compressed node (the branch's history) and then holds only normal nodes; a
         later compressed node (another config's or scope's layout) moves the start to it.
         """
@@ -255,9 +260,11 @@ class KvEvictRadixCache(RadixCache):
                 path[i : i + 1] = [top, n]
                 return self._branch_start(path, cfg, req)
             tokens += len(n.key)
+            nxt = path[i + 1] if i + 1 < len(path) else None
             if (
                 n.lock_ref > (id(n) in mine)
                 or getattr(n, "kvevict_shared", False)
+                or any(c is not nxt and (len(c.key) >= BRANCH_MIN or c.children) for c in n.children.values())
                 or tokens <= cfg.shared_prefix
                 or (is_compressed(n) and tokens - len(n.key) < cfg.shared_prefix)
             ):
@@ -426,7 +433,7 @@ class KvEvictRadixCache(RadixCache):
             return  # retraction: the request comes back, with its counters, failure flag and policy state
         if st.DEBUG and s is not None and s.anchor is not None:
             s.prefix_digest_end = self.prefix_digest(
-                self.req_to_token_pool.req_to_token[row, : s.anchor_kv]
+                self.req_to_token_pool.req_to_token[row, : s.digest_kv]
                 if row is not None
                 else self._empty_device_indices
             )
