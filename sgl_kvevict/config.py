@@ -4,6 +4,10 @@ Server-wide settings come from `--kv-policy`, `--kv-budget`, `--kv-policy-config
 launcher to the scheduler process in the environment variable `KVEVICT_SERVER_CONFIG` (SGLang drops unknown
 CLI fields and its `ServerArgs` is a frozen-schema msgspec struct).
 A request may override them with `custom_params={"kvevict": {"policy": ..., "budget": ..., "config": {...}}}`.
+What a request may override is the operator's call (`--kv-disable-request-override`,
+`--kv-override-policies`, `--kv-override-min-budget`) plus what the server cannot run (CriticalKV on a
+quantized `o_proj`): `ServerSettings`, carried in `KVEVICT_SERVER_SETTINGS`. It is a separate model because
+`KvConfig` is also what a request sends.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sgl_kvevict import policies
 
 ENV_VAR = "KVEVICT_SERVER_CONFIG"
+SETTINGS_ENV_VAR = "KVEVICT_SERVER_SETTINGS"
 REQUEST_KEY = "kvevict"
 DEFAULT_BUDGET = 0.5
 
@@ -73,8 +78,20 @@ class KvConfig(BaseModel):
         return v
 
     def build(self) -> policies.Policy:
-        """Validate the policy config too (raises PolicyConfigError naming the field)."""
-        return policies.build(self.policy, self.config)
+        """Validate the policy config too (raises PolicyConfigError naming the field).
+
+        Attention-based policies score with the last `window` queries against the request's keys under a
+        causal mask that puts those queries on the last `window` slots of the row. That holds only while
+        the recent window, never evicted, covers them: `window <= recent`.
+        """
+        pol = policies.build(self.policy, self.config)
+        c = pol.config
+        if "attn" in pol.needs and c.window > c.recent:
+            raise policies.PolicyConfigError(
+                f"invalid config for KV policy {self.policy!r}: field 'window' ({c.window}) must be <= "
+                f"'recent' ({c.recent}): the scored queries must be among the never-evicted recent tokens"
+            )
+        return pol
 
     def resolve_budget(self, suffix_tokens: int, always_kept: int = 0) -> int:
         """Candidate tokens to keep per head, beyond the `always_kept` sinks and recent window.
@@ -94,6 +111,75 @@ class KvConfig(BaseModel):
         return self.policy != "none"
 
 
+class OverridePolicy(BaseModel):
+    """What the operator lets a request override (`custom_params.kvevict`).
+
+    The server's own policy and budget are always allowed. A budget is judged only against a minimum of
+    the same kind: tokens against `min_budget_tokens`, a ratio against `min_budget_ratio`. A request
+    budget of a kind the operator gave no minimum for is denied when the operator gave a minimum of the
+    other kind (a ratio cannot be compared with a token count before the request's length is known).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    policies: list[str] | None = Field(None, description="policies an override may name; None: all")
+    min_budget_tokens: int | None = Field(None, ge=1)
+    min_budget_ratio: float | None = Field(None, gt=0.0, le=1.0)
+
+    @field_validator("policies")
+    @classmethod
+    def _known(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("give at least one policy name")
+        bad = [p for p in v if p not in policies.REGISTRY]
+        if bad:
+            raise ValueError(
+                f"unknown KV policy {bad[0]!r}; valid choices: {', '.join(policies.available())}"
+            )
+        return sorted(set(v))
+
+    @property
+    def has_min_budget(self) -> bool:
+        return self.min_budget_tokens is not None or self.min_budget_ratio is not None
+
+
+class ServerSettings(BaseModel):
+    """Server-wide rules for per-request overrides, known to every process (HTTP and scheduler)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    overrides: OverridePolicy = Field(default_factory=OverridePolicy)
+    quantization: str | None = Field(
+        None, description="how the weights are quantized (which flag), if at all"
+    )
+
+    def to_env(self) -> str:
+        return self.model_dump_json()
+
+
+def parse_min_budget(text: str) -> tuple[int | None, float | None]:
+    """`--kv-override-min-budget`: `256` (tokens), `0.25` (ratio) or both, `256,0.25`."""
+    tokens: int | None = None
+    ratio: float | None = None
+    parts = [p for p in (x.strip() for x in str(text).split(",")) if p]
+    if not parts or len(parts) > 2:
+        raise ValueError(f"{text!r}: give tokens (256), a ratio (0.25) or both (256,0.25)")
+    for part in parts:
+        val = parse_budget(part)
+        if isinstance(val, int):
+            if tokens is not None:
+                raise ValueError(f"{text!r}: two token minimums")
+            tokens = val
+        else:
+            if ratio is not None:
+                raise ValueError(f"{text!r}: two ratio minimums")
+            ratio = val
+    return tokens, ratio
+
+
 def server_config() -> KvConfig:
     """The server-wide config in this process (from the launcher's environment)."""
     raw = os.environ.get(ENV_VAR)
@@ -102,10 +188,72 @@ def server_config() -> KvConfig:
     return KvConfig.model_validate(json.loads(raw))
 
 
-def request_override(custom_params: dict[str, Any] | None, base: KvConfig) -> KvConfig | None:
-    """The request's own config, or None when it gives none. Raises ValueError with a readable message."""
+_SETTINGS: tuple[str | None, ServerSettings] | None = None
+
+
+def server_settings() -> ServerSettings:
+    """The operator's override rules in this process (from the launcher's environment; parsed once)."""
+    global _SETTINGS
+    raw = os.environ.get(SETTINGS_ENV_VAR)
+    if _SETTINGS is None or _SETTINGS[0] != raw:
+        _SETTINGS = (raw, ServerSettings.model_validate_json(raw) if raw else ServerSettings())
+    return _SETTINGS[1]
+
+
+def _check_operator_rules(
+    raw: dict[str, Any], cfg: KvConfig, base: KvConfig, settings: ServerSettings
+) -> None:
+    """Raise ValueError naming the server flag that denies this override."""
+    rules = settings.overrides
+    if "policy" in raw and cfg.policy != base.policy and rules.policies is not None:
+        if cfg.policy not in rules.policies:
+            raise ValueError(
+                f"custom_params.{REQUEST_KEY}.policy: {cfg.policy!r} is not allowed on this server "
+                f"(--kv-override-policies {','.join(rules.policies)}; the server's own {base.policy!r} is too)"
+            )
+    same_budget = (type(cfg.budget), cfg.budget) == (type(base.budget), base.budget)  # 1 token != ratio 1.0
+    if "budget" in raw and not same_budget and rules.has_min_budget:
+        b = cfg.budget
+        if isinstance(b, int):
+            floor, kind = rules.min_budget_tokens, "tokens"
+        else:
+            floor, kind = rules.min_budget_ratio, "a ratio"
+        if floor is None:
+            raise ValueError(
+                f"custom_params.{REQUEST_KEY}.budget: {b} is {kind}, but this server sets a minimum only for "
+                f"the other kind (--kv-override-min-budget "
+                f"{rules.min_budget_tokens if rules.min_budget_tokens is not None else rules.min_budget_ratio})"
+            )
+        if b < floor:
+            raise ValueError(
+                f"custom_params.{REQUEST_KEY}.budget: {b} is below this server's minimum {floor} "
+                f"(--kv-override-min-budget)"
+            )
+    if settings.quantization and cfg.active:
+        pol = cfg.build()
+        if "o_proj" in pol.needs:
+            raise ValueError(
+                f"custom_params.{REQUEST_KEY}.policy: {cfg.policy!r} reads o_proj's weights, which are "
+                f"quantized on this server ({settings.quantization})"
+            )
+
+
+def request_override(
+    custom_params: dict[str, Any] | None, base: KvConfig, settings: ServerSettings | None = None
+) -> KvConfig | None:
+    """The request's own config, or None when it gives none. Raises ValueError with a readable message.
+
+    The operator's rules (`settings`, by default this server's) apply here, so the HTTP check (400) and
+    the scheduler (which falls back to the server policy) judge an override the same way.
+    """
     if not custom_params or REQUEST_KEY not in custom_params:
         return None
+    settings = settings if settings is not None else server_settings()
+    if not settings.overrides.enabled:
+        raise ValueError(
+            f"custom_params.{REQUEST_KEY}: per-request overrides are disabled on this server "
+            "(--kv-disable-request-override)"
+        )
     raw = custom_params[REQUEST_KEY]
     if not isinstance(raw, dict):
         raise ValueError(f"custom_params.{REQUEST_KEY} must be an object with policy/budget/config")
@@ -132,4 +280,5 @@ def request_override(custom_params: dict[str, Any] | None, base: KvConfig) -> Kv
             loc = ".".join(str(x) for x in err["loc"])
             raise ValueError(f"custom_params.{REQUEST_KEY}.{loc}: {err['msg']}") from None
         raise ValueError(f"custom_params.{REQUEST_KEY}: {e}") from None
+    _check_operator_rules(raw, cfg, base, settings)
     return cfg

@@ -1,6 +1,6 @@
 """Scheduler-side hooks (HookRegistry), installed only when a policy other than `none` is active.
 
-Each hook is one of the places SGLang assumes "one KV slot per token" (SGLANG_MAP.md section 2):
+Each hook is one of the places where SGLang assumes "one KV slot per token", which a compressed request breaks:
 
 - `alloc_for_extend` (AROUND): a request that matched a compressed node has fewer prefix slots than
   prefix tokens; lengths are lowered to slots around the allocation, and window-query capture starts.

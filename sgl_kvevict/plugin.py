@@ -1,9 +1,12 @@
 """SGLang plugin entry point (group `sglang.srt.plugins`), loaded by SGLang in every process.
 
-It adds `--kv-policy`, `--kv-budget`, `--kv-policy-config` to `launch_server`, validates them before the
-model loads, hands the validated config to the scheduler through the environment, registers the
-compressing radix cache backend, and (when a policy is active) installs the scheduler hooks.
-With `--kv-policy none` no cache backend or scheduler hook is installed: SGLang runs unchanged.
+It adds `--kv-policy`, `--kv-budget`, `--kv-policy-config` and the operator's override controls
+(`--kv-disable-request-override`, `--kv-override-policies`, `--kv-override-min-budget`) to
+`launch_server`, validates them before the model loads (refusing, with exit code 2, the SGLang features
+and model architectures compression cannot serve), hands the validated config to the other processes
+through the environment, registers the compressing radix cache backend, and (when a policy is active)
+installs the scheduler hooks. With `--kv-policy none` no cache backend or scheduler hook is installed:
+SGLang runs unchanged.
 """
 
 from __future__ import annotations
@@ -14,10 +17,22 @@ import logging
 import os
 import sys
 
+from pydantic import ValidationError
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sgl_kvevict import policies
-from sgl_kvevict.config import ENV_VAR, REQUEST_KEY, KvConfig, parse_budget, request_override, server_config
+from sgl_kvevict import modelcheck, policies
+from sgl_kvevict.config import (
+    ENV_VAR,
+    REQUEST_KEY,
+    SETTINGS_ENV_VAR,
+    KvConfig,
+    OverridePolicy,
+    ServerSettings,
+    parse_budget,
+    parse_min_budget,
+    request_override,
+    server_config,
+)
 
 logger = logging.getLogger("sgl_kvevict")
 BACKEND_NAME = "kvevict"
@@ -41,8 +56,29 @@ def _json_arg(text: str) -> dict:
     return val
 
 
+def _min_budget_arg(text: str) -> tuple[int | None, float | None]:
+    try:
+        return parse_min_budget(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _policies_arg(text: str) -> list[str]:
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(
+            f"give policy names separated by commas; valid: {', '.join(policies.available())}"
+        )
+    bad = [p for p in names if p not in policies.REGISTRY]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown KV policy {bad[0]!r}; valid choices: {', '.join(policies.available())}"
+        )
+    return names
+
+
 def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
-    """AFTER ServerArgs.add_cli_args: our three flags. Choices come from the policy registry."""
+    """AFTER ServerArgs.add_cli_args: our flags. Policy choices come from the policy registry."""
     if any("--kv-policy" in a.option_strings for a in parser._actions):
         return result
     group = parser.add_argument_group("sgl-kvevict (KV-cache compression)")
@@ -60,6 +96,24 @@ def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
     )
     group.add_argument(
         "--kv-policy-config", type=_json_arg, default=None, help="policy config as JSON, e.g. '{\"lag\": 64}'"
+    )
+    group.add_argument(
+        "--kv-disable-request-override",
+        action="store_true",
+        help="deny every per-request custom_params.kvevict (HTTP 400)",
+    )
+    group.add_argument(
+        "--kv-override-policies",
+        type=_policies_arg,
+        default=None,
+        help="comma-separated policies a per-request override may name (default: all)",
+    )
+    group.add_argument(
+        "--kv-override-min-budget",
+        type=_min_budget_arg,
+        default=None,
+        help="smallest budget an override may ask for: tokens (256), a ratio (0.25) or both (256,0.25); "
+        "a budget of a kind without a minimum is denied",
     )
     return result
 
@@ -85,6 +139,9 @@ def from_cli_args(cls, ns: argparse.Namespace, *args, **kwargs):
     except ValueError as e:
         _fail(f"argument --kv-policy: {e}")
     os.environ[ENV_VAR] = cfg.to_env()
+    model_cfg = _model_config(ns)
+    settings = _server_settings(ns, model_cfg)
+    os.environ[SETTINGS_ENV_VAR] = settings.to_env()
     if cfg.active:
         current = getattr(ns, "radix_cache_backend", None)
         if current not in (None, BACKEND_NAME):
@@ -92,16 +149,81 @@ def from_cli_args(cls, ns: argparse.Namespace, *args, **kwargs):
         if getattr(ns, "disable_radix_cache", False):
             _fail(f"--kv-policy {policy} needs the radix cache: drop --disable-radix-cache")
         ns.radix_cache_backend = BACKEND_NAME
-        _restrict_features(ns, policy)
+        _restrict_features(ns, cfg, settings, model_cfg)
     return None
 
 
-def _restrict_features(ns: argparse.Namespace, policy: str) -> None:
+def _model_config(ns: argparse.Namespace) -> dict | None:
+    """The model's config.json, read without loading the model (None when not found locally)."""
+    path = getattr(ns, "model_path", None)
+    if not path:
+        return None
+    try:
+        return modelcheck.read_config(
+            str(path), getattr(ns, "revision", None), getattr(ns, "json_model_override_args", None)
+        )
+    except (OSError, ValueError) as e:
+        logger.warning("sgl-kvevict: could not read %s/config.json before loading (%s)", path, e)
+        return None
+
+
+def _server_settings(ns: argparse.Namespace, model_cfg: dict | None) -> ServerSettings:
+    disabled = bool(getattr(ns, "kv_disable_request_override", False))
+    allowed = getattr(ns, "kv_override_policies", None)
+    min_budget = getattr(ns, "kv_override_min_budget", None)
+    if disabled and (allowed is not None or min_budget is not None):
+        other = "--kv-override-policies" if allowed is not None else "--kv-override-min-budget"
+        _fail(f"{other} has no effect with --kv-disable-request-override (no override is allowed): drop one")
+    tokens, ratio = min_budget if min_budget is not None else (None, None)
+    quant = None
+    for flag in ("quantization", "modelopt_quant"):
+        if getattr(ns, flag, None):
+            quant = f"--{flag.replace('_', '-')} {getattr(ns, flag)}"
+            break
+    if quant is None and model_cfg is not None and modelcheck.quantization(model_cfg):
+        quant = f"the checkpoint's quantization_config: {modelcheck.quantization(model_cfg)}"
+    try:
+        return ServerSettings(
+            overrides=OverridePolicy(
+                enabled=not disabled, policies=allowed, min_budget_tokens=tokens, min_budget_ratio=ratio
+            ),
+            quantization=quant,
+        )
+    except ValidationError as e:  # the argparse types check first; this is a second line
+        err = e.errors()[0]
+        flag = "--kv-override-policies" if "policies" in err["loc"] else "--kv-override-min-budget"
+        _fail(f"argument {flag}: {err['msg']}")
+        raise  # unreachable: _fail exits
+
+
+def _restrict_features(
+    ns: argparse.Namespace, cfg: KvConfig, settings: ServerSettings, model_cfg: dict | None
+) -> None:
     """Features that do not compose with per-request compaction: refuse or switch off, saying why."""
+    policy = cfg.policy
     if getattr(ns, "page_size", None) not in (None, 1):
         _fail(f"--kv-policy {policy} compacts per token and needs --page-size 1 (got {ns.page_size})")
     if getattr(ns, "speculative_algorithm", None):
         _fail(f"--kv-policy {policy} does not support speculative decoding (--speculative-algorithm)")
+    if getattr(ns, "enable_hierarchical_cache", False):
+        _fail(
+            f"--kv-policy {policy} does not support --enable-hierarchical-cache "
+            "(host-memory copies of compressed rows are not managed)"
+        )
+    if int(getattr(ns, "pp_size", 1) or 1) > 1:
+        _fail(
+            f"--kv-policy {policy} does not support pipeline parallelism (--pp-size {ns.pp_size}): "
+            "compression runs over all layers of one rank"
+        )
+    if settings.quantization and "o_proj" in cfg.build().needs:
+        _fail(
+            f"--kv-policy {policy} reads o_proj's weights, which are quantized "
+            f"({settings.quantization}); use another policy or an unquantized model"
+        )
+    if model_cfg is not None:
+        why = modelcheck.refusal(model_cfg)
+        if why:
+            _fail(f"--kv-policy {policy} cannot serve {ns.model_path}: {why}")
     if not getattr(ns, "disable_overlap_schedule", False):
         ns.disable_overlap_schedule = True
         logger.warning(

@@ -174,7 +174,7 @@ def test_frontend_fork_shares_the_context(kv_server: Server):
         s += sgl.system("Answer in a few words.")
         s += sgl.user(ctx)
         s += sgl.assistant("I have read the log.")
-        s.text()  # commits the shared prefix before forking (ENVIRONMENT.md)
+        s.text()  # commits the shared prefix before forking, or the branches miss the cache
         forks = s.fork(4)
         for i, f in enumerate(forks):
             f += sgl.user(f"Question {i}: name one worker from the log.")
