@@ -135,12 +135,7 @@ def _start(rank: Rank, policy: str, config: dict, share_prompt: bool) -> SimpleN
     st.on_match(req, Region(rank.tree.root_node, 0, 0, None))
     if "attn" in s.policy.needs:
         rank.rings[0] = capture.Ring(
-            L,
-            s.policy.config.window,
-            (rank.heads.stop - rank.heads.start) * GROUP,
-            D,
-            torch.float32,
-            torch.device("cpu"),
+            L, s.policy.config.window, (rank.heads.stop - rank.heads.start) * GROUP, D
         )
         capture.RINGS[0] = rank.rings[0]
     for pos in range(PROMPT):
