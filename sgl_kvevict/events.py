@@ -20,7 +20,7 @@ two copies is evicted (a conservative error: it only stops preferring this worke
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from sglang.srt.disaggregation.kv_events import (
     BlockRemoved,
@@ -35,13 +35,13 @@ from sglang.srt.mem_cache.utils import hash_str_to_int64
 class CompressedBlockStored(BlockStored, tag="BlockStored"):
     """`BlockStored` of a compressed node: its tokens' blocks, held in `kv_slots` KV slots."""
 
-    kv_slots: Optional[int] = None
+    kv_slots: int | None = None
 
 
 class CompressedBlockRemoved(BlockRemoved, tag="BlockRemoved"):
     """`BlockRemoved` of a compressed node, which freed `kv_slots` KV slots."""
 
-    kv_slots: Optional[int] = None
+    kv_slots: int | None = None
 
 
 def _compressed(node: Any) -> bool:
@@ -88,7 +88,7 @@ class KvEvictEventRecorder(KVCacheEventRecorder):
             return
         super().enqueue(event)
 
-    def _hashes(self, node: Any) -> tuple[list[int], Optional[bytes]]:
+    def _hashes(self, node: Any) -> tuple[list[int], bytes | None]:
         values = self._node_event_hash_values(node)
         seed = self._namespace_seed(node)
         n_pages = -(-len(node.key) // self.page_size)
@@ -96,7 +96,7 @@ class KvEvictEventRecorder(KVCacheEventRecorder):
             namespaced_block_hash(hash_str_to_int64(h), namespace_seed=seed) for h in values[:n_pages]
         ], seed
 
-    def record_store(self, node: Any, medium: Any = None, *, session_id: Optional[str] = None) -> None:
+    def record_store(self, node: Any, medium: Any = None, *, session_id: str | None = None) -> None:
         if not _compressed(node):
             return super().record_store(node, medium, session_id=session_id)
         self.compressed_slots += len(node.value)

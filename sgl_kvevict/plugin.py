@@ -64,7 +64,12 @@ def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
     return result
 
 
+_in_engine = False  # set while validating an offline Engine's keyword arguments: errors raise instead
+
+
 def _fail(msg: str) -> None:
+    if _in_engine:
+        raise ValueError(msg)
     print(f"sglang launch_server: error: {msg}", file=sys.stderr)
     sys.exit(2)
 
@@ -117,6 +122,36 @@ def _restrict_features(ns: argparse.Namespace, policy: str) -> None:
         )
 
 
+ENGINE_KEYS = ("kv_policy", "kv_budget", "kv_policy_config")
+
+
+def server_args_init(*args, **kwargs):
+    """BEFORE ServerArgs.__init__: the offline `sgl.Engine(..., kv_policy="d2o", kv_budget=0.5)`.
+
+    The Engine builds ServerArgs from its keyword arguments, which never pass through the CLI parser:
+    take our three keys out (ServerArgs has no such fields), validate them exactly as the CLI does,
+    and apply what `from_cli_args` would set. A bad value is a ValueError naming the field.
+    """
+    global _in_engine
+    if not any(k in kwargs for k in ENGINE_KEYS):
+        return None
+    kv = {k: kwargs.pop(k, None) for k in ENGINE_KEYS}
+    ns = argparse.Namespace(**kwargs)
+    _in_engine = True
+    try:
+        ns.kv_policy = kv["kv_policy"] or "none"
+        ns.kv_budget = _budget_arg(kv["kv_budget"]) if isinstance(kv["kv_budget"], str) else kv["kv_budget"]
+        conf = kv["kv_policy_config"]
+        ns.kv_policy_config = _json_arg(conf) if isinstance(conf, str) else conf
+        from_cli_args(None, ns)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"kv_budget/kv_policy_config: {e}") from None
+    finally:
+        _in_engine = False
+    kwargs.update({k: v for k, v in vars(ns).items() if k not in ENGINE_KEYS})
+    return args, kwargs
+
+
 def verify_request(result, sampling_params, *args, **kwargs):
     """AFTER SamplingParams.verify (HTTP process): a bad per-request override is a ValueError -> HTTP 400."""
     custom = getattr(sampling_params, "custom_params", None)
@@ -147,6 +182,7 @@ def load() -> None:
         from sgl_kvevict import testing  # noqa: F401
     HookRegistry.register(f"{_SERVER_ARGS}.add_cli_args", add_cli_args, HookType.AFTER)
     HookRegistry.register(f"{_SERVER_ARGS}.from_cli_args", from_cli_args, HookType.BEFORE)
+    HookRegistry.register(f"{_SERVER_ARGS}.__init__", server_args_init, HookType.BEFORE)
     HookRegistry.register(
         "sglang.srt.sampling.sampling_params.SamplingParams.verify", verify_request, HookType.AFTER
     )
