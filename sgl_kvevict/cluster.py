@@ -28,7 +28,17 @@ import requests
 
 from sgl_kvevict.serverproc import Server, free_port
 
-ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
+ROUTER_POLICIES = ("cache_aware", "manual", "round_robin", "random", "power_of_two")
+# A worker busy on a small CPU answers /health slowly; the router's defaults (a few seconds, three
+# failures) would mark it dead mid-run and answer 503. Generous limits; flags given later win.
+PATIENT_ROUTER = [
+    "--health-check-timeout-secs",
+    "60",
+    "--health-failure-threshold",
+    "10",
+    "--request-timeout-secs",
+    "3600",
+]
 
 
 class Router:
@@ -62,6 +72,7 @@ class Router:
             "127.0.0.1",
             "--prometheus-port",
             str(free_port()),
+            *PATIENT_ROUTER,
             *(extra or []),
         ]
         self.log_path = Path(log_path) if log_path else Path(f"/tmp/sgl-kvevict-router-{self.port}.log")
@@ -81,7 +92,7 @@ class Router:
                     f"router exited with code {self.proc.returncode}; log tail:\n{self.tail()}"
                 )
             try:
-                if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                if requests.get(self.url + "/health", timeout=5).status_code == 200 and self._all_healthy():
                     print(f"[router] ready in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
                     return self
             except requests.RequestException:
@@ -89,6 +100,11 @@ class Router:
             time.sleep(0.5)
         self.stop()
         raise TimeoutError(f"router not ready after {self.timeout} s; log tail:\n{self.tail()}")
+
+    def _all_healthy(self) -> bool:
+        """The router registers workers in the background: ready once it lists every one as healthy."""
+        listed = requests.get(self.url + "/workers", timeout=5).json().get("workers", [])
+        return len(listed) == len(self.workers) and all(w.get("is_healthy") for w in listed)
 
     def tail(self, n: int = 30) -> str:
         try:

