@@ -126,11 +126,12 @@ ENGINE_KEYS = ("kv_policy", "kv_budget", "kv_policy_config")
 
 
 def server_args_init(*args, **kwargs):
-    """BEFORE ServerArgs.__init__: the offline `sgl.Engine(..., kv_policy="d2o", kv_budget=0.5)`.
+    """ServerArgs keyword arguments of the offline `sgl.Engine(..., kv_policy="d2o", kv_budget=0.5)`.
 
     The Engine builds ServerArgs from its keyword arguments, which never pass through the CLI parser:
     take our three keys out (ServerArgs has no such fields), validate them exactly as the CLI does,
     and apply what `from_cli_args` would set. A bad value is a ValueError naming the field.
+    Returns (args, kwargs) to build ServerArgs with, or None when no key of ours is given.
     """
     global _in_engine
     if not any(k in kwargs for k in ENGINE_KEYS):
@@ -150,6 +151,33 @@ def server_args_init(*args, **kwargs):
         _in_engine = False
     kwargs.update({k: v for k, v in vars(ns).items() if k not in ENGINE_KEYS})
     return args, kwargs
+
+
+def _patch_engine() -> None:
+    """Let `sgl.Engine` take our keyword arguments.
+
+    ServerArgs is a msgspec struct (its constructor cannot be hooked) and HookRegistry would rebind
+    every module's `ServerArgs` on a class replacement, so only the Engine's own factory attribute
+    (`Engine.server_args_class`, what `Engine.__init__` calls after loading plugins) is wrapped, and
+    only in a process that has imported the Engine.
+    """
+    mod = sys.modules.get("sglang.srt.entrypoints.engine")
+    engine = getattr(mod, "Engine", None)
+    if engine is None or getattr(engine, "_kvevict_args", False):
+        return
+    base = engine.server_args_class
+
+    class KvEvictServerArgs:
+        """Builds a plain ServerArgs after taking kv_policy / kv_budget / kv_policy_config out."""
+
+        def __new__(cls, *args, **kwargs):
+            res = server_args_init(None, *args, **kwargs)
+            if res is not None:
+                args, kwargs = res[0][1:], res[1]
+            return base(*args, **kwargs)
+
+    engine.server_args_class = KvEvictServerArgs
+    engine._kvevict_args = True
 
 
 def verify_request(result, sampling_params, *args, **kwargs):
@@ -182,11 +210,11 @@ def load() -> None:
         from sgl_kvevict import testing  # noqa: F401
     HookRegistry.register(f"{_SERVER_ARGS}.add_cli_args", add_cli_args, HookType.AFTER)
     HookRegistry.register(f"{_SERVER_ARGS}.from_cli_args", from_cli_args, HookType.BEFORE)
-    HookRegistry.register(f"{_SERVER_ARGS}.__init__", server_args_init, HookType.BEFORE)
     HookRegistry.register(
         "sglang.srt.sampling.sampling_params.SamplingParams.verify", verify_request, HookType.AFTER
     )
     _register_backend()
+    _patch_engine()
     cfg = server_config()
     if cfg.active:
         from sgl_kvevict import hooks

@@ -172,3 +172,16 @@ def test_engine_keywords_become_server_args(monkeypatch):
     assert kwargs["model_path"] == "m" and kwargs["radix_cache_backend"] == plugin.BACKEND_NAME
     assert not set(kwargs) & set(plugin.ENGINE_KEYS)
     assert json.loads(os.environ[ENV_VAR])["policy"] == "d2o"
+
+
+def test_engine_builds_server_args_from_our_keywords(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "")  # restored (removed) afterwards
+    from sglang.srt.entrypoints.engine import Engine
+    from sglang.srt.server_args import ServerArgs
+
+    plugin._patch_engine()
+    sa = Engine.server_args_class(model_path="m", kv_policy="lagkv", kv_budget="256", device="cpu")
+    assert type(sa) is ServerArgs and sa.radix_cache_backend == plugin.BACKEND_NAME
+    assert json.loads(os.environ[ENV_VAR])["budget"] == 256
+    with pytest.raises(ValueError, match="valid choices"):
+        Engine.server_args_class(model_path="m", kv_policy="nope")
