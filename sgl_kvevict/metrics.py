@@ -57,6 +57,8 @@ class Metrics:
             for f, n, d in GAUGES
         }
         self._published: dict[str, float] = {f: 0.0 for f, _, _ in COUNTERS}
+        for m in (*self.counters.values(), *self.gauges.values()):
+            m.labels(**labels)  # a labelled series exists only once touched: show zeros from the start
 
     def publish(self, totals: Any, gauges: dict[str, float]) -> None:
         for f, c in self.counters.items():

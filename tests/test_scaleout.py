@@ -136,7 +136,7 @@ def test_offline_engine_takes_the_policy_as_keyword_arguments():
         input=long_text(600, seed=7),
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1500,
         env={**os.environ, **env},
     )
     line = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
