@@ -20,6 +20,7 @@ import requests
 from sgl_kvevict import plugin
 from sgl_kvevict.cluster import Cluster
 from sgl_kvevict.config import ENV_VAR
+from sgl_kvevict.serverproc import Server
 
 from .helpers import CHECKED_ENV, long_text, tokenizer
 
@@ -185,3 +186,28 @@ def test_engine_builds_server_args_from_our_keywords(monkeypatch):
     assert json.loads(os.environ[ENV_VAR])["budget"] == 256
     with pytest.raises(ValueError, match="valid choices"):
         Engine.server_args_class(model_path="m", kv_policy="nope")
+
+
+@pytest.mark.server
+def test_data_parallel_ranks_each_compress_and_report():
+    """`--dp-size 2` under a policy: each rank runs its own compressing tree (on CPU, launch binds one
+    core range per rank: SGLANG_CPU_OMP_THREADS_BIND)."""
+    args = ["--kv-policy", "d2o", "--kv-budget", "0.5", "--dp-size", "2", "--max-total-tokens", "8000"]
+    with Server([*args, "--enable-metrics"], env=CHECKED_ENV, timeout=900) as s:
+        with ThreadPoolExecutor(4) as ex:
+            outs = list(ex.map(lambda i: s.generate(long_text(300, seed=i), max_new_tokens=8), range(4)))
+        for o in outs:
+            info = o["meta_info"]["kvevict"][0]
+            assert info["evicted"] > 0 and info["kv_tokens"] < info["logical_tokens"], info
+        states = [st["kvevict"] for st in s.server_info()["internal_states"]]
+        assert len(states) == 2 and all(st["compressions"] > 0 for st in states), states
+        text = requests.get(s.url + "/metrics", timeout=30).text
+        for rank, st in enumerate(states):
+            line = re.search(
+                rf'^sglang:kvevict_compressions_total\{{dp_rank="{rank}",[^}}]*\}} (\S+)$', text, re.M
+            )
+            assert line and float(line.group(1)) == st["compressions"], (rank, st)
+        s.flush()
+        for st in (st["kvevict"] for st in s.server_info()["internal_states"]):
+            assert st["available_tokens"] == st["max_total_tokens"], st
+        assert s.alive()
