@@ -143,10 +143,11 @@ def test_offline_engine_takes_the_policy_as_keyword_arguments():
     line = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
     assert res.returncode == 0 and line, res.stderr[-3000:]
     metas = json.loads(line[0][len("RESULT ") :])
-    for meta in metas:
-        info = meta["kvevict"][0]
-        assert info["policy"] == "d2o" and info["evicted"] > 0, info
-        assert info["kv_tokens"] < info["logical_tokens"], info
+    first, second = (m["kvevict"][0] for m in metas)
+    assert first["policy"] == "d2o" and first["evicted"] > 0, first
+    assert first["kv_tokens"] < first["logical_tokens"], first
+    # The second prompt extends the first: it shares the first's prompt through the tree.
+    assert second["policy"] == "d2o" and second["prefix_kv_tokens"] >= 500, second
 
 
 @pytest.mark.parametrize(
