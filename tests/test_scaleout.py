@@ -146,8 +146,10 @@ def test_offline_engine_takes_the_policy_as_keyword_arguments():
     first, second = (m["kvevict"][0] for m in metas)
     assert first["policy"] == "d2o" and first["evicted"] > 0, first
     assert first["kv_tokens"] < first["logical_tokens"], first
-    # The second prompt extends the first: it shares the first's prompt through the tree.
-    assert second["policy"] == "d2o" and second["prefix_kv_tokens"] >= 500, second
+    # The second prompt extends the first: batched with it, it compresses its own copy; admitted after
+    # the first's prompt was checkpointed, it shares that prompt through the tree instead.
+    assert second["policy"] == "d2o", second
+    assert second["evicted"] > 0 or second["prefix_kv_tokens"] >= 500, second
 
 
 @pytest.mark.parametrize(
