@@ -80,6 +80,10 @@ class BenchConfig(BaseModel):
     )
     server_mode: Literal["per-run", "shared", "url"] = "per-run"
     url: str | None = None
+    worker_urls: list[str] = Field(
+        default_factory=list, description="with --url of a router: its workers, for the plugin's counters"
+    )
+    routing_key: bool = Field(False, description="send each session's id in sglang-router's session header")
     shared_policy: str = Field("lagkv", description="policy the shared server starts with (runs override it)")
     server_args: list[str] = Field(default_factory=list)
     server_env: dict[str, str] = Field(default_factory=dict)
@@ -135,8 +139,11 @@ def load_scenarios(cfg: BenchConfig) -> list[Session]:
 class Replayer:
     """Replays all sessions under one policy; keeps the prompt ids for the scoring phase."""
 
-    def __init__(self, cfg: BenchConfig, chat: rc.ChatIds, url: str, kv: dict | None, bar: tqdm) -> None:
+    def __init__(
+        self, cfg: BenchConfig, chat: rc.ChatIds, url: str, kv: dict | None, bar: tqdm, tag: str = ""
+    ) -> None:
         self.cfg, self.chat, self.url, self.kv, self.bar = cfg, chat, url, kv, bar
+        self.tag = tag  # run label: a session's routing key is new in every run
         self.records: list[dict[str, Any]] = []
         self.prompts: dict[tuple[str, int, int], list[int]] = {}
         self.lock = threading.Lock()
@@ -190,6 +197,7 @@ class Replayer:
     def session(self, s: Session) -> None:
         chat, cfg = self.chat, self.cfg
         ids = chat.start(s.system)
+        key = f"{self.tag}/{s.id}" if cfg.routing_key else None
         for t, turn in enumerate(s.turns):
             for m in turn.inputs:
                 ids = ids + chat.message(m.role, m.content)
@@ -201,10 +209,15 @@ class Replayer:
             if len(prompts) > 1:
                 with ThreadPoolExecutor(len(prompts)) as ex:
                     calls = list(
-                        ex.map(lambda p, n=mnt: rc.generate(self.url, p, n, self.kv, cfg.stream), prompts)
+                        ex.map(
+                            lambda p, n=mnt: rc.generate(
+                                self.url, p, n, self.kv, cfg.stream, routing_key=key
+                            ),
+                            prompts,
+                        )
                     )
             else:
-                calls = [rc.generate(self.url, prompts[0], mnt, self.kv, cfg.stream)]
+                calls = [rc.generate(self.url, prompts[0], mnt, self.kv, cfg.stream, routing_key=key)]
             for b, (p, c) in enumerate(zip(prompts, calls, strict=True)):
                 self._record(s, t, b, p, c, turn.expect)
             if calls[0].error:
@@ -305,13 +318,13 @@ def main(cfg: BenchConfig) -> dict[str, Any]:
                     if cfg.policy_configs.get(policy):
                         kv["config"] = cfg.policy_configs[policy]
                     rc.flush(url)
-                before = rc.server_totals(url)
+                before = rc.cluster_totals(cfg.worker_urls or [url])
                 bar = tqdm(total=n_requests, desc=name, file=sys.stderr)
-                rep = Replayer(cfg, chat, url, kv, bar)
+                rep = Replayer(cfg, chat, url, kv, bar, tag=name)
                 with rc.LoadPoller(url, cfg.poll_interval) as poller:
                     wall = rep.run(sessions)
                 bar.close()
-                after = rc.server_totals(url)
+                after = rc.cluster_totals(cfg.worker_urls or [url])
                 totals = {
                     k: after[k] - before.get(k, 0)
                     for k in after
@@ -393,7 +406,15 @@ def parse(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--budgets", default="0.5", help="comma list: ratios (0.5) or tokens (256)")
     p.add_argument("--max-total-tokens", type=int, default=9000)
     p.add_argument("--server-mode", choices=["per-run", "shared", "url"], default="per-run")
-    p.add_argument("--url")
+    p.add_argument("--url", help="with --server-mode url: a running server or sglang-router")
+    p.add_argument(
+        "--worker-urls", default="", help="comma list: the router's workers (for the plugin's counters)"
+    )
+    p.add_argument(
+        "--routing-key",
+        action="store_true",
+        help="send each session's id as sglang-router's X-SMG-Routing-Key",
+    )
     p.add_argument("--shared-policy", default="lagkv")
     p.add_argument(
         "--server-arg",
@@ -438,6 +459,8 @@ def parse(argv: list[str] | None = None) -> BenchConfig:
         max_total_tokens=a.max_total_tokens,
         server_mode=a.server_mode,
         url=a.url,
+        worker_urls=[u for u in a.worker_urls.split(",") if u],
+        routing_key=a.routing_key,
         shared_policy=a.shared_policy,
         server_args=[x for arg in a.server_arg for x in arg.split("=", 1)] if a.server_arg else [],
         stream=a.stream,

@@ -201,6 +201,8 @@ def release_overallocated(original, req, start_p, end_p, tree_cache, *args, **kw
 
 
 def on_release_report(req) -> None:
+    if runtime.RT is not None:
+        runtime.RT.publish_metrics()
     stats = compressor.stats(req)
     if stats is None:
         return
@@ -227,7 +229,13 @@ def internal_state(result, *args, **kwargs):
             "evictable_tokens": int(rt.tree.evictable_size()),
             "protected_tokens": int(rt.tree.protected_size()),
         }
-        result.internal_state[META_KEY] = {"policy": st._server().policy, **rt.totals.as_dict(), **pool}
+        result.internal_state[META_KEY] = {
+            "policy": st._server().policy,
+            **rt.totals.as_dict(),
+            **pool,
+            **rt.compressed_kv(),
+        }
+        rt.publish_metrics()
     return result
 
 

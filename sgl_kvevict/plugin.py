@@ -118,7 +118,12 @@ def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
     return result
 
 
+_in_engine = False  # set while validating an offline Engine's keyword arguments: errors raise instead
+
+
 def _fail(msg: str) -> None:
+    if _in_engine:
+        raise ValueError(msg)
     print(f"sglang launch_server: error: {msg}", file=sys.stderr)
     sys.exit(2)
 
@@ -239,6 +244,64 @@ def _restrict_features(
         )
 
 
+ENGINE_KEYS = ("kv_policy", "kv_budget", "kv_policy_config")
+
+
+def server_args_init(*args, **kwargs):
+    """ServerArgs keyword arguments of the offline `sgl.Engine(..., kv_policy="d2o", kv_budget=0.5)`.
+
+    The Engine builds ServerArgs from its keyword arguments, which never pass through the CLI parser:
+    take our three keys out (ServerArgs has no such fields), validate them exactly as the CLI does,
+    and apply what `from_cli_args` would set. A bad value is a ValueError naming the field.
+    Returns (args, kwargs) to build ServerArgs with, or None when no key of ours is given.
+    """
+    global _in_engine
+    if not any(k in kwargs for k in ENGINE_KEYS):
+        return None
+    kv = {k: kwargs.pop(k, None) for k in ENGINE_KEYS}
+    ns = argparse.Namespace(**kwargs)
+    _in_engine = True
+    try:
+        ns.kv_policy = kv["kv_policy"] or "none"
+        ns.kv_budget = _budget_arg(kv["kv_budget"]) if isinstance(kv["kv_budget"], str) else kv["kv_budget"]
+        conf = kv["kv_policy_config"]
+        ns.kv_policy_config = _json_arg(conf) if isinstance(conf, str) else conf
+        from_cli_args(None, ns)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"kv_budget/kv_policy_config: {e}") from None
+    finally:
+        _in_engine = False
+    kwargs.update({k: v for k, v in vars(ns).items() if k not in ENGINE_KEYS})
+    return args, kwargs
+
+
+def _patch_engine() -> None:
+    """Let `sgl.Engine` take our keyword arguments.
+
+    ServerArgs is a msgspec struct (its constructor cannot be hooked) and HookRegistry would rebind
+    every module's `ServerArgs` on a class replacement, so only the Engine's own factory attribute
+    (`Engine.server_args_class`, what `Engine.__init__` calls after loading plugins) is wrapped, and
+    only in a process that has imported the Engine.
+    """
+    mod = sys.modules.get("sglang.srt.entrypoints.engine")
+    engine = getattr(mod, "Engine", None)
+    if engine is None or getattr(engine, "_kvevict_args", False):
+        return
+    base = engine.server_args_class
+
+    class KvEvictServerArgs:
+        """Builds a plain ServerArgs after taking kv_policy / kv_budget / kv_policy_config out."""
+
+        def __new__(cls, *args, **kwargs):
+            res = server_args_init(None, *args, **kwargs)
+            if res is not None:
+                args, kwargs = res[0][1:], res[1]
+            return base(*args, **kwargs)
+
+    engine.server_args_class = KvEvictServerArgs
+    engine._kvevict_args = True
+
+
 def verify_request(result, sampling_params, *args, **kwargs):
     """AFTER SamplingParams.verify (HTTP process): a bad per-request override is a ValueError -> HTTP 400."""
     custom = getattr(sampling_params, "custom_params", None)
@@ -273,6 +336,7 @@ def load() -> None:
         "sglang.srt.sampling.sampling_params.SamplingParams.verify", verify_request, HookType.AFTER
     )
     _register_backend()
+    _patch_engine()
     cfg = server_config()
     if cfg.active:
         from sgl_kvevict import hooks

@@ -71,6 +71,23 @@ class Runtime:
         self.start_layer = int(getattr(self.kv_pool, "start_layer", 0) or 0)
         self._o_proj: dict[int, torch.Tensor] = {}
         self.totals = Totals()
+        self.metrics = None
+        if getattr(ctx.params, "enable_metrics", False):
+            from sgl_kvevict.metrics import Metrics, labels_for
+
+            self.metrics = Metrics(labels_for(ctx.server_args, int(ctx.tp_rank)))
+
+    def compressed_kv(self) -> dict[str, int]:
+        """KV held by the tree's compressed nodes (counted by its event recorder)."""
+        rec = self.tree.kv_events
+        return {
+            "compressed_kv_tokens": int(getattr(rec, "compressed_slots", 0)),
+            "compressed_nodes": int(getattr(rec, "compressed_nodes", 0)),
+        }
+
+    def publish_metrics(self) -> None:
+        if self.metrics is not None:
+            self.metrics.publish(self.totals, self.compressed_kv())
 
     def k_buffer(self, layer: int) -> torch.Tensor:
         return self.kv_pool.get_key_buffer(layer + self.start_layer)
