@@ -42,9 +42,7 @@ def build(name: str, config: dict[str, Any] | None = None) -> Policy:
         if not loc:  # a whole-model check (e.g. a refiner's base): its message names what is wrong
             cause = err.get("ctx", {}).get("error")
             raise PolicyConfigError(f"invalid config for KV policy {name!r}: {cause or err['msg']}") from None
-        raise PolicyConfigError(
-            f"invalid config for KV policy {name!r}: field {loc}: {err['msg']}"
-        ) from None
+        raise PolicyConfigError(f"invalid config for KV policy {name!r}: field {loc}: {err['msg']}") from None
     return cls(cfg)
 
 

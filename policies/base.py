@@ -44,9 +44,13 @@ class PolicyConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)  # no bool for a number, no "5" for 5
 
-    sinks: int = Field(4, ge=0, le=MAX_WINDOW, description="first tokens of the sequence always kept (attention sinks)")
+    sinks: int = Field(
+        4, ge=0, le=MAX_WINDOW, description="first tokens of the sequence always kept (attention sinks)"
+    )
     recent: int = Field(32, ge=0, le=MAX_WINDOW, description="most recent tokens always kept")
-    interval: int = Field(16, ge=1, le=MAX_WINDOW, description="decode steps of slack before compressing again")
+    interval: int = Field(
+        16, ge=1, le=MAX_WINDOW, description="decode steps of slack before compressing again"
+    )
     window: int = Field(32, ge=1, le=MAX_WINDOW, description="last W queries used for attention-based scores")
     scope: Literal["request", "branch"] = Field(
         "branch",

@@ -34,7 +34,9 @@ class CriticalKVConfig(PolicyConfig):
     base: str = Field("snapkv", description="attention-based scoring policy (h2o, snapkv, d2o)")
     base_config: dict[str, Any] = Field(default_factory=dict, description="the base's own config fields")
     alpha: float = Field(0.5, ge=0.0, le=1.0, description="stage-1 fraction of the budget")
-    eps: float = Field(1e-4, ge=0.0, le=1.0, description="added to A in the stage-2 score (A + eps) * ||v W_O||_1")
+    eps: float = Field(
+        1e-4, ge=0.0, le=1.0, description="added to A in the stage-2 score (A + eps) * ||v W_O||_1"
+    )
 
     @model_validator(mode="after")
     def _check_base(self) -> CriticalKVConfig:

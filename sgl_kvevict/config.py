@@ -69,7 +69,7 @@ def parse_budget(value: Any) -> int | float:
         if len(value) != 1 or next(iter(value)) not in ("tokens", "ratio"):
             keys = sorted(short(k, 20) for k in value)
             raise ValueError(f'budget object must have exactly one key, "tokens" or "ratio"; got {keys}')
-        (key, v), = value.items()
+        ((key, v),) = value.items()
         return _tokens(v) if key == "tokens" else _ratio(v)
     if isinstance(value, str):
         s = value.strip()
@@ -85,7 +85,7 @@ def parse_budget(value: Any) -> int | float:
             try:
                 pct = Decimal(s[:-1].strip())
             except InvalidOperation:
-                raise ValueError(f"budget {short(value)} is not a percent: give e.g. \"50%\"") from None
+                raise ValueError(f'budget {short(value)} is not a percent: give e.g. "50%"') from None
             if not pct.is_finite() or not 0 < pct <= 100:
                 raise ValueError(f"budget {short(value)} out of range: a percent must be in (0%, 100%]")
             return float(pct / 100)
@@ -114,7 +114,7 @@ def parse_budget(value: Any) -> int | float:
         return _tokens(int(val))
     if not 0.0 < val <= 1.0:
         raise ValueError(
-            f"budget {short(val)} out of range: a ratio must be in (0, 1] (or \"P%\"), tokens an integer >= 2"
+            f'budget {short(val)} out of range: a ratio must be in (0, 1] (or "P%"), tokens an integer >= 2'
         )
     return float(val)
 
@@ -151,7 +151,9 @@ class KvConfig(BaseModel):
     @classmethod
     def _policy(cls, v: str) -> str:
         if v not in policies.REGISTRY:
-            raise ValueError(f"unknown KV policy {short(v)}; valid choices: {', '.join(policies.available())}")
+            raise ValueError(
+                f"unknown KV policy {short(v)}; valid choices: {', '.join(policies.available())}"
+            )
         return v
 
     def build(self) -> policies.Policy:

@@ -30,10 +30,10 @@ from sgl_kvevict.config import (
     ServerSettings,
     parse_budget,
     parse_min_budget,
-    short,
-    spelling,
     request_override,
     server_config,
+    short,
+    spelling,
 )
 
 logger = logging.getLogger("sgl_kvevict")

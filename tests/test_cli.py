@@ -112,7 +112,10 @@ def check_in_process(monkeypatch, capsys, args: list[str], model: str = MISSING_
             ["--kv-policy", "lagkv", "--kv-override-min-budget", "1"],
             ["--kv-override-min-budget", "ambiguous", '"100%"', '{"tokens": 1}'],
         ),
-        (["--kv-policy", "lagkv", "--kv-budget", "1"], ["--kv-budget", "ambiguous", '"100%"', '{"tokens": 1}']),
+        (
+            ["--kv-policy", "lagkv", "--kv-budget", "1"],
+            ["--kv-budget", "ambiguous", '"100%"', '{"tokens": 1}'],
+        ),
         (["--kv-policy", "lagkv", "--kv-budget", "150%"], ["--kv-budget", "out of range"]),
         (
             ["--kv-policy", "lagkv", "--kv-override-min-budget", "0.5,0.25"],

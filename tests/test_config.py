@@ -98,7 +98,10 @@ def test_equal_budgets_written_differently_are_one_budget():
         assert cfg.budget == 0.5 and type(cfg.budget) is float
         prints.add(fingerprint(cfg, cfg.build()))
     assert len(prints) == 1
-    tok = {fingerprint(c, c.build()) for c in (KvConfig(policy="snapkv", budget=b) for b in (256, "256", {"tokens": 256}))}
+    tok = {
+        fingerprint(c, c.build())
+        for c in (KvConfig(policy="snapkv", budget=b) for b in (256, "256", {"tokens": 256}))
+    }
     assert len(tok) == 1 and not tok & prints
     everything = KvConfig(policy="snapkv", budget="100%")
     one = KvConfig(policy="snapkv", budget={"tokens": 1})

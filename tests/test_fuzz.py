@@ -73,7 +73,7 @@ def nasty(rng: random.Random) -> Any:
     if kind == 1:
         return rng.uniform(-1e6, 1e6)
     if kind == 2:
-        return "".join(rng.choice("ab%{}:\"1.0 ") for _ in range(rng.randrange(12)))
+        return "".join(rng.choice('ab%{}:"1.0 ') for _ in range(rng.randrange(12)))
     return deep(rng.randrange(1, 50), rng.choice(NASTY[:20]))
 
 
@@ -144,7 +144,10 @@ def test_every_numeric_policy_field_has_an_upper_bound():
     for name, cls in policies.REGISTRY.items():
         for fname, field in cls.Config.model_fields.items():
             if field.annotation in (int, float):
-                has_hi = any(getattr(m, "le", None) is not None or getattr(m, "lt", None) is not None for m in field.metadata)
+                has_hi = any(
+                    getattr(m, "le", None) is not None or getattr(m, "lt", None) is not None
+                    for m in field.metadata
+                )
                 assert has_hi, f"{name}.{fname} has no upper bound"
     for fname in ("min_budget_tokens", "min_budget_ratio"):
         meta = OverridePolicy.model_fields[fname].metadata
@@ -213,10 +216,16 @@ def test_fuzz_request_override():
             if key in ("budget", "policy", "config"):
                 assert key in msg, (raw, msg[:300])
             elif key is not None:
-                inner = list(raw.get("config", {}).get("base_config", {})) if isinstance(
-                    raw.get("config"), dict
-                ) and isinstance(raw["config"].get("base_config"), dict) else []
-                assert names_field(msg, key, *inner, "recent", "window", "lag", "policy", "kvevict"), (key, msg)
+                inner = (
+                    list(raw.get("config", {}).get("base_config", {}))
+                    if isinstance(raw.get("config"), dict)
+                    and isinstance(raw["config"].get("base_config"), dict)
+                    else []
+                )
+                assert names_field(msg, key, *inner, "recent", "window", "lag", "policy", "kvevict"), (
+                    key,
+                    msg,
+                )
             continue
         if cfg is None:
             continue
@@ -276,7 +285,10 @@ FLAG_TEXT = [
 
 def test_fuzz_operator_flags(capsys):
     rng = random.Random("flags")
-    texts = FLAG_TEXT + ["".join(rng.choice('0123456789.,%{}"tokensratio -') for _ in range(rng.randrange(16))) for _ in range(300)]
+    texts = FLAG_TEXT + [
+        "".join(rng.choice('0123456789.,%{}"tokensratio -') for _ in range(rng.randrange(16)))
+        for _ in range(300)
+    ]
     for text in texts:
         b = _flag(plugin._budget_arg, text)
         assert b is None or (not isinstance(b, bool) and 0 < b <= MAX_BUDGET_TOKENS and math.isfinite(b))
