@@ -32,6 +32,8 @@ from sgl_kvevict.config import (
     parse_min_budget,
     request_override,
     server_config,
+    short,
+    spelling,
 )
 
 logger = logging.getLogger("sgl_kvevict")
@@ -50,7 +52,9 @@ def _json_arg(text: str) -> dict:
     try:
         val = json.loads(text)
     except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg} at char {e.pos}): {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg} at char {e.pos}): {short(text)}") from None
+    except RecursionError:
+        raise argparse.ArgumentTypeError(f"JSON nested too deeply: {short(text)}") from None
     if not isinstance(val, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(val).__name__}")
     return val
@@ -72,7 +76,7 @@ def _policies_arg(text: str) -> list[str]:
     bad = [p for p in names if p not in policies.REGISTRY]
     if bad:
         raise argparse.ArgumentTypeError(
-            f"unknown KV policy {bad[0]!r}; valid choices: {', '.join(policies.available())}"
+            f"unknown KV policy {short(bad[0])}; valid choices: {', '.join(policies.available())}"
         )
     return names
 
@@ -92,7 +96,8 @@ def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
         "--kv-budget",
         type=_budget_arg,
         default=None,
-        help="tokens kept per KV head beyond sinks+recent window (e.g. 256), or a ratio of the suffix (e.g. 0.5)",
+        help="tokens kept per KV head beyond sinks+recent window (e.g. 256), or a percent of the suffix "
+        "(e.g. 50%%; 0.5 works too); the bare 1 is refused as ambiguous: write 100%% or '{\"tokens\": 1}'",
     )
     group.add_argument(
         "--kv-policy-config", type=_json_arg, default=None, help="policy config as JSON, e.g. '{\"lag\": 64}'"
@@ -112,7 +117,8 @@ def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
         "--kv-override-min-budget",
         type=_min_budget_arg,
         default=None,
-        help="smallest budget an override may ask for: tokens (256), a ratio (0.25) or both (256,0.25); "
+        help="smallest budget an override may ask for: tokens (256), a percent (25%%, or 0.25) or both "
+        "(256,25%%); "
         "a budget of a kind without a minimum is denied",
     )
     return result
@@ -135,7 +141,7 @@ def from_cli_args(cls, ns: argparse.Namespace, *args, **kwargs):
         return None
     cfg_kwargs: dict = {"policy": policy, "config": ns.kv_policy_config or {}}
     if ns.kv_budget is not None:
-        cfg_kwargs["budget"] = ns.kv_budget
+        cfg_kwargs["budget"] = spelling(ns.kv_budget)
     try:
         cfg = KvConfig.model_validate(cfg_kwargs)
         cfg.build()

@@ -109,6 +109,15 @@ def check_in_process(monkeypatch, capsys, args: list[str], model: str = MISSING_
             ["--kv-override-min-budget", "out of range"],
         ),
         (
+            ["--kv-policy", "lagkv", "--kv-override-min-budget", "1"],
+            ["--kv-override-min-budget", "ambiguous", '"100%"', '{"tokens": 1}'],
+        ),
+        (
+            ["--kv-policy", "lagkv", "--kv-budget", "1"],
+            ["--kv-budget", "ambiguous", '"100%"', '{"tokens": 1}'],
+        ),
+        (["--kv-policy", "lagkv", "--kv-budget", "150%"], ["--kv-budget", "out of range"]),
+        (
             ["--kv-policy", "lagkv", "--kv-override-min-budget", "0.5,0.25"],
             ["--kv-override-min-budget", "two ratio"],
         ),
@@ -129,7 +138,7 @@ def test_bad_flags_refused_by_the_hook(monkeypatch, capsys, args, needles):
 def test_good_override_flags_are_published(monkeypatch, capsys):
     import os
 
-    from sgl_kvevict.config import SETTINGS_ENV_VAR, ServerSettings
+    from sgl_kvevict.config import ENV_VAR, SETTINGS_ENV_VAR, KvConfig, ServerSettings
 
     args = [
         "--kv-policy",
@@ -137,7 +146,9 @@ def test_good_override_flags_are_published(monkeypatch, capsys):
         "--kv-override-policies",
         "lagkv,h2o",
         "--kv-override-min-budget",
-        "128,0.25",
+        "128,25%",
+        "--kv-budget",
+        '{"tokens": 1}',
     ]
     code, err = check_in_process(monkeypatch, capsys, args)
     assert code == 0, err
@@ -145,6 +156,13 @@ def test_good_override_flags_are_published(monkeypatch, capsys):
     assert got.overrides.policies == ["h2o", "lagkv"]
     assert (got.overrides.min_budget_tokens, got.overrides.min_budget_ratio) == (128, 0.25)
     assert got.overrides.enabled and got.quantization is None
+    cfg = KvConfig.model_validate_json(os.environ[ENV_VAR])
+    assert cfg.budget == 1 and type(cfg.budget) is int  # one token, asked for explicitly
+    for spelling, want in (("50%", 0.5), ("0.5", 0.5), ("1.0", 1.0), ("100%", 1.0), ("256", 256)):
+        code, err = check_in_process(monkeypatch, capsys, ["--kv-policy", "d2o", "--kv-budget", spelling])
+        assert code == 0, err
+        got_b = KvConfig.model_validate_json(os.environ[ENV_VAR]).budget
+        assert got_b == want and type(got_b) is type(want)
 
 
 LLAMA = {

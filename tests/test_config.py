@@ -18,17 +18,103 @@ from sgl_kvevict.config import (
 
 
 @pytest.mark.parametrize(
-    ("text", "want"), [("256", 256), ("0.5", 0.5), ("1", 1), ("1.0", 1.0), ("300.0", 300), (64, 64)]
+    ("text", "want"),
+    [
+        ("256", 256),
+        ("0.5", 0.5),
+        ("1.0", 1.0),
+        (1.0, 1.0),
+        ("300.0", 300),
+        (64, 64),
+        (2, 2),
+        ("50%", 0.5),
+        (" 100% ", 1.0),
+        ("12.5%", 0.125),
+        ("12.3%", 0.123),
+        ({"tokens": 1}, 1),
+        ({"tokens": 256}, 256),
+        ({"ratio": 1}, 1.0),
+        ({"ratio": 0.5}, 0.5),
+        ('{"tokens": 1}', 1),
+        (1 << 24, 1 << 24),
+    ],
 )
 def test_parse_budget_accepts(text, want):
     got = parse_budget(text)
     assert got == want and type(got) is type(want)
 
 
-@pytest.mark.parametrize("text", ["0", "-3", "0.0", "1.5", "abc", "", "nan"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "0",
+        "-3",
+        "0.0",
+        "1.5",
+        "abc",
+        "",
+        "nan",
+        "inf",
+        float("nan"),
+        True,
+        "0%",
+        "101%",
+        "nan%",
+        "%",
+        {"tokens": 0},
+        {"tokens": 1.0},
+        {"tokens": True},
+        {"ratio": 1.5},
+        {"ratio": 0},
+        {"tokens": 1, "ratio": 0.5},
+        {},
+        [256],
+        None,
+        (1 << 24) + 1,
+        10**30,
+        "x" * 100,
+    ],
+)
 def test_parse_budget_rejects(text):
     with pytest.raises(ValueError):
         parse_budget(text)
+
+
+@pytest.mark.parametrize("one", [1, "1", " 1 "])
+def test_bare_one_is_refused_saying_what_to_write(one):
+    with pytest.raises(ValueError) as e:
+        parse_budget(one)
+    assert '"100%"' in str(e.value) and '{"tokens": 1}' in str(e.value)
+    with pytest.raises(ValueError, match="100%"):
+        request_override({"kvevict": {"budget": one}}, KvConfig(policy="d2o", budget=256), ServerSettings())
+
+
+def test_equal_budgets_written_differently_are_one_budget():
+    from sgl_kvevict.state import fingerprint
+
+    prints = set()
+    for spelling in ("50%", 0.5, "0.5", {"ratio": 0.5}, '{"ratio": 0.5}'):
+        cfg = KvConfig(policy="snapkv", budget=spelling)
+        assert cfg.budget == 0.5 and type(cfg.budget) is float
+        prints.add(fingerprint(cfg, cfg.build()))
+    assert len(prints) == 1
+    tok = {
+        fingerprint(c, c.build())
+        for c in (KvConfig(policy="snapkv", budget=b) for b in (256, "256", {"tokens": 256}))
+    }
+    assert len(tok) == 1 and not tok & prints
+    everything = KvConfig(policy="snapkv", budget="100%")
+    one = KvConfig(policy="snapkv", budget={"tokens": 1})
+    assert fingerprint(everything, everything.build()) != fingerprint(one, one.build())
+
+
+def test_one_token_survives_the_trip_to_the_scheduler():
+    one = KvConfig(policy="snapkv", budget={"tokens": 1})
+    back = KvConfig.model_validate_json(one.to_env())
+    assert back.budget == 1 and type(back.budget) is int
+    assert request_override({"kvevict": {"policy": "h2o"}}, one, ServerSettings()).budget == 1
+    whole = KvConfig.model_validate_json(KvConfig(policy="snapkv", budget="100%").to_env())
+    assert whole.budget == 1.0 and type(whole.budget) is float
 
 
 def test_ratio_budget_resolves_against_suffix():
@@ -128,7 +214,8 @@ def test_min_budget_same_kind_only():
     assert request_override({"kvevict": {"budget": 64}}, low, tok).budget == 64
     assert request_override({"kvevict": {"policy": "lagkv"}}, low, tok).budget == 64
     # a token budget 1 is not the ratio 1.0 even though 1 == 1.0 in Python
-    _deny({"budget": 1}, KvConfig(policy="d2o", budget=1.0), tok, "below")
+    _deny({"budget": {"tokens": 1}}, KvConfig(policy="d2o", budget=1.0), tok, "below")
+    assert request_override({"kvevict": {"budget": "30%"}}, base, rat).budget == 0.3
 
 
 def test_quantized_o_proj_denies_criticalkv_overrides():
@@ -160,13 +247,21 @@ def test_server_settings_travel_through_the_environment(monkeypatch):
 
 @pytest.mark.parametrize(
     ("text", "want"),
-    [("256", (256, None)), ("0.25", (None, 0.25)), ("256,0.25", (256, 0.25)), ("0.5, 64", (64, 0.5))],
+    [
+        ("256", (256, None)),
+        ("0.25", (None, 0.25)),
+        ("25%", (None, 0.25)),
+        ("256,0.25", (256, 0.25)),
+        ("0.5, 64", (64, 0.5)),
+        ("256,25%", (256, 0.25)),
+        ('{"tokens": 1}', (1, None)),
+    ],
 )
 def test_parse_min_budget(text, want):
     assert parse_min_budget(text) == want
 
 
-@pytest.mark.parametrize("text", ["", "0", "1.5", "64,128", "0.1,0.2", "1,2,3", "x"])
+@pytest.mark.parametrize("text", ["", "0", "1", "1.5", "64,128", "0.1,0.2", "1,2,3", "x", "10%,0.2", "1e30"])
 def test_parse_min_budget_rejects(text):
     with pytest.raises(ValueError):
         parse_min_budget(text)
