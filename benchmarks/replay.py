@@ -26,6 +26,19 @@ Small plumbing check (two policies, one server; ~5 min):
 
 Recall calibration (full cache only): `--scenarios recall --sessions 10 --policies none`.
 
+Long sessions, request vs branch scope side by side (`--policies` entries are NAME[@SCOPE][=BUDGET]:
+`snapkv@request` sets the policy config's `scope`; `=BUDGET` runs that entry at that budget only):
+
+    HF_HUB_OFFLINE=1 OMP_WAIT_POLICY=PASSIVE python benchmarks/replay.py --scenarios long --sessions 2 \\
+        --turns 30 --concurrency 2 --max-new-tokens 8 --system-tokens 300 --tool-tokens 50,600 \\
+        --max-total-tokens 20000 --budgets 512 --server-mode shared --out results/long-sessions \\
+        --policies none,snapkv@request,snapkv@branch,lagkv@request,lagkv@branch,d2o@branch,snapkv@request=0.5,snapkv@branch=0.5
+
+Every turn records the KV the session holds (`kv_tokens`) and its branch's own part (`branch_kv_tokens`);
+replay.md adds a table of KV at turns 5/10/20/30/last and kv_per_turn.png plots both against the turn.
+Each session's system block is declared as the policy config's `shared_prefix` (`--no-shared-prefix`:
+not), so branch scope never compresses the prompt all sessions share.
+
 Server modes: `per-run` starts a fresh server for every policy/budget (`none` is then plain SGLang),
 `shared` starts one server with a policy and picks each run's policy per request (`custom_params`;
 faster, and `none` still goes through the plugin's tree), `url` uses a running server (`--url`).
