@@ -395,6 +395,30 @@ def git_commit() -> str | None:
         return None
 
 
+def write(
+    cfg: BenchConfig, model: str, runs: list[dict], bench: dict, final: bool
+) -> tuple[dict[str, Any], str]:
+    """Write replay.json and replay.md for the runs so far (`partial` until the last run is done)."""
+    summaries = [rr.summarize(r, runs[0] if r is not runs[0] else None, cfg.max_total_tokens) for r in runs]
+    result = {
+        "config": json.loads(cfg.model_dump_json()),
+        "model": model,
+        "git_commit": git_commit(),
+        "command": " ".join(sys.argv),
+        "summary": summaries,
+        "bench_serving": bench,
+        "runs": runs,
+        "partial": not final,
+    }
+    (cfg.out / "replay.json").write_text(json.dumps(result, indent=1))
+    table = rr.markdown(summaries, bench or None)
+    table += "\nKV per session by turn (mean over sessions; `vs none` at the last turn):\n\n"
+    table += rr.long_markdown(summaries)
+    (cfg.out / "replay.md").write_text(f"Command: `{result['command']}`\n\n" + table)
+    rr.plots(runs, summaries, cfg.out)
+    return result, table
+
+
 def main(cfg: BenchConfig) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
@@ -476,22 +500,8 @@ def main(cfg: BenchConfig) -> dict[str, Any]:
                         "turns": records,
                     }
                 )
-    summaries = [rr.summarize(r, runs[0] if r is not runs[0] else None, cfg.max_total_tokens) for r in runs]
-    result = {
-        "config": json.loads(cfg.model_dump_json()),
-        "model": model,
-        "git_commit": git_commit(),
-        "command": " ".join(sys.argv),
-        "summary": summaries,
-        "bench_serving": bench,
-        "runs": runs,
-    }
-    (cfg.out / "replay.json").write_text(json.dumps(result, indent=1))
-    table = rr.markdown(summaries, bench or None)
-    table += "\nKV per session by turn (mean over sessions; `vs none` at the last turn):\n\n"
-    table += rr.long_markdown(summaries)
-    (cfg.out / "replay.md").write_text(f"Command: `{result['command']}`\n\n" + table)
-    rr.plots(runs, summaries, cfg.out)
+                write(cfg, model, runs, bench, final=False)  # a stopped replay keeps its finished runs
+    result, table = write(cfg, model, runs, bench, final=True)
     print(table)
     return result
 
