@@ -53,7 +53,7 @@ class PolicyConfig(BaseModel):
     )
     window: int = Field(32, ge=1, le=MAX_WINDOW, description="last W queries used for attention-based scores")
     scope: Literal["request", "branch"] = Field(
-        "branch",
+        "request",
         description="what one budget caps: the request's new tokens ('request'), or the branch's whole own "
         "history since its branch point, earlier turns included ('branch')",
     )

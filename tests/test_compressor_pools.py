@@ -262,7 +262,7 @@ def test_declared_shared_prefix_is_kept_on_a_first_turn() -> None:
     """Nothing was matched on a first turn, so the match could not place the declared prefix; the first
     compression does, on the prompt checkpointed after prefill (splitting the node it cuts)."""
     rank = Rank(slice(0, 4))
-    req = _start(rank, "knorm", {"shared_prefix": 40}, share_prompt=True)
+    req = _start(rank, "knorm", {"shared_prefix": 40, "scope": "branch"}, share_prompt=True)
     row_before = rank.r2t.req_to_token[0, :40].clone()
     assert compressor.compress(req, "prefill") > 0
     s = st.get(req)
