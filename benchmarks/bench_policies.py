@@ -11,7 +11,7 @@ D2O's merge count see real distributions. Each region of N tokens sits at random
 The timed step is the server's private-region path of `compressor.compress`: per layer a LayerView
 (window attention via `kernels.window_attention(causal=True)` if the policy needs "attn", o_proj if it
 needs "o_proj"), `compressor.select_layers` (the server's own selection loop), the policy's merge (D2O),
-`kernels.compact` over all layers and `compacted_len`; one compression thread (KVEVICT_COMPRESS_THREADS).
+`kernels.compact` over all layers; one compression thread (KVEVICT_COMPRESS_THREADS).
 Not timed: SGLang's slot freeing and request bookkeeping. The budget resolves like the server's
 (`KvConfig.resolve_budget`, a ratio of the region). Median of --repeats after one warm-up, both columns.
 
@@ -38,9 +38,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from sgl_kvevict import kernels, policies
-from sgl_kvevict.compressor import THREADS, _merges, select_layers
+from sgl_kvevict.compressor import THREADS, select_layers
 from sgl_kvevict.config import KvConfig
-from sgl_kvevict.policies import LayerView, Policy, compacted_len
+from sgl_kvevict.policies import LayerView, Policy
 from sgl_kvevict.policies.lagkv import LagKVPolicy
 
 MODEL = "/root/.cache/sgl-kvevict/models/SmolLM2-135M-Instruct-v1"
@@ -177,11 +177,10 @@ def compression_step(
     ]
     keeps = select_layers(policy, views, budget)
     keep = torch.stack(keeps).to(torch.int64)
-    if _merges(policy):
+    if policy.merges:
         for v, kp in zip(views, keeps, strict=True):
             policy.merge(v, kp)
     kernels.compact([r.k_buffer for r in regs], [r.v_buffer for r in regs], slots, keep)
-    _ = max(compacted_len(kp, n) for kp in keeps)  # the server's bookkeeping reads it
     return int(keep.shape[2])
 
 

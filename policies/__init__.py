@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .base import LayerView, Policy, PolicyConfig, compacted_len, topk_keep
+from .base import LayerView, Policy, PolicyConfig, Refiner, compacted_len, topk_keep
 
 REGISTRY: dict[str, type[Policy]] = {}
 
@@ -80,6 +80,7 @@ __all__ = [
     "Policy",
     "PolicyConfig",
     "PolicyConfigError",
+    "Refiner",
     "available",
     "build",
     "build_base",

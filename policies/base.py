@@ -13,6 +13,11 @@ Region layout, per KV head, in position order (index 0 = first slot after the pr
 `select` returns, per KV head, the region indices to keep, sorted ascending, the same count for every
 head (invariant 5: equal budgets across heads and layers keep the paged layout rectangular and make
 tensor parallelism free). The runner then merges (D2O), compacts and frees the rest.
+
+Every count that decides slots is known on the host before any score is computed: the kept count is
+`select`'s shape, and `raw_tail` says how many of the kept indices are, by construction, the region's
+last tokens for every head (so they stay one token per slot). The runner never infers either from the
+selected indices, so tensor-parallel ranks holding different heads agree on them without talking.
 """
 
 from __future__ import annotations
@@ -36,6 +41,50 @@ class PolicyConfig(BaseModel):
     recent: int = Field(32, ge=0, description="most recent tokens always kept")
     interval: int = Field(16, ge=1, description="decode steps of slack before compressing again")
     window: int = Field(32, ge=1, description="last W queries used for attention-based scores")
+    scope: Literal["request", "branch"] = Field(
+        "branch",
+        description="what one budget caps: the request's new tokens ('request'), or the branch's whole own "
+        "history since its branch point, earlier turns included ('branch')",
+    )
+    shared_prefix: int = Field(
+        0,
+        ge=0,
+        le=1 << 20,
+        description="tokens at the start of the sequence declared shared (a system prompt, a fork point): "
+        "never compressed by branch scope",
+    )
+
+
+class WindowScoreConfig(PolicyConfig):
+    """Policies whose scores come from the observation window: how a kept token's score survives."""
+
+    carry: Literal["none", "max", "decay"] = Field(
+        "max",
+        description="combine a kept token's earlier score with the new window's: 'none' (the newest window "
+        "decides alone), 'max' (its best score so far), 'decay' (carry_decay * earlier + new)",
+    )
+    carry_decay: float = Field(0.5, ge=0.0, le=1.0, description="weight of the earlier score under 'decay'")
+
+
+def carry_scores(view: LayerView, scores: torch.Tensor, cfg: WindowScoreConfig) -> torch.Tensor:
+    """Combine the window's `[H, N]` scores with those the region's first tokens (the kept ones, in
+    order) carried from earlier compressions, and leave the result in `view.state["scored"]`; the runner
+    keeps the kept tokens' entries as the next compression's carried scores.
+
+    Why: a window of the newest queries forgets what earlier turns needed; re-scoring a whole branch
+    history with it alone loses early facts that per-turn scoring kept."""
+    scores = scores.float()
+    old = view.state.get("carried")
+    if cfg.carry != "none" and old is not None and old.shape[0] == scores.shape[0]:
+        m = min(old.shape[1], scores.shape[1])
+        scores = scores.clone()
+        old = old[:, :m].to(scores.device)
+        if cfg.carry == "max":
+            scores[:, :m] = torch.maximum(scores[:, :m], old)
+        else:
+            scores[:, :m] = scores[:, :m] + cfg.carry_decay * old
+    view.state["scored"] = scores
+    return scores
 
 
 @dataclass
@@ -144,6 +193,37 @@ class Policy:
         """`[Hkv, k]` sorted region indices to keep (k equal for every head)."""
         return topk_keep(self.score(view), view, budget)
 
+    def raw_tail(self, view: LayerView) -> int:
+        """Kept indices that are the region's last tokens for every head whatever the scores: the recent
+        window by default. After compaction they remain the uncompressed tail (one token per slot)."""
+        return view.n_recent
+
     def merge(self, view: LayerView, keep: torch.Tensor) -> None:
         """Optional: fold evicted tokens into kept slots in place, before compaction (D2O)."""
         return None
+
+    @property
+    def merges(self) -> bool:
+        return type(self).merge is not Policy.merge
+
+
+class Refiner(Policy):
+    """A policy that re-ranks another policy's scores (GraphKV, CriticalKV): it wraps `self.base` and
+    takes from it everything but the ranking: trigger, needs, raw tail and merge."""
+
+    base: Policy
+
+    def should_compress(
+        self, n_region: int, n_sink: int, n_recent: int, n_compacted: int, budget: int, phase: Phase
+    ) -> bool:
+        return self.base.should_compress(n_region, n_sink, n_recent, n_compacted, budget, phase)
+
+    def raw_tail(self, view: LayerView) -> int:
+        return self.base.raw_tail(view)
+
+    def merge(self, view: LayerView, keep: torch.Tensor) -> None:
+        self.base.merge(view, keep)
+
+    @property
+    def merges(self) -> bool:
+        return self.base.merges

@@ -23,7 +23,7 @@ import torch
 from pydantic import Field, model_validator
 
 from . import REGISTRY, PolicyConfigError, build_base, register
-from .base import LayerView, Need, Phase, Policy, PolicyConfig, topk_keep
+from .base import LayerView, Need, PolicyConfig, Refiner, topk_keep
 
 
 def attention_bases() -> list[str]:
@@ -48,21 +48,15 @@ class CriticalKVConfig(PolicyConfig):
 
 
 @register
-class CriticalKVPolicy(Policy):
+class CriticalKVPolicy(Refiner):
     name = "criticalkv"
     Config = CriticalKVConfig
     config: CriticalKVConfig
-    is_refiner = True
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
         super().__init__(config)
         self.base = build_base("criticalkv", self.config, self.config.base, self.config.base_config)
         self.needs = self.base.needs | frozenset[Need]({"attn", "o_proj"})  # type: ignore[misc]
-
-    def should_compress(
-        self, n_region: int, n_sink: int, n_recent: int, n_compacted: int, budget: int, phase: Phase
-    ) -> bool:
-        return self.base.should_compress(n_region, n_sink, n_recent, n_compacted, budget, phase)
 
     def score(self, view: LayerView) -> torch.Tensor:
         raise NotImplementedError("criticalkv needs the budget; use select()")
@@ -81,6 +75,3 @@ class CriticalKVPolicy(Policy):
             top1 = a[:, cand].topk(b1, dim=-1).indices + cand.start
             s2.scatter_(1, top1, float("inf"))
         return topk_keep(s2, view, b)
-
-    def merge(self, view: LayerView, keep: torch.Tensor) -> None:
-        self.base.merge(view, keep)

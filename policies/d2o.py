@@ -19,8 +19,8 @@ region) and `view.stats["d2o_inv_var"]` = 1 / sigma2, the softmax logit; alpha_l
 L_layers * softmax over layers of `d2o_inv_var`.
 
 Readings chosen (ALGORITHMS 2.2, reconstructed): keys-only cosine similarity; tau per KV head; the
-updated threshold is compared; merged tokens keep their own slot's score history (there is none: scores
-are recomputed from the window each time); `merge=False` gives the paper's "without merging" ablation.
+updated threshold is compared; merged tokens keep their own slot's carried score (h2o's `carry`);
+`merge=False` gives the paper's "without merging" ablation.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ import torch
 from pydantic import Field
 
 from . import register
-from .base import LayerView, PolicyConfig, topk_keep
-from .h2o import H2OPolicy
+from .base import LayerView, topk_keep
+from .h2o import H2OConfig, H2OPolicy
 
 
-class D2OConfig(PolicyConfig):
+class D2OConfig(H2OConfig):
     recent_fraction: float = Field(0.25, ge=0.0, lt=1.0, description="M / (N + M); paper N:M = 3:1 -> 0.25")
     beta: float = Field(0.7, gt=0.0, le=1.0, description="EMA weight of the current step's max similarity")
     merge: bool = Field(True, description="merge evicted tokens into kept ones (False: eviction only)")

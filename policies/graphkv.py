@@ -31,14 +31,14 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 
 from . import REGISTRY, PolicyConfigError, build_base, register
-from .base import LayerView, Phase, Policy, PolicyConfig, topk_keep
+from .base import LayerView, Policy, PolicyConfig, Refiner, topk_keep
 
 
 def scorable_bases() -> list[str]:
     """Policies graphkv can wrap: a per-token score, or a structural select with a refine hook."""
     out = []
     for name, cls in REGISTRY.items():
-        if getattr(cls, "is_refiner", False):
+        if issubclass(cls, Refiner):
             continue
         if hasattr(cls, "select_refined") or cls.score is not Policy.score:
             out.append(name)
@@ -93,11 +93,10 @@ def decay_refine(
 
 
 @register
-class GraphKVPolicy(Policy):
+class GraphKVPolicy(Refiner):
     name = "graphkv"
     Config = GraphKVConfig
     config: GraphKVConfig
-    is_refiner = True
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
         super().__init__(config)
@@ -115,11 +114,6 @@ class GraphKVPolicy(Policy):
             scores, keys, budget, c.source_frac, self.n_neighbors(scores.shape[1]), c.rounds, c.decay
         )
 
-    def should_compress(
-        self, n_region: int, n_sink: int, n_recent: int, n_compacted: int, budget: int, phase: Phase
-    ) -> bool:
-        return self.base.should_compress(n_region, n_sink, n_recent, n_compacted, budget, phase)
-
     def score(self, view: LayerView) -> torch.Tensor:
         raise NotImplementedError("graphkv needs the budget; use select()")
 
@@ -134,6 +128,3 @@ class GraphKVPolicy(Policy):
             s = s.clone()
             s[:, cand] = self.refine(s[:, cand], view.keys()[:, cand], budget)
         return topk_keep(s, view, budget)
-
-    def merge(self, view: LayerView, keep: torch.Tensor) -> None:
-        self.base.merge(view, keep)

@@ -4,8 +4,8 @@ H2O ranks tokens by the attention they received, summed over every query so far.
 never exposes those probabilities, so this reads the observation-window attention the runner computes
 (`view.attn`, mean over the last `window` queries and over the query heads of each KV head) and sums it
 over the window: score = attn * window. This is the reading the CriticalKV paper uses to simulate H2O
-(last 256 queries); set `window` accordingly. Scores are not carried across compressions (a merged or
-compacted slot would need its history remapped); each compression sees the latest window only.
+(last 256 queries); set `window` accordingly. A kept token's score is carried to later compressions
+(`carry`, default its maximum so far), closer to the paper's all-query accumulation than one window.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 
 from . import register
-from .base import LayerView, Need, Policy, PolicyConfig
+from .base import LayerView, Need, Policy, WindowScoreConfig, carry_scores
 
 
-class H2OConfig(PolicyConfig):
+class H2OConfig(WindowScoreConfig):
     """No extra fields; `window` is the number of accumulated queries."""
 
 
@@ -28,4 +28,4 @@ class H2OPolicy(Policy):
     attention_scores = True
 
     def score(self, view: LayerView) -> torch.Tensor:
-        return view.require_attn(self.name).float() * self.config.window
+        return carry_scores(view, view.require_attn(self.name).float() * self.config.window, self.config)

@@ -103,6 +103,15 @@ class LagKVPolicy(Policy):
         over = max(n_sink, n_compacted) - n_sink > budget
         return self.config.cap_to_budget and over
 
+    def raw_tail(self, view: LayerView) -> int:
+        """The tokens after the last compressible partition stay raw (they are the next round's lag)."""
+        t0 = max(view.n_sink, view.n_compacted)
+        return (
+            view.n
+            - t0
+            - self.config.lag * self._partitions(view.n, view.n_sink, view.n_recent, view.n_compacted)
+        )
+
     # -- what -------------------------------------------------------------------------------------
     def score(self, view: LayerView) -> torch.Tensor:
         raise NotImplementedError("lagkv selects per partition; use select()")

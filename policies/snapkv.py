@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from pydantic import Field, field_validator
 
 from . import register
-from .base import LayerView, Need, Policy, PolicyConfig
+from .base import LayerView, Need, Policy, WindowScoreConfig, carry_scores
 
 
-class SnapKVConfig(PolicyConfig):
+class SnapKVConfig(WindowScoreConfig):
     kernel_size: int = Field(5, ge=1, description="pooling kernel (odd, so the output is centred)")
     pooling: Literal["avg", "max"] = Field("avg", description="avg (released code) or max (paper text)")
 
@@ -54,4 +54,5 @@ class SnapKVPolicy(Policy):
     attention_scores = True
 
     def score(self, view: LayerView) -> torch.Tensor:
-        return pool_scores(view.require_attn(self.name), self.config.kernel_size, self.config.pooling)
+        pooled = pool_scores(view.require_attn(self.name), self.config.kernel_size, self.config.pooling)
+        return carry_scores(view, pooled, self.config)

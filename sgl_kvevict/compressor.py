@@ -1,15 +1,25 @@
 """Where tokens are evicted: one compression step of one running request, on the live KV pool.
 
-Steps (all layers at once, so the row stays rectangular):
-1. ask the policy, layer by layer, which region tokens each KV head keeps (pure: nothing written yet);
-2. if the policy merges (D2O), fold evicted tokens into kept slots;
-3. compact every (layer, KV head) into the first `k` region slots, free the rest at once;
-4. shrink the request's KV lengths and record the position offset for its next tokens.
+A step has two phases, so that a failure anywhere in policy code leaves the request exactly as it was:
 
-When the region still overlaps tree-owned slots (its prompt was checkpointed into the radix tree right
-after prefill, so that other requests can share it), the region is staged outside the pool, the
-request drops its lock on that part of the tree and then takes fresh slots for the kept tokens: shared
-slots are never written (invariant 1) and become evictable like any cached prefix.
+*Plan* (may fail, writes nothing the request or the tree can see):
+1. ask the policy, layer by layer, which region tokens each KV head keeps;
+2. if the policy merges (D2O), or the region starts with slots the tree owns, stage the region's K/V in
+   dense copies outside the pool, merge there and compact there.
+
+*Commit* (plain indexing, no policy code): write the kept K/V into the first `k` region slots (or, for a
+tree-owned region, into slots the request owns), free the rest, shrink the request's lengths and record
+the position offset of its next tokens.
+
+Tensor-parallel ranks hold different KV heads of the same request. Every count that decides slots (the
+kept count, the raw tail, the compacted boundary) comes from the budget and the policy's config on the
+host, never from scores, and the ranks agree on the plan's success before any commit: their rows and
+trees stay identical.
+
+When the region overlaps tree-owned slots (its prompt was checkpointed into the radix tree right after
+prefill, so that other requests can share it), shared slots are never written (invariant 1): the kept
+K/V goes to the request's own tail slots first, then to fresh slots, and only under memory pressure does
+the request take back the tree nodes that it alone holds.
 """
 
 from __future__ import annotations
@@ -18,20 +28,17 @@ import dataclasses
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from sgl_kvevict import capture, kernels, runtime
 from sgl_kvevict import state as st
-from sgl_kvevict.policies import LayerView, Policy, compacted_len
+from sgl_kvevict.policies import LayerView, Policy
 from sgl_kvevict.policies.base import Phase
 
 logger = logging.getLogger("sgl_kvevict")
-
-
-def _merges(policy: Policy) -> bool:
-    return type(policy).merge is not Policy.merge
 
 
 def select_layers(policy: Policy, views: list[LayerView], budget: int) -> list[torch.Tensor]:
@@ -47,59 +54,186 @@ def select_layers(policy: Policy, views: list[LayerView], budget: int) -> list[t
     return keeps
 
 
-def _alloc(n: int) -> torch.Tensor | None:
+@dataclass
+class Plan:
+    """What a compression step will do, decided without touching the pool, the row or the tree."""
+
+    slots: torch.Tensor  # [n] region slots
+    keep: torch.Tensor  # [L, Hkv, k] kept region indices
+    views: list[LayerView]
+    tail: int  # kept indices that are the region's last tokens for every head
+    dense_k: list[torch.Tensor] | None = None  # staged and compacted region K/V, `[k, Hkv, D]` each
+    dense_v: list[torch.Tensor] | None = None
+
+    @property
+    def n(self) -> int:
+        return int(self.slots.numel())
+
+    @property
+    def k(self) -> int:
+        return int(self.keep.shape[-1])
+
+
+def _check_tail(keep: torch.Tensor, n: int, tail: int, name: str) -> None:
+    """Debug only (a host sync): the raw tail a policy declares really is kept by every head."""
+    if tail == 0:
+        return
+    want = torch.arange(n - tail, n, device=keep.device)
+    if not bool((keep[..., keep.shape[-1] - tail :] == want).all()):
+        raise RuntimeError(f"policy {name!r} declared a raw tail of {tail} tokens it does not keep")
+
+
+def _plan(
+    s: st.ReqState, views: list[LayerView], slots: torch.Tensor, budget: int, stage: bool
+) -> Plan | None:
+    keeps = select_layers(s.policy, views, budget)
+    k, n = int(keeps[0].shape[1]), int(slots.numel())
+    if k >= n:
+        return None
+    keep = torch.stack(keeps).to(torch.int64)  # [L, Hkv, k]
+    tail = min(s.policy.raw_tail(views[0]), k)
+    if st.DEBUG:
+        _check_tail(keep, n, tail, s.policy.name)
+    for v, kp in zip(views, keeps, strict=True):  # scores carried to the next compression (kept order)
+        scored = v.state.pop("scored", None)
+        if scored is not None:
+            v.state["carried"] = scored.gather(1, kp.to(scored.device))
+    plan = Plan(slots=slots, keep=keep, views=views, tail=tail)
+    rt = runtime.RT
+    if stage and not s.policy.merges:  # gather only the kept rows: O(k), never the whole region
+        heads = torch.arange(keep.shape[1], device=slots.device).unsqueeze(-1)
+        plan.dense_k = [
+            rt.k_buffer(lay)[slots[keep[lay]], heads].transpose(0, 1) for lay in range(rt.n_layers)
+        ]
+        plan.dense_v = [
+            rt.v_buffer(lay)[slots[keep[lay]], heads].transpose(0, 1) for lay in range(rt.n_layers)
+        ]
+    elif s.policy.merges:  # the merge reads evicted tokens and writes kept ones: stage the region
+        idx = torch.arange(n, device=slots.device)
+        dk = [rt.k_buffer(layer).index_select(0, slots) for layer in range(rt.n_layers)]
+        dv = [rt.v_buffer(layer).index_select(0, slots) for layer in range(rt.n_layers)]
+        if s.policy.merges:
+            for v, kp, k_, v_ in zip(views, keeps, dk, dv, strict=True):
+                s.policy.merge(dataclasses.replace(v, k_buffer=k_, v_buffer=v_, slots=idx), kp)
+        kernels.compact(dk, dv, idx, keep)
+        plan.dense_k, plan.dense_v = [x[:k] for x in dk], [x[:k] for x in dv]
+    return plan
+
+
+def _agree(ok: bool) -> bool:
+    """Every tensor-parallel rank commits only if every rank's plan succeeded (one host sync, TP only)."""
+    rt = runtime.RT
+    if rt is None or rt.tp_size <= 1:
+        return ok
+    from sglang.srt.distributed import get_tp_group
+
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().cpu_group)
+    return int(flag.item()) == 0
+
+
+def _exclusive_tree_nodes(req: Any, anchor: Any) -> list[Any]:
+    """Nodes between the request's lock and its anchor, from the bottom, that only this request holds
+    and that have no other child: the request may take their slots back without touching anyone."""
+    rt = runtime.RT
+    out = []
+    node = req.lock.node if req.lock is not None else None
+    child = None
+    while node is not None and node is not anchor and node is not rt.tree.root_node:
+        others = [c for c in node.children.values() if c is not child]
+        if node.lock_ref != 1 or others:
+            break
+        out.append(node)
+        child, node = node, node.parent
+    return out
+
+
+def _target_slots(req: Any, s: st.ReqState, plan: Plan, own_start: int) -> torch.Tensor | None:
+    """At least `k` slots the request owns for the kept K/V of a region that starts in the tree, or None
+    with nothing changed. Its own tail slots first, then fresh ones; only when the pool cannot give
+    those, the tree nodes it alone holds are taken back (as eviction would take them)."""
     from sglang.srt.mem_cache.allocation import alloc_token_slots
 
     rt = runtime.RT
-    try:
-        return alloc_token_slots(rt.tree, n).to(torch.int64)
-    except RuntimeError:
-        return None
-
-
-def _releasable(req: Any, anchor: Any, own_start: int, a: int, n: int) -> int:
-    """Slots that come back if the request frees its own tail and unlocks the tree part of its region:
-    nodes between the anchor and its lock that nobody else holds."""
-    rt = runtime.RT
-    total = rt.allocator.available_size() + rt.tree.evictable_size() + max(0, a + n - own_start)
-    node = req.lock.node if req.lock is not None else None
-    while node is not None and node is not anchor and node is not rt.tree.root_node:
-        if node.lock_ref == 1:
-            total += len(node.value)
-        node = node.parent
-    return total
-
-
-def _compact_out_of_tree(req, s, views, keeps, keep, k_bufs, v_bufs, slots, own_start) -> torch.Tensor | None:
-    """The region starts with slots the tree owns (the prompt, checkpointed after prefill so others can
-    share it). They are never written: the region is staged in dense copies outside the pool, merged
-    and compacted there, the request lets go of the tree part (which becomes evictable cache) and of its
-    own tail, and only then takes `k` fresh slots. Staging first means a full pool is no obstacle: the
-    slots it needs are the ones it is giving back."""
-    rt = runtime.RT
-    kv = req.kv
-    a, n, k = s.anchor_kv, int(slots.numel()), int(keep.shape[-1])
+    a, n, k = s.anchor_kv, plan.n, plan.k
+    row = rt.req_to_token[req.kv.req_pool_idx]
+    own = row[own_start : a + n].to(torch.int64)
+    if own.numel() >= k:
+        return own
+    pool = rt.allocator.available_size() + rt.tree.evictable_size()
+    if own.numel() + pool >= k:
+        return torch.cat([own, alloc_token_slots(rt.tree, k - own.numel()).to(torch.int64)])
     anchor = s.anchor if s.anchor is not None else rt.tree.root_node
-    if _releasable(req, anchor, own_start, a, n) < k:
+    nodes = _exclusive_tree_nodes(req, anchor)
+    taken = sum(len(x.value) for x in nodes)
+    if own.numel() + taken + pool < k:
         return None
-    idx = torch.arange(n, device=slots.device)
-    dense_k = [kb.index_select(0, slots) for kb in k_bufs]
-    dense_v = [vb.index_select(0, slots) for vb in v_bufs]
-    if _merges(s.policy):
-        for v, kp, dk, dv in zip(views, keeps, dense_k, dense_v, strict=True):
-            s.policy.merge(dataclasses.replace(v, k_buffer=dk, v_buffer=dv, slots=idx), kp)
-    kernels.compact(dense_k, dense_v, idx, keep)
+    parts = [own] + [x.value.to(torch.int64) for x in reversed(nodes)]
+    top = nodes[-1].parent
+    rt.tree.relock(req, top, own_start - taken)  # our lock leaves the nodes: now evictable leaves...
+    for x in nodes:
+        rt.tree._delete_leaf(x)  # ...that we take out of the tree, bottom-up, keeping their slots
+    got = torch.cat(parts)
+    if got.numel() < k:
+        got = torch.cat([got, alloc_token_slots(rt.tree, k - got.numel()).to(torch.int64)])
+    return got
+
+
+def _commit(req: Any, s: st.ReqState, plan: Plan, own_start: int) -> bool:
+    """Write the plan into the pool and the request's row. Returns False when it cannot (nothing changed)."""
+    rt = runtime.RT
+    kv, a, k = req.kv, s.anchor_kv, plan.k
     row = rt.req_to_token[kv.req_pool_idx]
-    if own_start < a + n:
-        rt.allocator.free(row[own_start : a + n].to(torch.int64))
-    rt.tree.relock(req, anchor, a)
-    new = _alloc(k)
-    if new is None:  # cannot happen after the check above; fail loudly rather than lose KV silently
-        raise RuntimeError(f"kvevict: no {k} slots after releasing the region of request {req.rid}")
-    for kb, vb, dk, dv in zip(k_bufs, v_bufs, dense_k, dense_v, strict=True):
-        kb[new] = dk[:k]
-        vb[new] = dv[:k]
-    return new
+    k_bufs = [rt.k_buffer(layer) for layer in range(rt.n_layers)]
+    v_bufs = [rt.v_buffer(layer) for layer in range(rt.n_layers)]
+    if own_start <= a:  # the whole region is the request's own: compact in place
+        if plan.dense_k is None:
+            kernels.compact(k_bufs, v_bufs, plan.slots, plan.keep)
+        else:
+            for kb, vb, dk, dv in zip(k_bufs, v_bufs, plan.dense_k, plan.dense_v, strict=True):
+                kb[plan.slots[:k]] = dk
+                vb[plan.slots[:k]] = dv
+        rt.allocator.free(plan.slots[k:])
+        new = plan.slots[:k]
+    else:
+        target = _target_slots(req, s, plan, own_start)
+        if target is None:
+            return False
+        new, spare = target[:k], target[k:]
+        for kb, vb, dk, dv in zip(k_bufs, v_bufs, plan.dense_k, plan.dense_v, strict=True):
+            kb[new] = dk
+            vb[new] = dv
+        if spare.numel():
+            rt.allocator.free(spare)
+        if kv.cache_protected_len > a:  # the tree part is no longer the request's: it becomes cache
+            rt.tree.relock(req, s.anchor if s.anchor is not None else rt.tree.root_node, a)
+    row[a : a + k] = new.to(row.dtype)
+    kv.kv_committed_len = kv.kv_allocated_len = a + k
+    return True
+
+
+def _branch_point_moved(req: Any, s: st.ReqState) -> None:
+    """Branch scope: a region node that another running request now holds (a fork sibling admitted
+    after this request matched) is shared from now on; the region starts below it."""
+    rt = runtime.RT
+    if req.lock is None or req.kv.cache_protected_len <= s.anchor_kv:
+        return
+    chain, node = [], req.lock.node
+    while node is not None and node is not s.anchor and node is not rt.tree.root_node:
+        chain.append(node)
+        node = node.parent
+    for i, n in enumerate(chain):  # bottom-up: the first held node is the deepest
+        if n.lock_ref > 1:
+            above = chain[i:]
+            if any(getattr(x, "kvevict_compressed", False) for x in above):
+                s.own_evicted -= s.comp_tokens - s.comp_slots
+                s.inherited_evicted = 0
+                s.comp_slots = s.comp_tokens = 0
+                s.layer_state = []
+            s.anchor = n
+            s.anchor_tokens += sum(len(x.key) for x in above)
+            s.anchor_kv += sum(len(x.value) for x in above)
+            return
 
 
 def compress(req: Any, phase: Phase) -> int:
@@ -109,11 +243,13 @@ def compress(req: Any, phase: Phase) -> int:
     if s is None or not s.active or rt is None:
         return 0
     kv = req.kv
+    cfg = s.policy.config
+    if cfg.scope == "branch":
+        _branch_point_moved(req, s)
     a = s.anchor_kv
     n = kv.kv_committed_len - a
     if n <= 0 or kv.kv_allocated_len != kv.kv_committed_len:
         return 0
-    cfg = s.policy.config
     n_sink = max(0, min(cfg.sinks - s.anchor_tokens, n))
     n_recent = max(0, min(cfg.recent, n - n_sink))
     budget = s.cfg.resolve_budget(n + s.own_evicted, n_sink + n_recent)
@@ -129,12 +265,12 @@ def compress(req: Any, phase: Phase) -> int:
     if not s.layer_state:
         s.layer_state = [{} for _ in range(rt.n_layers)]
 
-    def view(layer: int, region: torch.Tensor) -> LayerView:
+    def view(layer: int) -> LayerView:
         attn = None
         if ring is not None:
             q = ring.get(layer)
             if q.shape[1] > 0:
-                all_slots = torch.cat([row[:a].to(torch.int64), region])
+                all_slots = torch.cat([row[:a].to(torch.int64), slots])
                 attn = kernels.window_attention(q, rt.k_buffer(layer), all_slots, rt.scale, causal=True)[
                     :, a:
                 ]
@@ -142,7 +278,7 @@ def compress(req: Any, phase: Phase) -> int:
             layer=layer,
             k_buffer=rt.k_buffer(layer),
             v_buffer=rt.v_buffer(layer),
-            slots=region,
+            slots=slots,
             n_sink=n_sink,
             n_recent=n_recent,
             n_compacted=s.comp_slots,
@@ -151,43 +287,38 @@ def compress(req: Any, phase: Phase) -> int:
             state=s.layer_state[layer],
         )
 
-    # 1. selection (pure)
-    views = [view(layer, slots) for layer in range(rt.n_layers)]
-    keeps = select_layers(s.policy, views, budget)
-    k = int(keeps[0].shape[1])
-    if k >= n:
-        return 0
-    keep = torch.stack(keeps).to(torch.int64)  # [L, Hkv, k]
-
-    # 2-3. merge + compaction
-    k_bufs = [rt.k_buffer(layer) for layer in range(rt.n_layers)]
-    v_bufs = [rt.v_buffer(layer) for layer in range(rt.n_layers)]
     own_start = kv.cache_protected_len
-    if own_start <= a:  # the whole region is the request's own: merge and compact in place
-        if _merges(s.policy):
-            for v, kp in zip(views, keeps, strict=True):
-                s.policy.merge(v, kp)
-        kernels.compact(k_bufs, v_bufs, slots, keep)
-        rt.allocator.free(slots[k:])
-        new_region = slots[:k]
-    else:
-        new_region = _compact_out_of_tree(req, s, views, keeps, keep, k_bufs, v_bufs, slots, own_start)
-        if new_region is None:
-            return 0
+    saved_state = [dict(d) for d in s.layer_state]
+    plan, error = None, None
+    try:
+        plan = _plan(s, [view(layer) for layer in range(rt.n_layers)], slots, budget, own_start > a)
+    except Exception as e:  # policy code: degrade this request, after the ranks agree
+        error = e
+    if not _agree(error is None):
+        s.layer_state = saved_state
+        raise (
+            error if error is not None else RuntimeError("compression failed on another tensor-parallel rank")
+        )
+    if plan is None:
+        return 0
+    if not _commit(req, s, plan, own_start):
+        s.layer_state = saved_state
+        return 0
+    k = plan.k
 
-    row[a : a + k] = new_region.to(row.dtype)
-    kv.kv_committed_len = kv.kv_allocated_len = a + k
-
-    # 4. bookkeeping
-    for v in views:
+    # bookkeeping
+    for v in plan.views:
         for name, val in v.stats.items():
             s.layer_stats.setdefault(name, [0.0] * rt.n_layers)[v.layer] = float(val)
         s.merged += int(v.stats.get("d2o_merged", 0))
         rt.totals.tokens_merged += int(v.stats.get("d2o_merged", 0))
+    if st.DEBUG:
+        before = s.debug_positions(a + n)
+        region = before[..., a:].gather(-1, plan.keep)
+        s.debug_event(torch.cat([before[..., :a], region], dim=-1), s.tokens_for(a + n))
     region_tokens = n + s.own_evicted
-    comp = max(compacted_len(kp, n) for kp in keeps)
-    s.comp_slots = comp
-    s.comp_tokens = region_tokens - (k - comp)
+    s.comp_slots = k - plan.tail
+    s.comp_tokens = region_tokens - plan.tail
     s.own_evicted += n - k
     rt.tree.offsets[row_idx] = s.offset
     dt = time.perf_counter() - t0
@@ -252,9 +383,10 @@ def stats(req: Any) -> dict[str, Any] | None:
         "budget": s.cfg.budget,
         "kv_tokens": int(req.kv.kv_committed_len),
         "prefix_kv_tokens": s.anchor_kv,
-        "logical_tokens": int(req.kv.kv_committed_len) + s.offset,
-        "evicted": s.own_evicted,
-        "reused_evicted": s.anchor_tokens - s.anchor_kv,
+        "logical_tokens": s.tokens_for(int(req.kv.kv_committed_len)),
+        "evicted": s.own_evicted - s.inherited_evicted,
+        "reused_evicted": s.reused_evicted,
+        "branch_kv_tokens": int(req.kv.kv_committed_len) - s.anchor_kv,
         "compressions": s.compressions,
         "merged": s.merged,
         "seconds": round(s.seconds, 4),
@@ -263,6 +395,7 @@ def stats(req: Any) -> dict[str, Any] | None:
     if st.DEBUG:
         out["prefix_digest"] = s.prefix_digest
         out["prefix_digest_end"] = s.prefix_digest_end
+        out["kept_timeline"] = s.timeline
     for name, vals in s.layer_stats.items():
         out[f"layer_{name}"] = [round(x, 5) for x in vals]
     return out

@@ -5,8 +5,10 @@ Each hook is one of the places SGLang assumes "one KV slot per token" (SGLANG_MA
 - `alloc_for_extend` (AROUND): a request that matched a compressed node has fewer prefix slots than
   prefix tokens; lengths are lowered to slots around the allocation, and window-query capture starts.
 - `prepare_for_extend` (AFTER): `orig_seq_lens` in slots too.
-- `prepare_for_decode` (BEFORE): compression runs here, before the next slot is allocated, and the
-  batch's carried `seq_lens` tensors shrink with the requests.
+- `check_decode_mem` (BEFORE): compression runs here, before SGLang decides whether the next decode
+  step fits (so a request about to shrink is not retracted) and before the next slot is allocated;
+  the batch's carried `seq_lens` tensors shrink with the requests. `prepare_for_decode` (BEFORE)
+  compresses instead when the memory check did not run.
 - `ForwardBatch.init_new` (AFTER): positions become logical: slot position + evicted tokens.
 - `release_kv_cache` (BEFORE): a last compression when the turn ends, so the stored history is small.
 - `Req.owned_kv_len`, `_release_overallocated_kv_indices` (AROUND): slot counts for compressed requests.
@@ -69,7 +71,10 @@ def _after_extend_alloc(reqs: list, offs: list[int]) -> None:
             continue
         rt.tree.offsets[row] = d
         s = st.get(r)
-        if s is None or not s.active:
+        if s is None:
+            continue
+        s.ran = True
+        if not s.active:
             continue
         s.after_extend = True
         if "attn" in s.policy.needs:
@@ -93,10 +98,8 @@ def prepare_for_extend(result, batch, *args, **kwargs):
     return result
 
 
-def prepare_for_decode(batch, *args, **kwargs):
+def _compress_batch(batch) -> None:
     """Compress the requests whose trigger fires; shrink the batch's carried lengths."""
-    if runtime.RT is None:
-        return None
     freed = []
     for r in batch.reqs:
         s = st.get(r)
@@ -115,6 +118,29 @@ def prepare_for_decode(batch, *args, **kwargs):
                 batch.orig_seq_lens.device, batch.orig_seq_lens.dtype
             )
         batch.seq_lens_sum = None
+
+
+_DONE = "_kvevict_compressed_this_step"
+
+
+def check_decode_mem(batch, selected_indices=None, *args, **kwargs):
+    """Compress before SGLang checks whether the next decode step fits: a request about to give slots
+    back is not retracted for memory it would have freed in the same step."""
+    if runtime.RT is None or selected_indices is not None:
+        return None
+    _compress_batch(batch)
+    setattr(batch, _DONE, True)
+    return None
+
+
+def prepare_for_decode(batch, *args, **kwargs):
+    """Compression runs here only when the scheduler skipped its memory check this step."""
+    if runtime.RT is None:
+        return None
+    if getattr(batch, _DONE, False):
+        setattr(batch, _DONE, False)
+        return None
+    _compress_batch(batch)
     return None
 
 
@@ -161,7 +187,7 @@ def owned_kv_len(original, req, *args, **kwargs):
     if s is None or s.offset == 0 or req.finished_len is None:
         return original(req, *args, **kwargs)
     owned_tokens = len(req.origin_input_ids) + len(req.output_ids_through_stop)
-    return min(req.kv.kv_committed_len, owned_tokens - s.offset)
+    return min(req.kv.kv_committed_len, s.slots_for(owned_tokens))
 
 
 def release_overallocated(original, req, start_p, end_p, tree_cache, *args, **kwargs):
@@ -224,6 +250,7 @@ def _guard(fn, kind: HookType):
 HOOKS: list[tuple[str, Any, HookType]] = [
     ("sglang.srt.mem_cache.allocation.alloc_for_extend", alloc_for_extend, HookType.AROUND),
     (f"{_SB}.ScheduleBatch.prepare_for_extend", prepare_for_extend, HookType.AFTER),
+    (f"{_SB}.ScheduleBatch.check_decode_mem", check_decode_mem, HookType.BEFORE),
     (f"{_SB}.ScheduleBatch.prepare_for_decode", prepare_for_decode, HookType.BEFORE),
     ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", init_new, HookType.AFTER),
     ("sglang.srt.mem_cache.common.release_kv_cache", release_kv_cache, HookType.BEFORE),

@@ -42,6 +42,7 @@ class Runtime:
         cfg = ctx.model_config.hf_config
         self.n_layers = int(cfg.num_hidden_layers)
         tp = max(1, int(ctx.tp_size))
+        self.tp_size = tp
         self.n_q_heads = int(cfg.num_attention_heads) // tp
         self.n_kv_heads = max(1, int(cfg.num_key_value_heads) // tp)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)

@@ -7,7 +7,12 @@ covers, its value the (fewer) slots that survived compression. Three rules keep 
   split. Its uncompressed tail (the recent window) is an ordinary child node, which splits as usual.
 - Separate keys: compressed children live in `children` under a per-node unique key, so SGLang's own
   insert/match code never walks into them, and a compressed and an uncompressed copy of the same
-  tokens can coexist (the lookup takes whichever covers more tokens; ties go to the uncompressed one).
+  tokens can coexist.
+- Isolated: each compressed node carries the fingerprint of the config that produced it (policy,
+  budget, policy config; `state.fingerprint`). A lookup enters it only for a request with the same
+  fingerprint; every other request (and SGLang's own re-matches, which carry no request) sees only
+  uncompressed KV. This is the same namespacing SGLang applies with `RadixKey.extra_key`, one level
+  finer: a `none` request never reads lossy KV, and one tenant's budget never degrades another's prefix.
 - Slots, not tokens, are counted: evictable/protected sizes use `len(node.value)`, which is what the
   idle memory check compares with the allocator.
 
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,11 +55,24 @@ def is_compressed(node: TreeNode) -> bool:
     return getattr(node, "kvevict_compressed", False)
 
 
+@dataclass
+class Region:
+    """Where a matched request's own region starts: after `anchor` (the branch point), reached by
+    `anchor_tokens` tokens in `anchor_kv` slots; `first` is the region's first tree node, if any; the
+    whole match covers `tokens` tokens in `kv` slots."""
+
+    anchor: TreeNode
+    anchor_tokens: int
+    anchor_kv: int
+    first: TreeNode | None
+    tokens: int = 0
+    kv: int = 0
+
+
 class KvEvictRadixCache(RadixCache):
     """RadixCache that also stores and matches compressed request histories."""
 
     def __init__(self, params: Any, rows: int) -> None:
-        self._normal_only = False  # set while SGLang's own checkpoint re-matches its uncompressed insert
         super().__init__(params)
         # Logical-position offset of each request row (evicted tokens before its next token).
         self.offsets = torch.zeros(rows, dtype=torch.int64, device=self.device)
@@ -107,9 +126,9 @@ class KvEvictRadixCache(RadixCache):
             if isinstance(k, tuple) and k and k[0] is MARK and c.key.child_key(self.page_size) == first
         ]
 
-    def _candidates(self, node: TreeNode, key: RadixKey) -> list[tuple[TreeNode, int]]:
+    def _candidates(self, node: TreeNode, key: RadixKey, fp: str | None) -> list[tuple[TreeNode, int]]:
         """Children a lookup may enter, with the tokens each matches: the token child (any prefix of it)
-        and the compressed children whose whole key matches."""
+        and the compressed children of the same fingerprint whose whole key matches."""
         ck = key.child_key(self.page_size)
         out: list[tuple[TreeNode, int]] = []
         normal = node.children.get(ck)
@@ -117,36 +136,37 @@ class KvEvictRadixCache(RadixCache):
             m = normal.key.match(key, page_size=self.page_size)
             if m > 0:
                 out.append((normal, m))
-        if not self._normal_only:
+        if fp is not None:
             for c in self._compressed_children(node, ck):
-                if len(c.key) <= len(key) and c.key.match(key) == len(c.key):
+                if c.kvevict_fp == fp and len(c.key) <= len(key) and c.key.match(key) == len(c.key):
                     out.append((c, len(c.key)))
         return out
 
-    def _reach(self, node: TreeNode, key: RadixKey) -> int:
+    def _reach(self, node: TreeNode, key: RadixKey, fp: str | None) -> int:
         """Tokens the best path below `node` matches (dry run: nothing is split)."""
         best = 0
-        for child, m in self._candidates(node, key) if len(key) else ():
+        for child, m in self._candidates(node, key, fp) if len(key) else ():
             if m == len(child.key) and m < len(key):
-                m += self._reach(child, key[m:])
+                m += self._reach(child, key[m:], fp)
             best = max(best, m)
         return best
 
-    def _walk(self, key: RadixKey) -> tuple[list[torch.Tensor], TreeNode, int]:
-        """Longest match; returns (values, last node, matched tokens).
+    def _walk(self, key: RadixKey, fp: str | None) -> tuple[list[TreeNode], TreeNode, int]:
+        """Longest match for a request of fingerprint `fp`; returns (path nodes, last node, tokens).
 
         At each step the child whose path reaches furthest wins; on a tie a compressed child wins (it
-        holds fewer slots: reusing it is the point, and the uncompressed copy stays evictable).
+        holds fewer slots: reusing it is the point, and the uncompressed copy stays evictable). Only a
+        request of the same fingerprint sees a compressed child at all.
         """
         now = time.monotonic()
         node = self.root_node
         node.last_access_time = now
-        values: list[torch.Tensor] = []
+        path: list[TreeNode] = []
         tokens = 0
         while len(key) > 0:
             best, best_m, best_reach = None, 0, -1
-            for child, m in self._candidates(node, key):
-                reach = m + (self._reach(child, key[m:]) if m == len(child.key) and m < len(key) else 0)
+            for child, m in self._candidates(node, key, fp):
+                reach = m + (self._reach(child, key[m:], fp) if m == len(child.key) and m < len(key) else 0)
                 if reach > best_reach or (reach == best_reach and is_compressed(child)):
                     best, best_m, best_reach = child, m, reach
             if best is None:
@@ -154,24 +174,43 @@ class KvEvictRadixCache(RadixCache):
             best.last_access_time = now
             if best_m < len(best.key):  # ends inside a token node: split it, as SGLang does
                 new_node = self._split_node(best.key, best, best_m)
-                values.append(new_node.value)
+                path.append(new_node)
                 tokens += best_m
                 node = new_node
                 break
-            values.append(best.value)
+            path.append(best)
             tokens += best_m
             node = best
             key = key[best_m:]
-        return values, node, tokens
+        return path, node, tokens
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
-        key, _ = params.key.maybe_to_bigram_view(self.is_eagle)
+        s = st.ensure(params.req) if params.req is not None else None
+        return self.match(params.key, s.fp if s is not None else None, params.req)
+
+    def match(self, key: RadixKey, fp: str | None, req: Req | None = None) -> MatchResult:
+        """Longest match as seen by a request of fingerprint `fp` (None: uncompressed KV only)."""
+        key, _ = key.maybe_to_bigram_view(self.is_eagle)
         if self.disable or len(key) == 0:
             return self._empty_match_result
-        values, node, tokens = self._walk(key)
-        kv = sum(len(v) for v in values)
-        if params.req is not None:
-            s = st.on_match(params.req, node, tokens, kv)
+        path, node, tokens = self._walk(key, fp)
+        kv = sum(len(n.value) for n in path)
+        if req is not None:
+            s = st.get(req)
+            cut = self._branch_start(path, s.policy.config) if s.cfg.active else len(path)
+            anchor = path[cut - 1] if cut > 0 else self.root_node
+            st.on_match(
+                req,
+                Region(
+                    anchor=anchor,
+                    anchor_tokens=sum(len(n.key) for n in path[:cut]),
+                    anchor_kv=sum(len(n.value) for n in path[:cut]),
+                    first=path[cut] if cut < len(path) else None,
+                    tokens=tokens,
+                    kv=kv,
+                ),
+                self._path_positions(path) if st.DEBUG else None,
+            )
             if st.DEBUG:
                 s.prefix_digest = self.prefix_digest(self.path_device_indices(node))
         if tokens == kv:
@@ -185,6 +224,56 @@ class KvEvictRadixCache(RadixCache):
             best_match_node=node,
             cache_protected_len=kv,
         )
+
+    def _branch_start(self, path: list[TreeNode], cfg: Any) -> int:
+        """Index in `path` of the first node of the request's own region (`len(path)`: none of it).
+
+        Request scope: the region is the new tokens only. Branch scope: everything after the deepest
+        shared node, where shared means held by a running request (`lock_ref > 0`: nobody else is
+        holding it at match time, since a waiting request holds no lock) or inside the declared
+        `shared_prefix` (a normal node it cuts is split there). Unlocked siblings are cache, not
+        sharers: a chat template that re-renders the end of a turn leaves one such stale remainder at
+        every turn, and counting it would stop a session from ever re-compressing. The own region may
+        start with one compressed node (the branch's history) and then holds only normal nodes; a
+        later compressed node (another config's or scope's layout) moves the start to it.
+        """
+        if cfg.scope != "branch":
+            return len(path)
+        start, tokens = 0, 0
+        for i, n in enumerate(list(path)):
+            if tokens < cfg.shared_prefix < tokens + len(n.key) and not is_compressed(n):
+                top = self._split_node(n.key, n, cfg.shared_prefix - tokens)
+                path[i : i + 1] = [top, n]
+                return self._branch_start(path, cfg)
+            tokens += len(n.key)
+            if (
+                n.lock_ref > 0
+                or tokens <= cfg.shared_prefix
+                or (is_compressed(n) and tokens - len(n.key) < cfg.shared_prefix)
+            ):
+                start = i + 1
+        for i in range(len(path) - 1, start, -1):
+            if is_compressed(path[i]):
+                return i
+        return start
+
+    def _path_positions(self, path: list[TreeNode]) -> torch.Tensor | None:
+        """Debug: `[L, H, slots]` logical positions held along a matched path (for the test oracle)."""
+        from sgl_kvevict import runtime
+
+        rt = runtime.RT
+        if rt is None:
+            return None
+        parts, t = [], 0
+        for n in path:
+            pos = getattr(n, "kvevict_pos", None)
+            if pos is None:
+                pos = torch.arange(t, t + len(n.value)).view(1, 1, -1).expand(rt.n_layers, rt.n_kv_heads, -1)
+            parts.append(pos)
+            t += len(n.key)
+        if not parts:
+            return torch.zeros(rt.n_layers, rt.n_kv_heads, 0, dtype=torch.int64)
+        return torch.cat(parts, dim=-1)
 
     def prefix_digest(self, slots: torch.Tensor) -> str:
         """SHA-1 of the K/V rows of `slots` in every layer (debug: proves a shared prefix is untouched)."""
@@ -208,14 +297,24 @@ class KvEvictRadixCache(RadixCache):
 
     # ---- insert -------------------------------------------------------------------------------------
     def _insert_compressed(
-        self, parent: TreeNode, key: RadixKey, value: torch.Tensor, priority: int
+        self,
+        parent: TreeNode,
+        key: RadixKey,
+        value: torch.Tensor,
+        priority: int,
+        fp: str,
+        positions: torch.Tensor | None = None,
     ) -> tuple[TreeNode, bool] | None:
-        """Hang a compressed node under `parent`. Returns (node, duplicate) or None if it cannot go in."""
+        """Hang a compressed node of fingerprint `fp` under `parent`. Returns (node, duplicate) or None
+        if it cannot go in (the same tokens, same fingerprint, another slot count)."""
         for c in self._compressed_children(parent, key.child_key(self.page_size)):
-            if len(c.key) == len(key) and c.key.match(key) == len(key):
+            if c.kvevict_fp == fp and len(c.key) == len(key) and c.key.match(key) == len(key):
                 return (c, True) if len(c.value) == len(value) else None
         node = TreeNode(priority=priority)
         node.kvevict_compressed = True
+        node.kvevict_fp = fp
+        if positions is not None:  # debug only: the logical positions each (layer, head) slot holds
+            node.kvevict_pos = positions.clone()
         node.parent = parent
         node.key = key
         node.value = value.clone()
@@ -228,14 +327,10 @@ class KvEvictRadixCache(RadixCache):
     def checkpoint(self, req: Req, *, up_to: int) -> None:
         s = st.get(req)
         if self.disable or s is None or s.offset == 0:
-            self._normal_only = True
-            try:
-                return super().checkpoint(req, up_to=up_to)
-            finally:
-                self._normal_only = False
+            return super().checkpoint(req, up_to=up_to)  # its re-match carries no request: normal only
         # release_kv_cache passes a slot count (owned_kv_len); a running request's checkpoint its extend_end.
-        kv_end = up_to if req.finished() or s.releasing else up_to - s.offset
-        tokens_end = kv_end + s.offset
+        kv_end = up_to if req.finished() or s.releasing else s.slots_for(up_to)
+        tokens_end = s.tokens_for(kv_end)
         token_ids = req.full_untruncated_fill_ids[:tokens_end]
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         priority = req.priority or 0
@@ -249,11 +344,14 @@ class KvEvictRadixCache(RadixCache):
 
         if s.comp_tokens > 0:  # (may hold 0 slots: e.g. streaming keeps only the newest tokens)
             cval = row[kpos : kpos + s.comp_slots].to(torch.int64)
-            res = self._insert_compressed(node, rkey(tpos, tpos + s.comp_tokens), cval, priority)
+            cpos = s.debug_positions(kpos + s.comp_slots)[..., kpos:] if st.DEBUG else None
+            res = self._insert_compressed(node, rkey(tpos, tpos + s.comp_tokens), cval, priority, s.fp, cpos)
             if res is None:  # a different history with the same tokens is stored: keep it, free ours
                 self.relock(req, node, kpos)
                 return
             cnode, dup = res
+            if not dup:  # the policy's per-head state continues in the branch's next turn
+                cnode.kvevict_state = st.copy_layer_state(s.layer_state, s.comp_slots)
             if dup:
                 to_free.append(cval.clone())
                 row[kpos : kpos + s.comp_slots] = cnode.value.to(row.dtype)

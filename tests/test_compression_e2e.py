@@ -268,3 +268,25 @@ def test_retracted_compressed_requests_complete(retract_server: Server):
     retract_server.flush()
     state = retract_server.server_info()["internal_states"][0]["kvevict"]
     assert state["available_tokens"] == state["max_total_tokens"]
+
+
+# ---- isolation: one request's config never reaches another's KV ------------------------------------
+def test_compressed_history_is_isolated_per_config(kv_server: Server):
+    """The cache-poisoning path: a client compresses a popular document with a tiny budget; requests with
+    another config (or `none`) sharing that document must run on its full KV, never on the lossy copy."""
+    doc = long_text(1500, seed=21)
+    first = [{"role": "user", "content": doc + "\nSummarise."}]
+    lossy = {"policy": "snapkv", "budget": 0.25}
+    out = kv_server.generate(input_ids=chat_ids(first), max_new_tokens=8, kv=lossy)
+    assert kvinfo(out)["evicted"] > 0
+    follow = chat_ids(
+        [*first, {"role": "assistant", "content": out["text"]}, {"role": "user", "content": "Why?"}]
+    )
+    for other in ({"policy": "none"}, {"policy": "snapkv", "budget": 0.5}, {"policy": "d2o", "budget": 0.25}):
+        got = kv_server.generate(input_ids=follow, max_new_tokens=4, kv=other)
+        info = kvinfo(got)
+        assert info["reused_evicted"] == 0, (other, info)
+        # ...and it still shares the document's full KV (the uncompressed copy stays in the tree)
+        assert info["prefix_kv_tokens"] >= 1500 and got["meta_info"]["cached_tokens"] >= 1500
+    same = kv_server.generate(input_ids=follow, max_new_tokens=4, kv=lossy)
+    assert kvinfo(same)["reused_evicted"] > 0  # the producer's own config does reuse it

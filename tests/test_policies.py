@@ -529,3 +529,73 @@ def test_compacted_len() -> None:
     assert P.compacted_len(torch.tensor([[0, 1, 2]]), 3) == 0
     assert P.compacted_len(torch.tensor([[0, 1, 2]]), 5) == 3
     assert P.compacted_len(torch.zeros(2, 0, dtype=torch.int64), 5) == 0
+
+
+# ---------------------------------------------------------------- host-side counts and carried scores
+
+RAW_TAIL_CASES = [
+    ("streaming", {}),
+    ("knorm", {}),
+    ("h2o", {}),
+    ("snapkv", {}),
+    ("d2o", {}),
+    ("lagkv", {"lag": 8}),
+    ("lagkv", {"lag": 8, "cap_to_budget": False}),
+    ("graphkv", {}),
+    ("graphkv", {"base": "lagkv", "base_config": {"lag": 8}}),
+    ("criticalkv", {}),
+]
+
+
+@pytest.mark.parametrize("name,cfg", RAW_TAIL_CASES, ids=[f"{n}{c or ''}" for n, c in RAW_TAIL_CASES])
+@pytest.mark.parametrize("n_compacted", [0, 20])
+def test_raw_tail_is_kept_by_every_head_whatever_the_scores(name: str, cfg: dict, n_compacted: int) -> None:
+    """The count the runner uses for the compacted boundary comes from the config, not the scores: it
+    must hold for any data (tensor-parallel ranks see different heads)."""
+    pol = P.build(name, {"sinks": 4, "recent": 8, **cfg})
+    for seed in range(4):
+        view = make_view(96, n_compacted=n_compacted, seed=seed)
+        keep = pol.select(view, 24)
+        tail = pol.raw_tail(view)
+        assert 0 <= tail <= keep.shape[1]
+        assert torch.equal(keep[:, keep.shape[1] - tail :], torch.arange(96 - tail, 96).expand(H, -1))
+
+
+def test_refiner_is_a_base_class() -> None:
+    for name in ("graphkv", "criticalkv"):
+        pol = P.build(name)
+        assert isinstance(pol, P.Refiner) and pol.merges == pol.base.merges
+    assert not isinstance(P.build("snapkv"), P.Refiner)
+    assert P.build("graphkv", {"base": "d2o"}).merges and not P.build("graphkv").merges
+
+
+@pytest.mark.parametrize("mode", ["none", "max", "decay"])
+def test_carried_scores_combine_with_the_window(mode: str) -> None:
+    pol = P.build("h2o", {"sinks": 0, "recent": 0, "carry": mode, "carry_decay": 0.5})
+    view = make_view(10, n_sink=0, n_recent=0)
+    new = view.attn.float() * pol.config.window
+    old = torch.full((H, 4), 0.3)
+    view.state["carried"] = old
+    got = pol.score(view)
+    want = new.clone()
+    if mode == "max":
+        want[:, :4] = torch.maximum(new[:, :4], old)
+    elif mode == "decay":
+        want[:, :4] = new[:, :4] + 0.5 * old
+    assert torch.allclose(got, want)
+    assert torch.equal(view.state["scored"], got)
+
+
+def test_an_early_high_score_survives_under_max() -> None:
+    """A token that mattered when it was scored is not evicted because the newest window ignores it."""
+    pol = P.build("snapkv", {"sinks": 0, "recent": 0, "kernel_size": 1})
+    view = make_view(12, n_sink=0, n_recent=0)
+    view.attn = torch.full((H, 12), 0.05)
+    view.attn[:, 11] = 0.4
+    view.state["carried"] = torch.zeros(H, 6)
+    view.state["carried"][:, 2] = 1.0  # token 2 was the fact an earlier window attended to
+    keep = pol.select(view, 2)
+    assert all(2 in row and 11 in row for row in as_lists(keep))
+    none = P.build("snapkv", {"sinks": 0, "recent": 0, "kernel_size": 1, "carry": "none"})
+    view.state.pop("scored")
+    assert all(2 not in row for row in as_lists(none.select(view, 1)))

@@ -15,6 +15,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sgl_kvevict.tree import KvEvictRadixCache, is_compressed
 
 POOL = 512
+FP = "fp-a"  # the fingerprint of the config that compressed the history in `build_history`
 
 
 def key(ids) -> RadixKey:
@@ -39,7 +40,7 @@ def build_history(t: KvEvictRadixCache):
     t.insert(InsertParams(key=key(range(10)), value=p_slots))
     p_node = t.match_prefix(MatchPrefixParams(key=key(range(10)))).last_device_node
     c_slots = alloc.alloc(8).to(torch.int64)
-    c_node, dup = t._insert_compressed(p_node, key(range(10, 30)), c_slots, 0)
+    c_node, dup = t._insert_compressed(p_node, key(range(10, 30)), c_slots, 0, FP)
     assert not dup and is_compressed(c_node)
     tail_slots = alloc.alloc(5).to(torch.int64)
     _, tail = t._insert_helper(c_node, key(range(30, 35)), tail_slots, 0, 0)
@@ -48,7 +49,7 @@ def build_history(t: KvEvictRadixCache):
 
 def test_full_match_reports_tokens_and_slots(tree):
     _, _, tail, slots = build_history(tree)
-    res = tree.match_prefix(MatchPrefixParams(key=key([*range(35), 99])))
+    res = tree.match(key([*range(35), 99]), FP)
     assert res.device_prefix_len == 35  # tokens: SGLang slices fill ids with it
     assert res.cache_protected_len == 23  # slots on the path
     assert res.last_device_node is tail
@@ -57,7 +58,7 @@ def test_full_match_reports_tokens_and_slots(tree):
 
 def test_compressed_node_is_atomic(tree):
     p_node, c_node, _, _ = build_history(tree)
-    res = tree.match_prefix(MatchPrefixParams(key=key([*range(20), 77])))
+    res = tree.match(key([*range(20), 77]), FP)
     assert res.device_prefix_len == 10 and res.cache_protected_len is None
     assert res.last_device_node is p_node
     assert len(c_node.key) == 20 and len(c_node.value) == 8  # never split
@@ -65,7 +66,7 @@ def test_compressed_node_is_atomic(tree):
 
 def test_uncompressed_tail_splits_like_any_node(tree):
     _, c_node, _, slots = build_history(tree)
-    res = tree.match_prefix(MatchPrefixParams(key=key([*range(32), 55])))
+    res = tree.match(key([*range(32), 55]), FP)
     assert res.device_prefix_len == 32 and res.cache_protected_len == 20
     node = res.last_device_node
     assert node.parent is c_node and len(node.key) == 2
@@ -95,9 +96,9 @@ def test_compressed_and_uncompressed_copies_coexist(tree):
         )
     )
     # The uncompressed branch covers 5 tokens after P, the compressed one 20: the longer wins.
-    res = tree.match_prefix(MatchPrefixParams(key=key([*range(30), 1])))
+    res = tree.match(key([*range(30), 1]), FP)
     assert res.last_device_node is c_node and res.device_prefix_len == 30
-    res = tree.match_prefix(MatchPrefixParams(key=key([*range(15), 88])))
+    res = tree.match(key([*range(15), 88]), FP)
     assert res.device_prefix_len == 15 and res.cache_protected_len is None
     assert not is_compressed(res.last_device_node)
     tree.evict(EvictParams(num_tokens=1000))
@@ -107,6 +108,47 @@ def test_compressed_and_uncompressed_copies_coexist(tree):
 def test_duplicate_compressed_history_is_reused(tree):
     p_node, c_node, _, _ = build_history(tree)
     other = tree.token_to_kv_pool_allocator.alloc(8).to(torch.int64)
-    node, dup = tree._insert_compressed(p_node, key(range(10, 30)), other, 0)
+    node, dup = tree._insert_compressed(p_node, key(range(10, 30)), other, 0, FP)
     assert dup and node is c_node
-    assert tree._insert_compressed(p_node, key(range(10, 30)), other[:6], 0) is None  # same tokens, other KV
+    assert (
+        tree._insert_compressed(p_node, key(range(10, 30)), other[:6], 0, FP) is None
+    )  # same tokens, other KV
+
+
+def test_compressed_history_is_seen_only_by_its_own_fingerprint(tree):
+    p_node, c_node, tail, _ = build_history(tree)
+    probe = key([*range(35), 99])
+    # Another config, `none` (fp None) and SGLang's own request-less lookups see uncompressed KV only.
+    for fp in ("fp-b", None):
+        res = tree.match(probe, fp)
+        assert res.last_device_node is p_node and res.device_prefix_len == 10
+        assert res.cache_protected_len is None
+    assert tree.match_prefix(MatchPrefixParams(key=probe)).last_device_node is p_node
+    assert tree.match(probe, FP).last_device_node is tail
+
+
+def test_same_tokens_other_fingerprint_is_another_node(tree):
+    p_node, c_node, _, _ = build_history(tree)
+    alloc = tree.token_to_kv_pool_allocator
+    other = alloc.alloc(4).to(torch.int64)
+    node, dup = tree._insert_compressed(p_node, key(range(10, 30)), other, 0, "fp-b")
+    assert not dup and node is not c_node and len(node.value) == 4
+    assert tree.match(key([*range(30), 5]), "fp-b").last_device_node is node
+    assert tree.match(key([*range(30), 5]), FP).last_device_node is c_node
+    assert tree.evictable_size() == 10 + 8 + 5 + 4
+    tree.evict(EvictParams(num_tokens=1000))
+    assert alloc.available_size() == POOL
+
+
+def test_uncompressed_copy_wins_for_other_configs_even_when_shorter(tree):
+    """A `none` request must get the full KV of the tokens it shares, never the lossy copy."""
+    p_node, c_node, _, _ = build_history(tree)
+    alloc = tree.token_to_kv_pool_allocator
+    full = torch.cat([tree.path_device_indices(p_node), alloc.alloc(20).to(torch.int64)])
+    tree.insert(InsertParams(key=key(range(30)), value=full))
+    res = tree.match(key([*range(30), 1]), None)
+    assert res.device_prefix_len == 30 and res.cache_protected_len is None
+    assert not is_compressed(res.last_device_node)
+    assert torch.equal(tree.path_device_indices(res.last_device_node), full)
+    # the producer's own config still prefers its compressed copy on the tie
+    assert tree.match(key([*range(30), 1]), FP).last_device_node is c_node

@@ -1,0 +1,148 @@
+"""Branch scope on the live server: a session's own history is re-compressed with each new turn under one
+budget, so its KV stops growing; shared prefixes stay intact (real model, HTTP, leak checks on)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import sglang as sgl
+
+from sgl_kvevict.serverproc import Server
+
+from .helpers import CHECKED_ENV, chat_ids, long_text, tokenizer
+
+pytestmark = pytest.mark.server
+
+SINKS, RECENT, BUDGET, LAG = 4, 32, 128, 16
+POLICIES = {
+    "streaming": {},
+    "knorm": {},
+    "snapkv": {},
+    "lagkv": {"lag": LAG},
+    "d2o": {},
+    "criticalkv": {},
+}
+
+
+@pytest.fixture(scope="module")
+def branch_server():
+    srv = Server(
+        ["--max-total-tokens", "30000", "--kv-policy", "snapkv", "--kv-budget", str(BUDGET)], env=CHECKED_ENV
+    )
+    with srv:
+        yield srv
+        assert srv.alive(), srv.tail()
+
+
+def info(out: dict) -> dict:
+    return out["meta_info"]["kvevict"][0]
+
+
+def session(srv: Server, kv: dict, turns: int, seed: int, turn_tokens: int = 100, n: int = 6) -> list[dict]:
+    """A chat sent turn by turn as raw ids (each turn = all earlier ids + the reply + a new user turn)."""
+    ids: list[int] = chat_ids([{"role": "system", "content": "You are a terse log analyst."}])
+    out_infos = []
+    for t in range(turns):
+        user = long_text(turn_tokens, seed=seed * 100 + t) + "\nWhich host is busiest?"
+        ids = ids + tokenizer().encode(f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n")
+        out = srv.generate(input_ids=ids, max_new_tokens=n, kv=kv)
+        out_infos.append({**info(out), "output_ids": out["output_ids"], "prompt": len(ids)})
+        ids = ids + out["output_ids"]
+    return out_infos
+
+
+def test_session_kv_is_flat_under_a_token_budget(branch_server: Server):
+    """Every policy at a token budget: once the budget is reached, the branch's own KV stays within
+    budget + sinks + recent window (LagKV: + its raw tail below 2L) at the end of every turn; `none` grows."""
+    kvs = {name: {"policy": name, "budget": BUDGET, "config": cfg} for name, cfg in POLICIES.items()}
+    kvs["none"] = {"policy": "none"}
+    with ThreadPoolExecutor(len(kvs)) as ex:
+        runs = dict(
+            zip(kvs, ex.map(lambda kv: session(branch_server, kv, 8, seed=5), kvs.values()), strict=True)
+        )
+    full = [r["kv_tokens"] for r in runs["none"]]
+    assert full[-1] > 4 * BUDGET and full[-1] > full[2] + 300, full
+    for name, infos in runs.items():
+        if name == "none":
+            continue
+        held = [r["branch_kv_tokens"] for r in infos]
+        cap = BUDGET + SINKS + RECENT + (2 * LAG if name == "lagkv" else 0)
+        assert all(h <= cap for h in held[2:]), (name, held)
+        assert max(held[3:]) - min(held[3:]) <= (2 * LAG if name == "lagkv" else 8), (name, held)
+        last = infos[-1]
+        assert last["reused_evicted"] > 0 and last["logical_tokens"] > 4 * cap, (name, last)
+        assert not last["failed"], (name, last)
+
+
+def test_budget_covering_the_context_is_token_identical(branch_server: Server):
+    big = {"policy": "snapkv", "budget": 100000}
+    a = session(branch_server, big, 5, seed=7, n=12)
+    b = session(branch_server, {"policy": "none"}, 5, seed=7, n=12)
+    assert [r["output_ids"] for r in a] == [r["output_ids"] for r in b]
+    assert all(r["evicted"] == 0 for r in a)
+
+
+def test_identical_sessions_after_evictions_get_identical_tokens(branch_server: Server):
+    kv = {"policy": "lagkv", "budget": 64, "config": {"lag": LAG}}
+    first = session(branch_server, kv, 3, seed=8, n=10)
+    again = session(branch_server, kv, 3, seed=8, n=10)
+    assert sum(r["evicted"] for r in first) > 0
+    assert [r["output_ids"] for r in first] == [r["output_ids"] for r in again]
+
+
+def test_fork_branches_compress_only_after_the_fork_point(branch_server: Server):
+    context = long_text(600, seed=31)
+
+    @sgl.function
+    def branches(s, ctx):
+        s += sgl.system("Answer in a few words.")
+        s += sgl.user(ctx)
+        s += sgl.assistant("I have read the log.")
+        s.text()  # commits the shared prefix before forking
+        forks = s.fork(4)
+        for i, f in enumerate(forks):
+            f += sgl.user(long_text(300, seed=40 + i) + f"\nQuestion {i}: name one worker.")
+            f += sgl.assistant(sgl.gen("answer", max_tokens=8, temperature=0))
+        return [f.get_meta_info("answer") for f in forks]
+
+    backend = sgl.RuntimeEndpoint(branch_server.url, chat_template_name="chatml")
+    metas = branches.run(ctx=context, backend=backend).ret_value
+    n_ctx = len(tokenizer().encode(context))
+    for m in metas:
+        kv = m["kvevict"][0]
+        assert kv["prefix_kv_tokens"] >= n_ctx, kv  # the branch point is after the shared context
+        assert kv["evicted"] > 0, kv  # and the branch compressed its own part
+        assert kv["prefix_digest"] and kv["prefix_digest"] == kv["prefix_digest_end"]
+
+
+@pytest.fixture(scope="module")
+def small_pool_server():
+    srv = Server(
+        [
+            "--max-total-tokens",
+            "3000",
+            "--kv-policy",
+            "knorm",
+            "--kv-budget",
+            "48",
+            "--max-running-requests",
+            "12",
+        ],
+        env=CHECKED_ENV,
+    )
+    with srv:
+        yield srv
+        assert srv.alive(), srv.tail()
+
+
+def test_full_pool_twelve_sessions_complete_without_leaks(small_pool_server: Server):
+    with ThreadPoolExecutor(12) as ex:
+        runs = list(
+            ex.map(lambda i: session(small_pool_server, {}, 3, seed=70 + i, turn_tokens=150), range(12))
+        )
+    assert all(len(r) == 3 for r in runs)
+    assert all(r[-1]["branch_kv_tokens"] <= 48 + SINKS + RECENT for r in runs), [r[-1] for r in runs]
+    small_pool_server.flush()
+    state = small_pool_server.server_info()["internal_states"][0]["kvevict"]
+    assert state["available_tokens"] == state["max_total_tokens"]

@@ -1,0 +1,263 @@
+"""The compressor on SGLang's real pools and radix cache, without a server.
+
+Two "tensor-parallel ranks" hold different KV heads of the same request (as `--tp 2` would shard them):
+the compressor must decide the same slot counts, rows and tree keys on both without communicating.
+And a failure at any point of a compression step must leave the request's row, its lengths, its tree
+lock and the tree exactly as before.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from sglang.srt.managers.schedule_batch import ReqKvInfo
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+from sgl_kvevict import capture, compressor, runtime
+from sgl_kvevict import state as st
+from sgl_kvevict.runtime import Runtime, Totals
+from sgl_kvevict.tree import KvEvictRadixCache, Region, is_compressed
+
+L, HKV, GROUP, D = 2, 4, 2, 16  # layers, KV heads (2 per rank), query heads per KV head, head dim
+POOL, PROMPT, DECODE = 1024, 160, 40
+POLICIES = [
+    ("streaming", {}),
+    ("knorm", {}),
+    ("h2o", {}),
+    ("snapkv", {}),
+    ("lagkv", {"lag": 16}),
+    ("d2o", {}),
+    ("graphkv", {}),
+    ("graphkv", {"base": "lagkv", "base_config": {"lag": 16}}),
+    ("criticalkv", {}),
+]
+
+
+class Rank:
+    """One rank's pools, tree and runtime, holding KV heads `heads` of the full model."""
+
+    def __init__(self, heads: slice) -> None:
+        self.heads = heads
+        h = heads.stop - heads.start
+        self.r2t = ReqToTokenPool(4, 512, "cpu", False)
+        self.kv = MHATokenToKVPool(POOL, 1, torch.float32, h, D, L, "cpu", False)
+        self.alloc = TokenToKVPoolAllocator(POOL, torch.float32, "cpu", self.kv, False)
+        params = CacheInitParams(
+            disable=False, req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.alloc, page_size=1
+        )
+        self.tree = KvEvictRadixCache(params, self.r2t.req_to_token.shape[0])
+        rt = object.__new__(Runtime)
+        rt.tree, rt.req_to_token, rt.allocator, rt.kv_pool = (
+            self.tree,
+            self.r2t.req_to_token,
+            self.alloc,
+            self.kv,
+        )
+        rt.model = None
+        rt.n_layers, rt.n_q_heads, rt.n_kv_heads, rt.head_dim = L, h * GROUP, h, D
+        rt.scale, rt.start_layer, rt.tp_size, rt.totals = 1 / math.sqrt(D), 0, 1, Totals()
+        w = torch.Generator().manual_seed(7)
+        w_o = torch.randn(HKV * GROUP, D, 32, generator=w)  # [Hq, D, hidden] of the whole model
+        qs = slice(heads.start * GROUP, heads.stop * GROUP)
+        rt._o_proj = {layer: w_o[qs].contiguous() for layer in range(L)}
+        self.rt = rt
+        self.rings: dict[int, capture.Ring] = {}
+
+    def activate(self) -> None:
+        runtime.RT = self.rt
+        capture.RINGS.clear()
+        capture.RINGS.update(self.rings)
+
+
+def _kvq(pos: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Deterministic full-model K, V `[L, HKV, D]` and queries `[L, HKV*GROUP, D]` of token `pos`."""
+    g = torch.Generator().manual_seed(1000 + pos)
+    k = torch.randn(L, HKV, D, generator=g) * (1 + (pos % 7) / 3)
+    v = torch.randn(L, HKV, D, generator=g)
+    q = torch.randn(L, HKV * GROUP, D, generator=g)
+    return k, v, q
+
+
+def _req(policy: str, config: dict, n_tokens: int) -> SimpleNamespace:
+    ids = list(range(100, 100 + n_tokens))
+    req = SimpleNamespace(
+        rid=f"r-{policy}",
+        kv=ReqKvInfo(),
+        sampling_params=SimpleNamespace(
+            custom_params={"kvevict": {"policy": policy, "budget": 48, "config": {"window": 8, **config}}}
+        ),
+        extra_key=None,
+        cache_salt=None,
+        priority=0,
+        origin_input_ids=ids[:PROMPT],
+        full_untruncated_fill_ids=ids,
+        lock=None,
+        last_node=None,
+        done=False,
+    )
+    req.finished = lambda: req.done
+    return req
+
+
+def _append(rank: Rank, req: SimpleNamespace, pos: int) -> None:
+    """Allocate one slot at the end of the request's row and write token `pos` of this rank's heads."""
+    kv = req.kv
+    slot = rank.alloc.alloc(1)
+    rank.r2t.req_to_token[kv.req_pool_idx, kv.kv_committed_len] = slot[0].to(torch.int32)
+    k, v, q = _kvq(pos)
+    for layer in range(L):
+        rank.kv.get_key_buffer(layer)[slot] = k[layer, rank.heads].unsqueeze(0)
+        rank.kv.get_value_buffer(layer)[slot] = v[layer, rank.heads].unsqueeze(0)
+    ring = rank.rings.get(kv.req_pool_idx)
+    if ring is not None:
+        qs = slice(rank.heads.start * GROUP, rank.heads.stop * GROUP)
+        for layer in range(L):
+            ring.push(layer, q[layer, qs].unsqueeze(0))
+    kv.kv_committed_len += 1
+    kv.kv_allocated_len = kv.kv_committed_len
+
+
+def _start(rank: Rank, policy: str, config: dict, share_prompt: bool) -> SimpleNamespace:
+    """Admit a request, prefill its prompt; with `share_prompt` the prompt is checkpointed into the tree
+    first (SGLang does this after prefill so that others can share it)."""
+    rank.activate()
+    req = _req(policy, config, PROMPT + DECODE)
+    req.kv.req_pool_idx = 0
+    req.lock = rank.tree.lock(rank.tree.root_node)
+    req.last_node = rank.tree.root_node
+    s = st.ensure(req)
+    st.on_match(req, Region(rank.tree.root_node, 0, 0, None))
+    if "attn" in s.policy.needs:
+        rank.rings[0] = capture.Ring(
+            L,
+            s.policy.config.window,
+            (rank.heads.stop - rank.heads.start) * GROUP,
+            D,
+            torch.float32,
+            torch.device("cpu"),
+        )
+        capture.RINGS[0] = rank.rings[0]
+    for pos in range(PROMPT):
+        _append(rank, req, pos)
+    if share_prompt:
+        rank.tree.checkpoint(req, up_to=PROMPT)
+    return req
+
+
+def _tree_keys(tree: KvEvictRadixCache) -> list[tuple[bool, tuple[int, ...], int]]:
+    out, stack = [], [tree.root_node]
+    while stack:
+        node = stack.pop()
+        for child in node.children.values():
+            out.append((is_compressed(child), tuple(child.key.token_ids), len(child.value)))
+            stack.append(child)
+    return sorted(out)
+
+
+def _run(rank: Rank, policy: str, config: dict, share_prompt: bool) -> dict:
+    req = _start(rank, policy, config, share_prompt)
+    s = st.get(req)
+    freed = [compressor.compress(req, "prefill")]
+    for pos in range(PROMPT, PROMPT + DECODE - 1):
+        rank.activate()
+        _append(rank, req, pos)
+        freed.append(compressor.compress(req, "decode"))
+    req.done = True
+    freed.append(compressor.compress(req, "finish"))
+    kv_len = req.kv.kv_committed_len
+    row = rank.r2t.req_to_token[0, :kv_len].clone()
+    rank.tree.checkpoint(req, up_to=kv_len)
+    return {
+        "freed": freed,
+        "counts": (s.comp_slots, s.comp_tokens, s.own_evicted, s.offset, kv_len),
+        "row": row.tolist(),
+        "tree": _tree_keys(rank.tree),
+        "available": rank.alloc.available_size(),
+        "failed": s.failed,
+    }
+
+
+@pytest.mark.parametrize("share_prompt", [False, True], ids=["own", "tree-shared"])
+@pytest.mark.parametrize("policy,config", POLICIES, ids=[f"{p}{c or ''}" for p, c in POLICIES])
+def test_two_head_shards_agree(policy: str, config: dict, share_prompt: bool) -> None:
+    a = _run(Rank(slice(0, 2)), policy, config, share_prompt)
+    b = _run(Rank(slice(2, 4)), policy, config, share_prompt)
+    assert sum(a["freed"]) > 0, "the scenario must evict something"
+    assert not a["failed"] and not b["failed"]
+    for field in ("freed", "counts", "row", "tree", "available"):
+        assert a[field] == b[field], f"{field} differs between the two head shards"
+    assert any(c for c, _, _ in a["tree"]), "a compressed node was stored"
+
+
+def _snapshot(rank: Rank, req: SimpleNamespace) -> tuple:
+    kv = req.kv
+    return (
+        rank.r2t.req_to_token[0].clone(),
+        kv.kv_committed_len,
+        kv.kv_allocated_len,
+        kv.cache_protected_len,
+        req.lock.node,
+        rank.alloc.available_size(),
+        rank.tree.evictable_size(),
+        rank.tree.protected_size(),
+        _tree_keys(rank.tree),
+        [rank.kv.get_key_buffer(layer).clone() for layer in range(L)],
+    )
+
+
+def _same(x: tuple, y: tuple) -> bool:
+    return all(
+        torch.equal(a, b)
+        if isinstance(a, torch.Tensor)
+        else all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
+        if isinstance(a, list) and a and isinstance(a[0], torch.Tensor)
+        else a == b
+        for a, b in zip(x, y, strict=True)
+    )
+
+
+@pytest.mark.parametrize("where", ["select", "merge", "compact"])
+@pytest.mark.parametrize("share_prompt", [False, True], ids=["own", "tree-shared"])
+def test_failed_step_changes_nothing(monkeypatch, where: str, share_prompt: bool) -> None:
+    rank = Rank(slice(0, 4))
+    req = _start(rank, "d2o", {}, share_prompt)
+    before = _snapshot(rank, req)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError(f"injected failure in {where}")
+
+    s = st.get(req)
+    if where == "select":
+        monkeypatch.setattr(s.policy, "select", boom)
+    elif where == "merge":
+        monkeypatch.setattr(s.policy, "merge", boom)
+    else:
+        monkeypatch.setattr(compressor.kernels, "compact", boom)
+    assert compressor.safe_compress(req, "prefill") == 0
+    assert s.failed and rank.rt.totals.policy_failures == 1
+    assert _same(before, _snapshot(rank, req))
+
+
+def test_full_pool_takes_back_its_own_tree_nodes() -> None:
+    """A tree-shared prompt, a pool with no free slot: compression still runs, by taking back the tree
+    nodes only this request holds, and nothing leaks."""
+    rank = Rank(slice(0, 4))
+    req = _start(rank, "snapkv", {}, share_prompt=True)
+    hog = rank.alloc.alloc(rank.alloc.available_size())
+    assert rank.alloc.available_size() == 0 and rank.tree.evictable_size() == 0
+    freed = compressor.compress(req, "prefill")
+    assert freed > 0 and req.kv.cache_protected_len == 0
+    kv_len = req.kv.kv_committed_len
+    assert rank.alloc.available_size() == freed
+    req.done = True
+    rank.tree.checkpoint(req, up_to=kv_len)
+    rank.tree.unlock(req.lock)
+    rank.alloc.free(hog)
+    rank.tree.evict(EvictParams(num_tokens=10**6))
+    assert rank.alloc.available_size() == POOL
