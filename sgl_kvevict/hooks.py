@@ -23,6 +23,7 @@ import logging
 from typing import Any
 
 import torch
+from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from sgl_kvevict import capture, compressor, runtime
@@ -173,7 +174,8 @@ def release_kv_cache(req, tree_cache, *args, **kwargs):
     if s is None or not req.kv.holds_kv:
         return None
     if req.finished():
-        if s.active:
+        # An aborted or disconnected request's history is not worth a last compression: nobody continues it.
+        if s.active and not isinstance(req.finished_reason, FINISH_ABORT):
             compressor.safe_compress(req, "finish")
         return None
     if s.offset > 0 and not kwargs.get("checkpoint", True) and not req.skip_radix_cache_insert:

@@ -63,12 +63,14 @@ class ReqState:
     releasing: bool = False  # released unfinished (retraction): the tree checkpoint gets a slot count
     failed: bool = False
     ran: bool = False  # KV was allocated since the last match (a later match is a re-admission)
+    commit: bool = False  # generates nothing: a prefix commit (SGLang's frontend before `fork`), kept whole
     compressions: int = 0
     merged: int = 0
     seconds: float = 0.0
     layer_state: list[dict] = field(default_factory=list)
     layer_stats: dict[str, list[float]] = field(default_factory=dict)
     prefix_digest: str = ""
+    digest_kv: int = 0  # slots the digests cover: the shared prefix at admission
     prefix_digest_end: str = ""
     # debug (KVEVICT_DEBUG=1): logical positions held by row slots [0, m) per layer and KV head, the
     # logical tokens they stand for, and the events a test oracle replays (see `debug_event`).
@@ -90,13 +92,15 @@ class ReqState:
 
     @property
     def active(self) -> bool:
-        return self.cfg.active and not self.failed
+        return self.cfg.active and not self.failed and not self.commit
 
     # -- debug timeline -----------------------------------------------------------------------------
     def debug_positions(self, kv_len: int) -> torch.Tensor:
         """`[L, H, kv_len]` logical positions of the row's first `kv_len` slots (tail slots are 1:1)."""
         pos = self.dbg_pos
         m = 0 if pos is None else pos.shape[-1]
+        if pos is not None and kv_len <= m:
+            return pos[..., :kv_len]
         tail = torch.arange(self.dbg_tokens, self.dbg_tokens + kv_len - m, dtype=torch.int64)
         if pos is None:
             return tail
@@ -135,6 +139,7 @@ def ensure(req: Any) -> ReqState:
             cfg = base
         policy = cfg.build()
         s = ReqState(cfg=cfg, policy=policy, fp=fingerprint(cfg, policy))
+        s.commit = getattr(req.sampling_params, "max_new_tokens", None) == 0
         setattr(req, ATTR, s)
     return s
 
@@ -161,7 +166,9 @@ def on_match(req: Any, region: Any, prefix_pos: torch.Tensor | None = None) -> R
     s.anchor, s.anchor_tokens, s.anchor_kv = region.anchor, region.anchor_tokens, region.anchor_kv
     s.own_evicted = s.inherited_evicted = s.comp_slots = s.comp_tokens = 0
     s.reused_evicted = region.tokens - region.kv
-    s.layer_state = []
+    s.releasing = False
+    # Per-head policy state (D2O's tau) survives a retraction; per-slot entries do not (the slots change).
+    s.layer_state = [{k: v for k, v in d.items() if k != "carried"} for d in s.layer_state]
     first = region.first
     if first is not None and getattr(first, "kvevict_compressed", False):
         s.comp_slots, s.comp_tokens = len(first.value), len(first.key)

@@ -49,6 +49,7 @@ class _Compressed:
 
 
 MARK = _Compressed()
+BRANCH_MIN = 16  # a child off the matched path with this many tokens is another branch (see _branch_start)
 
 
 def is_compressed(node: TreeNode) -> bool:
@@ -154,9 +155,11 @@ class KvEvictRadixCache(RadixCache):
     def _walk(self, key: RadixKey, fp: str | None) -> tuple[list[TreeNode], TreeNode, int]:
         """Longest match for a request of fingerprint `fp`; returns (path nodes, last node, tokens).
 
-        At each step the child whose path reaches furthest wins; on a tie a compressed child wins (it
-        holds fewer slots: reusing it is the point, and the uncompressed copy stays evictable). Only a
-        request of the same fingerprint sees a compressed child at all.
+        At each step the child whose path reaches furthest wins; on a tie the uncompressed child, then
+        the shorter compressed one: a repeated request (or session) then runs exactly as its first run
+        did while that KV is cached, and compresses to the same histories; a longer compressed history
+        is taken only where it reaches further (the next turn of a conversation). Only a request of the same fingerprint sees a
+        compressed child at all.
         """
         now = time.monotonic()
         node = self.root_node
@@ -164,11 +167,12 @@ class KvEvictRadixCache(RadixCache):
         path: list[TreeNode] = []
         tokens = 0
         while len(key) > 0:
-            best, best_m, best_reach = None, 0, -1
+            best, best_m, best_rank = None, 0, (-1, 0)
             for child, m in self._candidates(node, key, fp):
                 reach = m + (self._reach(child, key[m:], fp) if m == len(child.key) and m < len(key) else 0)
-                if reach > best_reach or (reach == best_reach and is_compressed(child)):
-                    best, best_m, best_reach = child, m, reach
+                rank = (reach, -m if is_compressed(child) else 0)
+                if rank > best_rank:
+                    best, best_m, best_rank = child, m, rank
             if best is None:
                 break
             best.last_access_time = now
@@ -197,7 +201,7 @@ class KvEvictRadixCache(RadixCache):
         kv = sum(len(n.value) for n in path)
         if req is not None:
             s = st.get(req)
-            cut = self._branch_start(path, s.policy.config) if s.cfg.active else len(path)
+            cut = self._branch_start(path, s.policy.config, req) if s.cfg.active else len(path)
             anchor = path[cut - 1] if cut > 0 else self.root_node
             st.on_match(
                 req,
@@ -211,8 +215,9 @@ class KvEvictRadixCache(RadixCache):
                 ),
                 self._path_positions(path) if st.DEBUG else None,
             )
-            if st.DEBUG:
-                s.prefix_digest = self.prefix_digest(self.path_device_indices(node))
+            if st.DEBUG:  # the shared prefix before the branch point: compression must never change it
+                s.digest_kv = s.anchor_kv
+                s.prefix_digest = self.prefix_digest(self.path_device_indices(node)[: s.anchor_kv])
         if tokens == kv:
             return MatchResult(
                 device_prefix_len=kv, last_device_node=node, last_host_node=node, best_match_node=node
@@ -225,29 +230,41 @@ class KvEvictRadixCache(RadixCache):
             cache_protected_len=kv,
         )
 
-    def _branch_start(self, path: list[TreeNode], cfg: Any) -> int:
+    def _branch_start(self, path: list[TreeNode], cfg: Any, req: Req | None = None) -> int:
         """Index in `path` of the first node of the request's own region (`len(path)`: none of it).
 
         Request scope: the region is the new tokens only. Branch scope: everything after the deepest
-        shared node, where shared means held by a running request (`lock_ref > 0`: nobody else is
-        holding it at match time, since a waiting request holds no lock) or inside the declared
-        `shared_prefix` (a normal node it cuts is split there). Unlocked siblings are cache, not
-        sharers: a chat template that re-renders the end of a turn leaves one such stale remainder at
-        every turn, and counting it would stop a session from ever re-compressing. The own region may
+        shared node, where shared means declared shared (a committed prefix, see `_mark_shared`), held
+        by another running request (a `lock_ref` beyond the
+        request's own lock, which a chunked prefill holds on its earlier chunks when it is matched
+        again) or inside the declared
+        `shared_prefix` (a normal node it cuts is split there), or with another branch below it (a
+        child off the path with `BRANCH_MIN` tokens or more: another session on the same system
+        prompt). Shorter children are not branches: a chat template that re-renders the end of a turn
+        leaves such a stale remainder at every turn, and counting it would stop a session from ever
+        re-compressing. The own region may
         start with one compressed node (the branch's history) and then holds only normal nodes; a
         later compressed node (another config's or scope's layout) moves the start to it.
         """
         if cfg.scope != "branch":
             return len(path)
+        mine = set()
+        node = req.lock.node if req is not None and getattr(req, "lock", None) is not None else None
+        while node is not None and node is not self.root_node:
+            mine.add(id(node))
+            node = node.parent
         start, tokens = 0, 0
         for i, n in enumerate(list(path)):
             if tokens < cfg.shared_prefix < tokens + len(n.key) and not is_compressed(n):
                 top = self._split_node(n.key, n, cfg.shared_prefix - tokens)
                 path[i : i + 1] = [top, n]
-                return self._branch_start(path, cfg)
+                return self._branch_start(path, cfg, req)
             tokens += len(n.key)
+            nxt = path[i + 1] if i + 1 < len(path) else None
             if (
-                n.lock_ref > 0
+                n.lock_ref > (id(n) in mine)
+                or getattr(n, "kvevict_shared", False)
+                or any(c is not nxt and (len(c.key) >= BRANCH_MIN or c.children) for c in n.children.values())
                 or tokens <= cfg.shared_prefix
                 or (is_compressed(n) and tokens - len(n.key) < cfg.shared_prefix)
             ):
@@ -327,7 +344,10 @@ class KvEvictRadixCache(RadixCache):
     def checkpoint(self, req: Req, *, up_to: int) -> None:
         s = st.get(req)
         if self.disable or s is None or s.offset == 0:
-            return super().checkpoint(req, up_to=up_to)  # its re-match carries no request: normal only
+            super().checkpoint(req, up_to=up_to)  # its re-match carries no request: normal only
+            if s is not None and s.commit and req.finished():
+                self._mark_shared(req.last_node)
+            return
         # release_kv_cache passes a slot count (owned_kv_len); a running request's checkpoint its extend_end.
         kv_end = up_to if req.finished() or s.releasing else s.slots_for(up_to)
         tokens_end = s.tokens_for(kv_end)
@@ -352,8 +372,11 @@ class KvEvictRadixCache(RadixCache):
             cnode, dup = res
             if not dup:  # the policy's per-head state continues in the branch's next turn
                 cnode.kvevict_state = st.copy_layer_state(s.layer_state, s.comp_slots)
-            if dup:
-                to_free.append(cval.clone())
+            if dup:  # free our copy, never slots the tree owns (an adopted branch history is the node itself)
+                own = torch.arange(kpos, kpos + s.comp_slots, device=row.device) >= req.kv.cache_protected_len
+                mask = (cnode.value != cval) & own
+                if mask.any():
+                    to_free.append(cval[mask].clone())
                 row[kpos : kpos + s.comp_slots] = cnode.value.to(row.dtype)
             node, kpos, tpos = cnode, kpos + s.comp_slots, tpos + s.comp_tokens
         if tokens_end > tpos:
@@ -369,6 +392,19 @@ class KvEvictRadixCache(RadixCache):
         for t in to_free:
             self.token_to_kv_pool_allocator.free(t)
         self.relock(req, node, kv_end)
+
+    def _mark_shared(self, node: TreeNode) -> None:
+        """A committed prefix (a request that generates nothing, as SGLang's frontend sends before `fork`)
+        is declared shared: branch scope never compresses it."""
+        while node is not None and node is not self.root_node:
+            node.kvevict_shared = True
+            node = node.parent
+
+    def _split_node(self, key: RadixKey, child: TreeNode, split_len: int) -> TreeNode:
+        new = super()._split_node(key, child, split_len)
+        if getattr(child, "kvevict_shared", False):
+            new.kvevict_shared = True
+        return new
 
     def _path_between(self, top: TreeNode, bottom: TreeNode) -> torch.Tensor:
         vals = []
@@ -393,9 +429,11 @@ class KvEvictRadixCache(RadixCache):
             self.offsets[row] = 0
             capture.drop(row)
         s = st.get(req)
+        if s is not None and not req.finished():
+            return  # retraction: the request comes back, with its counters, failure flag and policy state
         if st.DEBUG and s is not None and s.anchor is not None:
             s.prefix_digest_end = self.prefix_digest(
-                self.req_to_token_pool.req_to_token[row, : s.anchor_kv]
+                self.req_to_token_pool.req_to_token[row, : s.digest_kv]
                 if row is not None
                 else self._empty_device_indices
             )

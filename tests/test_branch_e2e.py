@@ -58,9 +58,9 @@ def test_session_kv_is_flat_under_a_token_budget(branch_server: Server):
     kvs = {name: {"policy": name, "budget": BUDGET, "config": cfg} for name, cfg in POLICIES.items()}
     kvs["none"] = {"policy": "none"}
     with ThreadPoolExecutor(len(kvs)) as ex:
-        runs = dict(
-            zip(kvs, ex.map(lambda kv: session(branch_server, kv, 8, seed=5), kvs.values()), strict=True)
-        )
+        # distinct seeds: identical sessions would share (and hold) each other's history
+        outs = ex.map(lambda i: session(branch_server, list(kvs.values())[i], 8, seed=5 + i), range(len(kvs)))
+        runs = dict(zip(kvs, outs, strict=True))
     full = [r["kv_tokens"] for r in runs["none"]]
     assert full[-1] > 4 * BUDGET and full[-1] > full[2] + 300, full
     for name, infos in runs.items():
@@ -69,7 +69,8 @@ def test_session_kv_is_flat_under_a_token_budget(branch_server: Server):
         held = [r["branch_kv_tokens"] for r in infos]
         cap = BUDGET + SINKS + RECENT + (2 * LAG if name == "lagkv" else 0)
         assert all(h <= cap for h in held[2:]), (name, held)
-        assert max(held[3:]) - min(held[3:]) <= (2 * LAG if name == "lagkv" else 8), (name, held)
+        # flat: LagKV moves by whole partitions (its chunk recursion can cut below the budget)
+        assert max(held[3:]) - min(held[3:]) <= (BUDGET if name == "lagkv" else 8), (name, held)
         last = infos[-1]
         assert last["reused_evicted"] > 0 and last["logical_tokens"] > 4 * cap, (name, last)
         assert not last["failed"], (name, last)

@@ -150,5 +150,79 @@ def test_uncompressed_copy_wins_for_other_configs_even_when_shorter(tree):
     assert res.device_prefix_len == 30 and res.cache_protected_len is None
     assert not is_compressed(res.last_device_node)
     assert torch.equal(tree.path_device_indices(res.last_device_node), full)
-    # the producer's own config still prefers its compressed copy on the tie
-    assert tree.match(key([*range(30), 1]), FP).last_device_node is c_node
+    # on a tie even the producer's config takes the full copy (a repeat runs as its first run did)...
+    assert tree.match(key([*range(30), 1]), FP).last_device_node is res.last_device_node
+    # ...and the compressed history where it reaches further
+    assert tree.match(key([*range(32), 1]), FP).last_device_node.parent is c_node
+
+
+# ---- branch scope: where a request's own region starts ---------------------------------------------
+def branch_req(scope: str = "branch", shared_prefix: int = 0):
+    from types import SimpleNamespace
+
+    from sgl_kvevict import state as st
+
+    kv = {"policy": "snapkv", "budget": 8, "config": {"scope": scope, "shared_prefix": shared_prefix}}
+    req = SimpleNamespace(rid="r", lock=None, sampling_params=SimpleNamespace(custom_params={"kvevict": kv}))
+    return req, st.ensure(req)
+
+
+def two_nodes(t: KvEvictRadixCache):
+    alloc = t.token_to_kv_pool_allocator
+    t.insert(InsertParams(key=key(range(10)), value=alloc.alloc(10).to(torch.int64)))
+    t.insert(
+        InsertParams(
+            key=key(range(30)),
+            value=torch.cat(
+                [
+                    t.path_device_indices(t.match(key(range(10)), None).last_device_node),
+                    alloc.alloc(20).to(torch.int64),
+                ]
+            ),
+        )
+    )
+    a = t.match(key(range(10)), None).last_device_node
+    return a, t.match(key(range(30)), None).last_device_node
+
+
+def test_branch_region_starts_at_the_root_of_an_unshared_history(tree):
+    two_nodes(tree)
+    req, s = branch_req()
+    tree.match(key([*range(30), 7]), s.fp, req)
+    assert s.anchor is tree.root_node and (s.anchor_tokens, s.anchor_kv, s.offset) == (0, 0, 0)
+    req, s = branch_req("request")
+    tree.match(key([*range(30), 7]), s.fp, req)
+    assert s.anchor_tokens == 30  # request scope: only the new tokens
+
+
+def test_branch_region_starts_after_what_others_hold_or_declared_shared(tree):
+    a, b = two_nodes(tree)
+    lock = tree.lock(a)  # another running request holds the first 10 tokens
+    req, s = branch_req()
+    tree.match(key([*range(30), 7]), s.fp, req)
+    assert s.anchor is a and s.anchor_tokens == 10
+    tree.unlock(lock)
+    req.lock = tree.lock(b)  # the request's own lock (a chunked prefill re-matched) is not "another"
+    tree.match(key([*range(30), 7]), s.fp, req)
+    assert s.anchor is tree.root_node
+    tree.unlock(req.lock)
+    req, s = branch_req(shared_prefix=4)  # a declared shared prefix splits the node it cuts
+    tree.match(key([*range(30), 7]), s.fp, req)
+    assert s.anchor_tokens == 4 and len(s.anchor.key) == 4 and s.anchor.parent is tree.root_node
+
+
+def test_branch_region_adopts_the_branch_compressed_history(tree):
+    req, s = branch_req()
+    alloc = tree.token_to_kv_pool_allocator
+    tree.insert(InsertParams(key=key(range(10)), value=alloc.alloc(10).to(torch.int64)))
+    p_node = tree.match(key(range(10)), None).last_device_node
+    c_node, _ = tree._insert_compressed(p_node, key(range(10, 30)), alloc.alloc(8).to(torch.int64), 0, s.fp)
+    c_node.kvevict_state = [{"carried": torch.ones(3, 8), "tau": torch.zeros(3)}]
+    tree._insert_helper(c_node, key(range(30, 35)), alloc.alloc(5).to(torch.int64), 0, 0)
+    tree.match(key([*range(35), 1]), s.fp, req)
+    # the compressed node is the region's first node: its slots and evictions become the request's own
+    assert s.anchor is p_node and s.anchor_tokens == 10
+    assert (s.comp_slots, s.comp_tokens, s.own_evicted, s.offset) == (8, 20, 12, 12)
+    assert torch.equal(s.layer_state[0]["carried"], torch.ones(3, 8))
+    assert s.layer_state[0]["carried"] is not c_node.kvevict_state[0]["carried"]  # a copy
+    assert s.reused_evicted == 12 and s.inherited_evicted == 12
