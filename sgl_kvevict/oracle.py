@@ -89,19 +89,21 @@ def visibility(timeline: Timeline, n: int, layer: int, n_kv_heads: int) -> torch
     return mask
 
 
-def admission_mismatch(prev: Timeline, admission: dict[str, Any]) -> str | None:
-    """The next turn's admission must hold exactly what the previous request kept of the matched prefix
-    (its last event, cut at the admission's token count). Returns a description of the first difference."""
+def admission_mismatch(prev: Timeline, admission: dict[str, Any], computed: int | None = None) -> str | None:
+    """The next turn's admission must hold exactly what the previous request held of the matched prefix:
+    its last event's positions plus the tokens appended after it, cut at the admission's token count
+    (`computed`: how many tokens' K/V the previous request computed, if known). Returns a description of
+    the first difference, or None."""
     last = prev[-1]
     t, t_prev = int(admission["tokens"]), int(last["tokens"])
-    if t > t_prev:
-        return f"admission matched {t} tokens but the previous request stored only {t_prev}"
+    if computed is not None and t > computed:
+        return f"admission matched {t} tokens but the previous request computed K/V for only {computed}"
     for li, (heads, heads_prev) in enumerate(zip(admission["positions"], last["positions"], strict=True)):
         for h, (p, q) in enumerate(zip(heads, heads_prev, strict=True)):
-            want = [x for x in q if x < t]
+            want = [x for x in q if x < t] + list(range(t_prev, t))
             if list(p) != want:
                 diff = sorted(set(p) ^ set(want))[:8]
-                return f"layer {li} head {h}: admission holds {len(p)} positions, previous kept {len(want)} (differ at {diff})"
+                return f"layer {li} head {h}: admission holds {len(p)} positions, previous held {len(want)} (differ at {diff})"
     return None
 
 
@@ -362,7 +364,8 @@ def check_conversation(
             prev = turns[k - 1]
             if turn.input_ids[: len(prev.ids)] != prev.ids:
                 raise ValueError(f"turn {k + 1}: input does not extend turn {k}'s ids")
-            err = admission_mismatch(prev.timeline, turn.timeline[0])
+            # the K/V of the previous turn's last output token was never computed
+            err = admission_mismatch(prev.timeline, turn.timeline[0], len(prev.ids) - 1)
             if err:
                 raise AssertionError(f"turn {k + 1} admission: {err}")
         composed = compose([composed, turn.timeline])

@@ -73,7 +73,14 @@ def test_admission_must_equal_what_the_previous_turn_kept():
     prev = [TIMELINE[0], {"tokens": 20, "positions": [[[0, 5, 17, 18, 19]]]}]
     assert oracle.admission_mismatch(prev, {"tokens": 19, "positions": [[[0, 5, 17, 18]]]}) is None
     assert "head 0" in oracle.admission_mismatch(prev, {"tokens": 19, "positions": [[[0, 6, 17, 18]]]})
-    assert "stored only 20" in oracle.admission_mismatch(prev, {"tokens": 21, "positions": [[[0]]]})
+    # tokens appended after the last event count as held (no finish compression)
+    assert (
+        oracle.admission_mismatch(prev, {"tokens": 22, "positions": [[[0, 5, 17, 18, 19, 20, 21]]]}) is None
+    )
+    assert "differ at [20]" in oracle.admission_mismatch(
+        prev, {"tokens": 22, "positions": [[[0, 5, 17, 18, 19, 21]]]}
+    )
+    assert "only 22" in oracle.admission_mismatch(prev, {"tokens": 23, "positions": [[[0]]]}, computed=22)
     assert oracle.compose([prev, [TIMELINE[1]]]) == [*prev, TIMELINE[1]]
 
 
