@@ -5,8 +5,9 @@ The server (KVEVICT_DEBUG=1) reports, per finished request, the timeline of what
 held after each admission and compression (`meta_info["kvevict"][0]["kept_timeline"]`). `sgl_kvevict.oracle`
 turns it into per-query mask rows and runs HF once per conversation; every output token must be HF's
 argmax, except at near-ties (HF's own top choice beats the server's token by less than TIE_TOL logits),
-which are counted and reported. D2O runs with `merge: false`: its merge changes K/V values, which masking
-cannot reproduce.
+which are counted and reported, and the server's log-probability of every output token must equal HF's
+within LOGPROB_TOL. D2O runs with `merge: false`: its merge changes K/V values, which masking cannot
+reproduce (one request with the merge on shows that the oracle notices).
 
 One server, every request combined: single-turn requests of every policy at once (a batch), and 3-turn
 conversations driven with raw `input_ids` (turn n+1 = turn n's ids + its outputs + new ids), so the
@@ -33,8 +34,8 @@ pytestmark = pytest.mark.server
 TIE_TOL = 1e-3  # logits: a flip is a near-tie only if HF's top choice beats the server's by less
 LOGPROB_TOL = 1e-3  # |server - HF| log-probability of every output token
 BUDGET = 64
-N_NEW = 32
-PROMPT_TOKENS = 600
+N_NEW = 24
+PROMPT_TOKENS = 400
 POLICIES: dict[str, dict] = {
     "streaming": {},
     "knorm": {},
@@ -53,7 +54,9 @@ SUMMARY: dict[str, oracle.TokenCheck] = {}
 def kv_override(policy: str) -> dict:
     if policy == "none":
         return {"policy": "none"}
-    return {"policy": policy, "budget": BUDGET, "config": {"interval": 8, **POLICIES[policy]}}
+    if policy == "d2o-merge":
+        return {"policy": "d2o", "budget": BUDGET, "config": {"interval": 6}}
+    return {"policy": policy, "budget": BUDGET, "config": {"interval": 6, **POLICIES[policy]}}
 
 
 def timeline_of(out: dict) -> oracle.Timeline:
@@ -82,7 +85,7 @@ def one_request(srv: Server, policy: str, ids: list[int]) -> oracle.Turn:
     r = requests.post(
         srv.url + "/generate",
         json={"input_ids": ids, "return_logprob": True, "sampling_params": sampling},
-        timeout=600,
+        timeout=1800,
     )
     r.raise_for_status()
     out = r.json()
@@ -110,7 +113,7 @@ def runs(oracle_server: Server) -> dict[str, list[oracle.Turn]]:
     """Everything at once: single-turn requests of every policy (and `none`) and the conversations."""
     jobs = {
         f"single/{p}": (lambda p=p, i=i: [one_request(oracle_server, p, prompt(100 + i))])
-        for i, p in enumerate(["none", *POLICIES])
+        for i, p in enumerate(["none", *POLICIES, "d2o-merge"])
     }
     jobs |= {
         f"session/{p}": (lambda p=p, i=i: session(oracle_server, p, 200 + i)) for i, p in enumerate(SESSIONS)
@@ -169,6 +172,16 @@ def test_multi_turn_under_eviction_equals_hf(runs, model, policy: str):
         assert t >= len(prev.input_ids), "the next turn did not reuse the previous turn's history"
         assert held < t, "nothing evicted before the new turn's tokens (offset 0)"
     check(model, f"session/{policy}", turns)
+
+
+def test_oracle_sees_merged_kv(runs, model):
+    """Not vacuous: D2O with its merge on changes K/V values that masking cannot reproduce, and the
+    oracle reports it (log-probabilities off by far more than the tolerance)."""
+    (turn,) = runs["single/d2o-merge"]
+    assert evictions(turn)
+    res = oracle.check_conversation(model, [turn], TIE_TOL, LOGPROB_TOL)
+    print(f"\n[oracle] d2o with merge (expected to differ): {res.describe()}")
+    assert res.logprob_errors and res.max_logprob_diff > 100 * LOGPROB_TOL
 
 
 def test_tie_report():
