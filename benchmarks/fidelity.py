@@ -26,14 +26,15 @@ import time
 from typing import Any
 
 import torch
-from transformers import AttentionInterface, AttentionMaskInterface, AutoModelForCausalLM, AutoTokenizer
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers import AutoTokenizer
 
+from sgl_kvevict import oracle
 from sgl_kvevict import policies as P
 from sgl_kvevict.kernels import window_attention
+from sgl_kvevict.model import default_model_path
 from sgl_kvevict.policies.base import LayerView
 
-MODEL = "/root/.cache/sgl-kvevict/models/SmolLM2-135M-Instruct-v1"
+MODEL = str(default_model_path())
 SINKS, RECENT, WINDOW = 4, 32, 32
 
 POLICIES: list[tuple[str, str, dict[str, Any]]] = [
@@ -88,37 +89,7 @@ QUESTION = "\nQuestion: what is the emergency vault code for this week?\nAnswer:
 FACT = "4817"
 
 
-# -- attention with per-layer, per-head eviction masks --------------------------------------------------
-
-STATE: dict[str, Any] = {"capture": False, "queries": {}, "masks": None}
-
-
-def masked_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, scaling: float | None = None, **_: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
-    """Eager fp32 attention; causal by construction; past keys masked per (layer, KV head) if set."""
-    layer = module.layer_idx
-    b, hq, s, d = query.shape
-    hkv, n_all = key.shape[1], key.shape[2]
-    g = hq // hkv
-    if STATE["capture"]:
-        STATE["queries"][layer] = query[0, :, -WINDOW:].detach().clone()
-    k = key.repeat_interleave(g, dim=1)
-    v = value.repeat_interleave(g, dim=1)
-    logits = torch.matmul(query, k.transpose(-1, -2)) * (scaling or d**-0.5)
-    past = n_all - s
-    qpos = torch.arange(past, n_all).unsqueeze(1)
-    allowed = torch.arange(n_all).unsqueeze(0) <= qpos  # [s, n_all]
-    allowed = allowed.expand(hq, s, n_all).clone()
-    masks = STATE["masks"]
-    if masks is not None and past > 0:
-        keep = masks[layer].repeat_interleave(g, dim=0)  # [hq, context]; later tokens are never evicted
-        allowed[:, :, : keep.shape[1]] &= keep.unsqueeze(1)
-    logits = logits.masked_fill(~allowed.unsqueeze(0), float("-inf"))
-    out = torch.matmul(logits.softmax(dim=-1), v)
-    return out.transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register("kvmask", masked_attention)
-AttentionMaskInterface.register("kvmask", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+# -- masked attention: sgl_kvevict.oracle (shared with the eviction-path oracle test) ----------------------
 
 
 def cache_from(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
@@ -133,10 +104,8 @@ def cache_from(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
 def forward_suffix(
     model: Any, kv: list[tuple[torch.Tensor, torch.Tensor]], ids: torch.Tensor, masks: Any
 ) -> torch.Tensor:
-    STATE["masks"] = masks
-    with torch.no_grad():
+    with torch.no_grad(), oracle.masking(oracle.PastMask(masks)):
         out = model(input_ids=ids, past_key_values=cache_from(kv), use_cache=True)
-    STATE["masks"] = None
     return out.logits[0].float()
 
 
@@ -144,16 +113,14 @@ def greedy(
     model: Any, kv: list[tuple[torch.Tensor, torch.Tensor]], prompt: torch.Tensor, masks: Any, steps: int
 ) -> list[int]:
     """Greedy continuation of `prompt` over the (masked) context cache."""
-    STATE["masks"] = masks
     cache = cache_from(kv)
     ids, out = prompt, []
-    with torch.no_grad():
+    with torch.no_grad(), oracle.masking(oracle.PastMask(masks)):
         for _ in range(steps):
             logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
             nxt = int(logits.argmax())
             out.append(nxt)
             ids = torch.tensor([[nxt]])
-    STATE["masks"] = None
     return out
 
 
@@ -167,9 +134,7 @@ def main() -> None:
     torch.set_num_threads(2)
 
     tok = AutoTokenizer.from_pretrained(MODEL)
-    model = AutoModelForCausalLM.from_pretrained(
-        MODEL, dtype=torch.float32, attn_implementation="kvmask"
-    ).eval()
+    model = oracle.load_model(MODEL)
     cfg = model.config
     hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
 
@@ -183,10 +148,9 @@ def main() -> None:
     print(f"context {n} tokens, question {q_ids.shape[1]} tokens; prefill ...", flush=True)
 
     t0 = time.time()
-    STATE["capture"] = True
-    with torch.no_grad():
+    capture = oracle.PastMask(capture_window=WINDOW)  # no masks: the last W queries of every layer
+    with torch.no_grad(), oracle.masking(capture):
         out = model(input_ids=ctx, use_cache=True)
-    STATE["capture"] = False
     kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
     print(f"prefill done in {time.time() - t0:.1f}s; {len(kv)} layers", flush=True)
 
@@ -222,7 +186,7 @@ def main() -> None:
             vb = v[0].transpose(0, 1).contiguous()
             slots = torch.arange(n)
             attn = (
-                window_attention(STATE["queries"][li], kb, slots, scale, causal=True)
+                window_attention(capture.queries[li], kb, slots, scale, causal=True)
                 if "attn" in pol.needs
                 else None
             )
