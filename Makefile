@@ -3,9 +3,10 @@ POLICY ?= lagkv
 BUDGET ?= 0.5
 PORT ?= 30000
 ARGS ?=
+WORKERS ?= 2
 ENV := bash scripts/env.sh
 
-.PHONY: env serve test test-fast lint model-path bench-kernels bench-fidelity bench-compress bench-replay
+.PHONY: env serve serve-cluster test test-fast lint model-path bench-kernels bench-fidelity bench-compress bench-replay
 
 env:
 	@$(ENV) >/dev/null
@@ -13,6 +14,10 @@ env:
 ## Start the real SGLang server on the embedded SmolLM2 with a KV policy (CPU flags added when there is no GPU).
 serve:
 	@PY=$$($(ENV)) && $$PY -m sgl_kvevict.launch --kv-policy $(POLICY) --kv-budget $(BUDGET) --port $(PORT) $(ARGS)
+
+## N workers (each with the plugin) behind sglang-router's cache-aware policy; the router listens on PORT.
+serve-cluster:
+	@PY=$$($(ENV)) && $$PY -m sgl_kvevict.cluster --workers $(WORKERS) --port $(PORT) -- --kv-policy $(POLICY) --kv-budget $(BUDGET) $(ARGS)
 
 ## The whole test suite (unit, integration on SGLang's real pools, end-to-end on the real server).
 test:

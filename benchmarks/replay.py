@@ -26,6 +26,19 @@ Small plumbing check (two policies, one server; ~5 min):
 
 Recall calibration (full cache only): `--scenarios recall --sessions 10 --policies none`.
 
+Long sessions, request vs branch scope side by side (`--policies` entries are NAME[@SCOPE][=BUDGET]:
+`snapkv@request` sets the policy config's `scope`; `=BUDGET` runs that entry at that budget only):
+
+    HF_HUB_OFFLINE=1 OMP_WAIT_POLICY=PASSIVE python benchmarks/replay.py --scenarios long --sessions 2 \\
+        --turns 30 --concurrency 2 --max-new-tokens 8 --system-tokens 300 --tool-tokens 50,600 \\
+        --max-total-tokens 20000 --budgets 512 --server-mode shared --out results/long-sessions \\
+        --policies none,snapkv@request,snapkv@branch,lagkv@request,lagkv@branch,d2o@branch,snapkv@request=0.5,snapkv@branch=0.5
+
+Every turn records the KV the session holds (`kv_tokens`) and its branch's own part (`branch_kv_tokens`);
+replay.md adds a table of KV at turns 5/10/20/30/last and kv_per_turn.png plots both against the turn.
+Each session's system block is declared as the policy config's `shared_prefix` (`--no-shared-prefix`:
+not), so branch scope never compresses the prompt all sessions share.
+
 Server modes: `per-run` starts a fresh server for every policy/budget (`none` is then plain SGLang),
 `shared` starts one server with a policy and picks each run's policy per request (`custom_params`;
 faster, and `none` still goes through the plugin's tree), `url` uses a running server (`--url`).
@@ -46,7 +59,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from tqdm import tqdm
 
 from sgl_kvevict.scenarios import build
@@ -80,6 +93,10 @@ class BenchConfig(BaseModel):
     )
     server_mode: Literal["per-run", "shared", "url"] = "per-run"
     url: str | None = None
+    worker_urls: list[str] = Field(
+        default_factory=list, description="with --url of a router: its workers, for the plugin's counters"
+    )
+    routing_key: bool = Field(False, description="send each session's id in sglang-router's session header")
     shared_policy: str = Field("lagkv", description="policy the shared server starts with (runs override it)")
     server_args: list[str] = Field(default_factory=list)
     server_env: dict[str, str] = Field(default_factory=dict)
@@ -108,20 +125,114 @@ class BenchConfig(BaseModel):
             "4",
         ]
     )
+    declare_shared_prefix: bool = Field(
+        True,
+        description="send each session's system block as the policy config's shared_prefix, so branch "
+        "scope never compresses the prompt every session shares",
+    )
     poll_interval: float = Field(1.0, gt=0)
     model_path: str | None = None
     out: Path = Path("results/replay")
 
+    @field_validator("policies")
+    @classmethod
+    def _specs(cls, v: list[str]) -> list[str]:
+        for text in v:
+            parse_spec(text)
+        return v
 
-def runs_of(cfg: BenchConfig) -> list[tuple[str, float | int | None]]:
-    """`none` first (the baseline every other run is compared with), then each policy x budget."""
-    out: list[tuple[str, float | int | None]] = [("none", None)]
-    out += [(p, b) for p in cfg.policies if p != "none" for b in cfg.budgets]
+
+SCOPES = ("request", "branch")
+
+
+class RunSpec(BaseModel):
+    """One `--policies` entry: `NAME[@SCOPE][=BUDGET]`, e.g. `snapkv`, `snapkv@request`,
+    `snapkv@branch=1024`. SCOPE sets the policy config's `scope` (omitted: the server's default);
+    BUDGET runs this entry at that budget only, instead of at each of `--budgets`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    policy: str
+    scope: Literal["request", "branch"] | None = None
+    budget: float | int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.policy if self.scope is None else f"{self.policy}@{self.scope}"
+
+
+def parse_spec(text: str) -> RunSpec:
+    """Parse and validate one policy spec; the error names the valid policies / scopes."""
+    from sgl_kvevict.config import parse_budget
+    from sgl_kvevict.policies import available
+
+    raw = text.strip()
+    head, eq, budget_text = raw.partition("=")
+    policy, at, scope = head.partition("@")
+    valid = available()
+    if policy not in valid:
+        raise ValueError(
+            f"policy spec {text!r}: unknown policy {policy!r}; valid: {', '.join(valid)} "
+            "(syntax NAME[@SCOPE][=BUDGET], e.g. snapkv@branch=512)"
+        )
+    if at and scope not in SCOPES:
+        raise ValueError(
+            f"policy spec {text!r}: unknown scope {scope!r}; valid: {', '.join(SCOPES)} "
+            "(syntax NAME[@SCOPE][=BUDGET])"
+        )
+    if policy == "none" and (at or eq):
+        raise ValueError(f"policy spec {text!r}: 'none' takes no scope or budget")
+    budget = None
+    if eq:
+        try:
+            budget = parse_budget(budget_text)
+        except ValueError as e:
+            raise ValueError(f"policy spec {text!r}: {e}") from None
+    return RunSpec(policy=policy, scope=scope or None, budget=budget)
+
+
+class Run(BaseModel):
+    """One replay of every session under one policy, scope and budget."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    spec: RunSpec
+    budget: float | int | None
+
+    @property
+    def label(self) -> str:
+        return label(self.spec.name, self.budget)
+
+
+def runs_of(cfg: BenchConfig) -> list[Run]:
+    """`none` first (the baseline every other run is compared with), then each spec x budget (a spec
+    with its own budget runs once)."""
+    out = [Run(spec=RunSpec(policy="none"), budget=None)]
+    for text in cfg.policies:
+        spec = parse_spec(text)
+        if spec.policy == "none":
+            continue
+        budgets = [spec.budget] if spec.budget is not None else cfg.budgets
+        out += [Run(spec=spec, budget=b) for b in budgets]
+    labels = [r.label for r in out]
+    dup = sorted({x for x in labels if labels.count(x) > 1})
+    if dup:
+        raise ValueError(f"--policies names the same run twice: {', '.join(dup)}")
     return out
 
 
 def label(policy: str, budget: float | int | None) -> str:
     return policy if budget is None else f"{policy}@{budget}"
+
+
+def policy_config(cfg: BenchConfig, spec: RunSpec) -> dict[str, Any]:
+    """The run's policy config: `--policy-config` by policy name, then by spec name (`snapkv@branch`),
+    then the spec's scope."""
+    out = {**cfg.policy_configs.get(spec.policy, {})}
+    if spec.scope is not None:
+        out.update(cfg.policy_configs.get(spec.name, {}))
+        out["scope"] = spec.scope
+    return out
 
 
 def load_scenarios(cfg: BenchConfig) -> list[Session]:
@@ -135,11 +246,23 @@ def load_scenarios(cfg: BenchConfig) -> list[Session]:
 class Replayer:
     """Replays all sessions under one policy; keeps the prompt ids for the scoring phase."""
 
-    def __init__(self, cfg: BenchConfig, chat: rc.ChatIds, url: str, kv: dict | None, bar: tqdm) -> None:
+    def __init__(
+        self, cfg: BenchConfig, chat: rc.ChatIds, url: str, kv: dict | None, bar: tqdm, tag: str = ""
+    ) -> None:
         self.cfg, self.chat, self.url, self.kv, self.bar = cfg, chat, url, kv, bar
+        self.tag = tag  # run label: a session's routing key is new in every run
         self.records: list[dict[str, Any]] = []
         self.prompts: dict[tuple[str, int, int], list[int]] = {}
+        self.kvs: dict[str, dict | None] = {}  # per session: the override actually sent
         self.lock = threading.Lock()
+
+    def kv_for(self, s: Session) -> dict | None:
+        """The run's override; for a compressing policy, with the session's system block declared as
+        `shared_prefix` (the prompt every session shares: branch scope must not compress it)."""
+        if not self.kv or self.kv.get("policy", "none") == "none" or not self.cfg.declare_shared_prefix:
+            return self.kv
+        config = {"shared_prefix": len(self.chat.start(s.system)), **self.kv.get("config", {})}
+        return {**self.kv, "config": config}
 
     def _record(
         self, s: Session, t: int, b: int, prompt: list[int], call: rc.Call, expect: str | None
@@ -166,7 +289,10 @@ class Replayer:
             "completion_tokens": int(meta.get("completion_tokens", 0)),
             "kv_tokens": kv_tokens,
             "kv_source": "meta_info" if stats else ("full" if kv_tokens is not None else "missing"),
+            "branch_kv_tokens": stats.get("branch_kv_tokens") if stats else None,
+            "prefix_kv_tokens": stats.get("prefix_kv_tokens") if stats else None,
             "logical_tokens": stats.get("logical_tokens") if stats else None,
+            "reused_evicted": stats.get("reused_evicted") if stats else None,
             "evicted": stats.get("evicted") if stats else None,
             "compressions": stats.get("compressions") if stats else None,
             "policy_failed": stats.get("failed") if stats else None,
@@ -189,11 +315,17 @@ class Replayer:
 
     def session(self, s: Session) -> None:
         chat, cfg = self.chat, self.cfg
+        kv = self.kv_for(s)
+        with self.lock:
+            self.kvs[s.id] = kv
         ids = chat.start(s.system)
+        key = f"{self.tag}/{s.id}" if cfg.routing_key else None
         for t, turn in enumerate(s.turns):
             for m in turn.inputs:
                 ids = ids + chat.message(m.role, m.content)
             mnt = min(cfg.max_new_tokens, turn.max_new_tokens or cfg.max_new_tokens)
+            if turn.expect is not None and turn.max_new_tokens:
+                mnt = turn.max_new_tokens  # a recall answer needs its room whatever the turn length
             prompts = [
                 ids + sum((chat.message(m.role, m.content) for m in br), []) + chat.gen_prompt
                 for br in turn.branches
@@ -201,10 +333,13 @@ class Replayer:
             if len(prompts) > 1:
                 with ThreadPoolExecutor(len(prompts)) as ex:
                     calls = list(
-                        ex.map(lambda p, n=mnt: rc.generate(self.url, p, n, self.kv, cfg.stream), prompts)
+                        ex.map(
+                            lambda p, n=mnt: rc.generate(self.url, p, n, kv, cfg.stream, routing_key=key),
+                            prompts,
+                        )
                     )
             else:
-                calls = [rc.generate(self.url, prompts[0], mnt, self.kv, cfg.stream)]
+                calls = [rc.generate(self.url, prompts[0], mnt, kv, cfg.stream, routing_key=key)]
             for b, (p, c) in enumerate(zip(prompts, calls, strict=True)):
                 self._record(s, t, b, p, c, turn.expect)
             if calls[0].error:
@@ -221,7 +356,7 @@ class Replayer:
 def score(
     cfg: BenchConfig,
     url: str,
-    kv: dict | None,
+    kvs: dict[str, dict | None],
     prompts: dict,
     base: dict[tuple, list[int]],
     sessions: list[Session],
@@ -233,7 +368,7 @@ def score(
     keys = [k for k in prompts if k[2] == 0 and (cfg.score == "all" or k[1] == last[k[0]]) and base.get(k)]
     out = {}
     for k in tqdm(sorted(keys), desc="score", file=sys.stderr, leave=False):
-        out["/".join(map(str, k))] = rc.loglik(url, prompts[k], base[k], kv)
+        out["/".join(map(str, k))] = rc.loglik(url, prompts[k], base[k], kvs.get(k[0]))
     return out
 
 
@@ -246,14 +381,14 @@ def warmup(url: str, chat: rc.ChatIds, kv: dict | None) -> None:
     rc.flush(url)
 
 
-def start_server(cfg: BenchConfig, policy: str, budget: float | int | None, log: Path) -> Any:
+def start_server(cfg: BenchConfig, spec: RunSpec, budget: float | int | None, log: Path) -> Any:
     from sgl_kvevict.serverproc import Server
 
-    args = ["--kv-policy", policy, "--max-total-tokens", str(cfg.max_total_tokens), *cfg.server_args]
+    args = ["--kv-policy", spec.policy, "--max-total-tokens", str(cfg.max_total_tokens), *cfg.server_args]
     if budget is not None:
         args += ["--kv-budget", str(budget)]
-    if cfg.policy_configs.get(policy):
-        args += ["--kv-policy-config", json.dumps(cfg.policy_configs[policy])]
+    if policy_config(cfg, spec):
+        args += ["--kv-policy-config", json.dumps(policy_config(cfg, spec))]
     if cfg.model_path:
         args += ["--model-path", cfg.model_path]
     return Server(args, log_path=log, env=cfg.server_env)
@@ -269,6 +404,30 @@ def git_commit() -> str | None:
         )
     except OSError:
         return None
+
+
+def write(
+    cfg: BenchConfig, model: str, runs: list[dict], bench: dict, final: bool
+) -> tuple[dict[str, Any], str]:
+    """Write replay.json and replay.md for the runs so far (`partial` until the last run is done)."""
+    summaries = [rr.summarize(r, runs[0] if r is not runs[0] else None, cfg.max_total_tokens) for r in runs]
+    result = {
+        "config": json.loads(cfg.model_dump_json()),
+        "model": model,
+        "git_commit": git_commit(),
+        "command": " ".join(sys.argv),
+        "summary": summaries,
+        "bench_serving": bench,
+        "runs": runs,
+        "partial": not final,
+    }
+    (cfg.out / "replay.json").write_text(json.dumps(result, indent=1))
+    table = rr.markdown(summaries, bench or None)
+    table += "\nKV per session by turn (mean over sessions; `vs none` at the last turn):\n\n"
+    table += rr.long_markdown(summaries)
+    (cfg.out / "replay.md").write_text(f"Command: `{result['command']}`\n\n" + table)
+    rr.plots(runs, summaries, cfg.out)
+    return result, table
 
 
 def main(cfg: BenchConfig) -> dict[str, Any]:
@@ -288,30 +447,33 @@ def main(cfg: BenchConfig) -> dict[str, Any]:
         shared_url = cfg.url
         if cfg.server_mode == "shared":
             shared_url = stack.enter_context(
-                start_server(cfg, cfg.shared_policy, None, cfg.out / "server-shared.log")
+                start_server(cfg, RunSpec(policy=cfg.shared_policy), None, cfg.out / "server-shared.log")
             ).url
-        for policy, budget in runs_of(cfg):
-            name = label(policy, budget)
+        for run in runs_of(cfg):
+            policy, budget, name = run.spec.policy, run.budget, run.label
             with ExitStack() as run_stack:
+                kv: dict | None = (
+                    {"policy": policy} if budget is None else {"policy": policy, "budget": budget}
+                )
+                if policy_config(cfg, run.spec):
+                    kv["config"] = policy_config(cfg, run.spec)
                 if cfg.server_mode == "per-run":
                     url = run_stack.enter_context(
-                        start_server(cfg, policy, budget, cfg.out / f"server-{name}.log")
+                        start_server(cfg, run.spec, budget, cfg.out / f"server-{name}.log")
                     ).url
-                    kv = None
+                    if policy == "none":
+                        kv = None  # plain SGLang: the server refuses compressing overrides
                 else:
                     assert shared_url, "--url is required with --server-mode url"
                     url = shared_url
-                    kv = {"policy": policy} if budget is None else {"policy": policy, "budget": budget}
-                    if cfg.policy_configs.get(policy):
-                        kv["config"] = cfg.policy_configs[policy]
                     rc.flush(url)
-                before = rc.server_totals(url)
+                before = rc.cluster_totals(cfg.worker_urls or [url])
                 bar = tqdm(total=n_requests, desc=name, file=sys.stderr)
-                rep = Replayer(cfg, chat, url, kv, bar)
+                rep = Replayer(cfg, chat, url, kv, bar, tag=name)
                 with rc.LoadPoller(url, cfg.poll_interval) as poller:
                     wall = rep.run(sessions)
                 bar.close()
-                after = rc.server_totals(url)
+                after = rc.cluster_totals(cfg.worker_urls or [url])
                 totals = {
                     k: after[k] - before.get(k, 0)
                     for k in after
@@ -323,7 +485,7 @@ def main(cfg: BenchConfig) -> dict[str, Any]:
                         for r in rep.records
                         if not r["error"]
                     }
-                scores = score(cfg, url, kv, rep.prompts, base_ids, sessions)
+                scores = score(cfg, url, rep.kvs, rep.prompts, base_ids, sessions)
                 if cfg.bench_serving:
                     rc.flush(url)
                     bench[name] = rc.bench_serving(
@@ -339,7 +501,9 @@ def main(cfg: BenchConfig) -> dict[str, Any]:
                     {
                         "label": name,
                         "policy": policy,
+                        "scope": run.spec.scope,
                         "budget": budget,
+                        "kv_override": kv,
                         "wall_seconds": wall,
                         "load": poller.summary(),
                         "totals": totals,
@@ -347,20 +511,8 @@ def main(cfg: BenchConfig) -> dict[str, Any]:
                         "turns": records,
                     }
                 )
-    summaries = [rr.summarize(r, runs[0] if r is not runs[0] else None, cfg.max_total_tokens) for r in runs]
-    result = {
-        "config": json.loads(cfg.model_dump_json()),
-        "model": model,
-        "git_commit": git_commit(),
-        "command": " ".join(sys.argv),
-        "summary": summaries,
-        "bench_serving": bench,
-        "runs": runs,
-    }
-    (cfg.out / "replay.json").write_text(json.dumps(result, indent=1))
-    table = rr.markdown(summaries, bench or None)
-    (cfg.out / "replay.md").write_text(f"Command: `{result['command']}`\n\n" + table)
-    rr.plots(runs, summaries, cfg.out)
+                write(cfg, model, runs, bench, final=False)  # a stopped replay keeps its finished runs
+    result, table = write(cfg, model, runs, bench, final=True)
     print(table)
     return result
 
@@ -372,7 +524,7 @@ def parse(argv: list[str] | None = None) -> BenchConfig:
         epilog=__doc__,
     )
     p.add_argument(
-        "--scenarios", default="agent,recall", help="comma list of: agent, recall, forks, sharegpt"
+        "--scenarios", default="agent,recall", help="comma list of: agent, recall, forks, long, sharegpt"
     )
     p.add_argument("--scenario-path", help="sharegpt/OpenAI-messages JSON or JSONL file (scenario sharegpt)")
     p.add_argument("--sessions", type=int, default=4, help="sessions per scenario")
@@ -386,14 +538,27 @@ def parse(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--branches", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=24)
-    p.add_argument("--policies", default=",".join(ALL_POLICIES))
+    p.add_argument(
+        "--policies",
+        default=",".join(ALL_POLICIES),
+        help="comma list of NAME[@SCOPE][=BUDGET]: snapkv, snapkv@request, snapkv@branch=1024 "
+        "(SCOPE request|branch sets the config's scope; =BUDGET runs that entry at that budget only)",
+    )
     p.add_argument(
         "--policy-config", default="{}", help='JSON: per-policy config, e.g. \'{"lagkv": {"lag": 32}}\''
     )
     p.add_argument("--budgets", default="0.5", help="comma list: ratios (0.5) or tokens (256)")
     p.add_argument("--max-total-tokens", type=int, default=9000)
     p.add_argument("--server-mode", choices=["per-run", "shared", "url"], default="per-run")
-    p.add_argument("--url")
+    p.add_argument("--url", help="with --server-mode url: a running server or sglang-router")
+    p.add_argument(
+        "--worker-urls", default="", help="comma list: the router's workers (for the plugin's counters)"
+    )
+    p.add_argument(
+        "--routing-key",
+        action="store_true",
+        help="send each session's id as sglang-router's X-SMG-Routing-Key",
+    )
     p.add_argument("--shared-policy", default="lagkv")
     p.add_argument(
         "--server-arg",
@@ -412,8 +577,24 @@ def parse(argv: list[str] | None = None) -> BenchConfig:
         "--bench-serving", action="store_true", help="also run sglang.benchmark.serving per policy"
     )
     p.add_argument("--model-path")
+    p.add_argument(
+        "--no-shared-prefix",
+        dest="declare_shared_prefix",
+        action="store_false",
+        help="do not declare each session's system block as shared_prefix",
+    )
     p.add_argument("--out", default="results/replay")
     a = p.parse_args(argv)
+    try:
+        cfg = _config(a)
+        runs_of(cfg)
+    except (ValueError, ValidationError) as e:
+        msg = e.errors()[0]["msg"].removeprefix("Value error, ") if isinstance(e, ValidationError) else str(e)
+        p.error(msg)  # exit 2, one line
+    return cfg
+
+
+def _config(a: argparse.Namespace) -> BenchConfig:
     from sgl_kvevict.config import parse_budget
 
     lo, hi = (int(x) for x in a.tool_tokens.split(","))
@@ -438,11 +619,14 @@ def parse(argv: list[str] | None = None) -> BenchConfig:
         max_total_tokens=a.max_total_tokens,
         server_mode=a.server_mode,
         url=a.url,
+        worker_urls=[u for u in a.worker_urls.split(",") if u],
+        routing_key=a.routing_key,
         shared_policy=a.shared_policy,
         server_args=[x for arg in a.server_arg for x in arg.split("=", 1)] if a.server_arg else [],
         stream=a.stream,
         score=a.score,
         bench_serving=a.bench_serving,
+        declare_shared_prefix=a.declare_shared_prefix,
         model_path=a.model_path,
         out=Path(a.out),
     )

@@ -82,10 +82,20 @@ class Call:
         return (n - 1) / (self.e2e - self.ttft)
 
 
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # sglang-router: the session key its `manual` policy sticks to
+
+
 def generate(
-    url: str, ids: list[int], max_new_tokens: int, kv: dict | None, stream: bool = True, timeout: float = 3600
+    url: str,
+    ids: list[int],
+    max_new_tokens: int,
+    kv: dict | None,
+    stream: bool = True,
+    timeout: float = 3600,
+    routing_key: str | None = None,
 ) -> Call:
-    """One greedy turn. Streamed: TTFT is the arrival of the first token."""
+    """One greedy turn. Streamed: TTFT is the arrival of the first token. `routing_key` goes in
+    sglang-router's session header (ignored by a plain server)."""
     sp: dict[str, Any] = {"temperature": 0, "max_new_tokens": max_new_tokens}
     if kv:
         sp["custom_params"] = {"kvevict": kv}
@@ -94,7 +104,10 @@ def generate(
     ttft = None
     last: dict[str, Any] = {}
     try:
-        with requests.post(url + "/generate", json=body, stream=stream, timeout=timeout) as r:
+        headers = {ROUTING_KEY_HEADER: routing_key} if routing_key else None
+        with requests.post(
+            url + "/generate", json=body, stream=stream, timeout=timeout, headers=headers
+        ) as r:
             r.raise_for_status()
             if stream:
                 for line in r.iter_lines():
@@ -211,6 +224,16 @@ def server_totals(url: str) -> dict[str, Any]:
         return dict(states[0].get("kvevict") or {})
     except (requests.RequestException, ValueError):
         return {}
+
+
+def cluster_totals(urls: list[str]) -> dict[str, Any]:
+    """The plugin's counters summed over several workers (behind a router, which has no /server_info)."""
+    out: dict[str, Any] = {}
+    for u in urls:
+        for k, v in server_totals(u).items():
+            if isinstance(v, int | float) and k != "started":
+                out[k] = out.get(k, 0) + v
+    return out
 
 
 def flush(url: str) -> None:

@@ -33,6 +33,28 @@ def final_kv(turns: list[dict]) -> dict[str, int | None]:
     return {s: t["kv_tokens"] for s, t in last.items()}
 
 
+def kv_by_turn(turns: list[dict], key: str = "kv_tokens") -> list[float | None]:
+    """Mean over sessions of `key` (KV held by the session, or its branch's own part) at the end of each
+    turn; index i is turn i + 1; None where no session reported it."""
+    by: dict[int, list[int]] = {}
+    for t in turns:
+        if t["branch"] == 0 and not t.get("error"):
+            by.setdefault(t["turn"], [])
+            if t.get(key) is not None:
+                by[t["turn"]].append(t[key])
+    n = max(by, default=-1) + 1
+    return [statistics.fmean(by[i]) if by.get(i) else None for i in range(n)]
+
+
+def final_branch_kv(turns: list[dict]) -> dict[str, int | None]:
+    """`branch_kv_tokens` of each session's last turn (branch 0)."""
+    last: dict[str, dict] = {}
+    for t in turns:
+        if t["branch"] == 0 and (t["session"] not in last or t["turn"] > last[t["session"]]["turn"]):
+            last[t["session"]] = t
+    return {s: t.get("branch_kv_tokens") for s, t in last.items()}
+
+
 def summarize(run: dict, base: dict | None, pool: int) -> dict[str, Any]:
     turns = [t for t in run["turns"] if not t.get("error")]
     prompt = sum(t["prompt_tokens"] for t in turns)
@@ -43,10 +65,14 @@ def summarize(run: dict, base: dict | None, pool: int) -> dict[str, Any]:
     out: dict[str, Any] = {
         "label": run["label"],
         "policy": run["policy"],
+        "scope": run.get("scope"),
         "budget": run["budget"],
         "requests": len(run["turns"]),
         "errors": sum(1 for t in run["turns"] if t.get("error")),
         "kv_per_session": kv_mean,
+        "branch_kv_per_session": mean(list(final_branch_kv(turns).values())),
+        "kv_by_turn": kv_by_turn(turns),
+        "branch_kv_by_turn": kv_by_turn(turns, "branch_kv_tokens"),
         "capacity_sessions": pool / kv_mean if kv_mean else None,
         "peak_running_reqs": run["load"].get("peak_running_reqs"),
         "peak_used_tokens": run["load"].get("peak_used_tokens"),
@@ -111,6 +137,34 @@ COLUMNS = [
 ]
 
 
+LONG_TURNS = (5, 10, 20, 30)
+
+
+def long_markdown(summaries: list[dict]) -> str:
+    """KV per session at fixed turns (mean over sessions; 1-based turns), against `none` at the last
+    turn, with the recall of the early fact, speed and prefill recomputed: the long-session view."""
+    n = max((len(s.get("kv_by_turn") or []) for s in summaries), default=0)
+    marks = [t for t in LONG_TURNS if t < n]
+    head = ["run", *(f"KV t{t}" for t in marks), f"KV last (t{n})", "branch KV last", "vs none"]
+    head += ["recall", "TTFT p50 s", "decode tok/s/req", "prefill recomputed", "e2e s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in summaries:
+        series = s.get("kv_by_turn") or []
+        cells = [s["label"], *(fmt(series[t - 1] if t <= len(series) else None, "{:.0f}") for t in marks)]
+        cells += [
+            fmt(s.get("kv_per_session"), "{:.0f}"),
+            fmt(s.get("branch_kv_per_session"), "{:.0f}"),
+            fmt(s.get("kv_per_session_vs_none"), "{:.2f}"),
+            f"{fmt(s.get('recall_accuracy'), '{:.2f}')} ({s.get('recall_n', 0)})",
+            fmt(s.get("ttft_p50"), "{:.2f}"),
+            fmt(s.get("decode_tps_per_req"), "{:.1f}"),
+            fmt(s.get("prefill_recomputed"), "{}"),
+            fmt(s.get("e2e_seconds"), "{:.0f}"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def fmt(v: Any, spec: str) -> str:
     if v is None:
         return "-"
@@ -155,6 +209,35 @@ def _save(fig: Any, ax: Any, out: Path, name: str, xlabel: str, ylabel: str) -> 
     return name
 
 
+STYLE = {None: ":", "request": "--", "branch": "-"}
+
+
+def kv_plot(runs: list[dict], out: Path) -> str:
+    """KV per session against turn (left: all it holds; right: its branch's own part, after the branch
+    point), one color per policy, dashed = request scope, solid = branch scope, dotted = default."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors: dict[str, Any] = {}
+    for run in runs:
+        color = colors.setdefault(run["policy"], f"C{len(colors)}")
+        style = "-" if run["policy"] == "none" else STYLE.get(run.get("scope"), ":")
+        for ax, key in zip(axes, ("kv_tokens", "branch_kv_tokens"), strict=True):
+            series = kv_by_turn(run["turns"], key)
+            pts = [(i + 1, v) for i, v in enumerate(series) if v is not None]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), style, color=color, marker=".", label=run["label"])
+    axes[0].set_title("KV held by the session (mean over sessions)", fontsize=9)
+    axes[1].set_title(
+        "branch_kv_tokens: KV after the branch point (request scope, none: the new turn only)", fontsize=9
+    )
+    axes[0].legend(fontsize=7)
+    axes[1].set_xlabel("turn")
+    axes[1].set_ylabel("branch KV tokens")
+    axes[1].grid(alpha=0.3)
+    return _save(fig, axes[0], out, "kv_per_turn.png", "turn", "KV tokens")
+
+
 def plots(runs: list[dict], summaries: list[dict], out: Path) -> list[str]:
     """KV per session over turns, quality against memory saved, throughput per policy."""
     import matplotlib
@@ -162,18 +245,7 @@ def plots(runs: list[dict], summaries: list[dict], out: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for run in runs:
-        by_turn: dict[int, list[int]] = {}
-        for t in run["turns"]:
-            if t["branch"] == 0 and t.get("kv_tokens") is not None:
-                by_turn.setdefault(t["turn"], []).append(t["kv_tokens"])
-        xs = sorted(by_turn)
-        ax.plot(
-            [x + 1 for x in xs], [statistics.fmean(by_turn[x]) for x in xs], marker="o", label=run["label"]
-        )
-    ax.legend(fontsize=7)
-    files = [_save(fig, ax, out, "kv_per_turn.png", "turn", "KV tokens held per session (mean)")]
+    files = [kv_plot(runs, out)]
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for s in summaries:

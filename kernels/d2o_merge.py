@@ -1,6 +1,6 @@
-"""D2O token merging (ALGORITHMS.md 2.2): fold evicted tokens into their nearest kept token.
+"""D2O token merging (D2O paper, token-level merge): fold evicted tokens into their nearest kept token.
 
-Reading of the paper used here (the seed lost the display equations; this is the [R] reconstruction):
+Reading of the paper used here (where its equations leave a choice, the choice is stated):
 
 - Similarity is on keys only, cosine, per KV head: u_e = max_c cos(k_e, k_c), c*(e) its argmax over the
   kept tokens of that head (many-to-one). Values reuse the keys' matching and weights.

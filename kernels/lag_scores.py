@@ -1,4 +1,4 @@
-"""LagKV scores (ALGORITHMS.md 1.2): each partition judged against the min/max of the *next* one.
+"""LagKV scores (LagKV paper, Eq. 7-11): each partition judged against the min/max of the *next* one.
 
 Attention-free, so it runs straight on the pool: `[H, P-1, lag]` softmax-normalised per partition.
 The policy calls it once for K and once for V and adds the two.

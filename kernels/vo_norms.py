@@ -1,4 +1,4 @@
-"""CriticalKV's value-output norm ||v W_O[h]||_1 (ALGORITHMS.md 4.3), without materialising v @ W_O.
+"""CriticalKV's value-output norm ||v W_O[h]||_1 (CriticalKV's stage-2 score), without materialising v @ W_O.
 
 Per token and query head h_q (reading the value of its KV head h_q // G), then mean over the G query
 heads of each KV head, matching kvpress' GQA handling. Output `[Hkv, N]` float32.

@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .base import LayerView, Policy, PolicyConfig, Refiner, compacted_len, topk_keep
+from .base import LayerView, Policy, PolicyConfig, Refiner, compacted_len, short, topk_keep
 
 REGISTRY: dict[str, type[Policy]] = {}
 
@@ -32,19 +32,17 @@ class PolicyConfigError(ValueError):
 def build(name: str, config: dict[str, Any] | None = None) -> Policy:
     """Instantiate a registered policy from a JSON-like config, validating it."""
     if name not in REGISTRY:
-        raise PolicyConfigError(f"unknown KV policy {name!r}; valid choices: {', '.join(available())}")
+        raise PolicyConfigError(f"unknown KV policy {short(name)}; valid choices: {', '.join(available())}")
     cls = REGISTRY[name]
     try:
         cfg = cls.Config.model_validate(config or {})
     except ValidationError as e:
         err = e.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"])
+        loc = short(".".join(str(x) for x in err["loc"]), 60)
         if not loc:  # a whole-model check (e.g. a refiner's base): its message names what is wrong
             cause = err.get("ctx", {}).get("error")
             raise PolicyConfigError(f"invalid config for KV policy {name!r}: {cause or err['msg']}") from None
-        raise PolicyConfigError(
-            f"invalid config for KV policy {name!r}: field {loc!r}: {err['msg']}"
-        ) from None
+        raise PolicyConfigError(f"invalid config for KV policy {name!r}: field {loc}: {err['msg']}") from None
     return cls(cfg)
 
 
@@ -86,5 +84,6 @@ __all__ = [
     "build_base",
     "compacted_len",
     "register",
+    "short",
     "topk_keep",
 ]

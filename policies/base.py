@@ -28,21 +28,32 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+MAX_WINDOW = 1 << 16  # bound on every token count in a policy config (sinks, recent, interval, window)
 Phase = Literal["prefill", "decode", "finish"]
 Need = Literal["attn", "o_proj"]
+
+
+def short(v: Any, limit: int = 40) -> str:
+    """`repr(v)`, cut to `limit` characters: error messages never echo a megabyte of client input."""
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 class PolicyConfig(BaseModel):
     """Fields every policy shares. Subclasses add their own; unknown fields are an error."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # no bool for a number, no "5" for 5
 
-    sinks: int = Field(4, ge=0, description="first tokens of the sequence always kept (attention sinks)")
-    recent: int = Field(32, ge=0, description="most recent tokens always kept")
-    interval: int = Field(16, ge=1, description="decode steps of slack before compressing again")
-    window: int = Field(32, ge=1, description="last W queries used for attention-based scores")
+    sinks: int = Field(
+        4, ge=0, le=MAX_WINDOW, description="first tokens of the sequence always kept (attention sinks)"
+    )
+    recent: int = Field(32, ge=0, le=MAX_WINDOW, description="most recent tokens always kept")
+    interval: int = Field(
+        16, ge=1, le=MAX_WINDOW, description="decode steps of slack before compressing again"
+    )
+    window: int = Field(32, ge=1, le=MAX_WINDOW, description="last W queries used for attention-based scores")
     scope: Literal["request", "branch"] = Field(
-        "branch",
+        "request",
         description="what one budget caps: the request's new tokens ('request'), or the branch's whole own "
         "history since its branch point, earlier turns included ('branch')",
     )

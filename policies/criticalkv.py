@@ -23,7 +23,7 @@ import torch
 from pydantic import Field, model_validator
 
 from . import REGISTRY, PolicyConfigError, build_base, register
-from .base import LayerView, Need, PolicyConfig, Refiner, topk_keep
+from .base import LayerView, Need, PolicyConfig, Refiner, short, topk_keep
 
 
 def attention_bases() -> list[str]:
@@ -34,14 +34,16 @@ class CriticalKVConfig(PolicyConfig):
     base: str = Field("snapkv", description="attention-based scoring policy (h2o, snapkv, d2o)")
     base_config: dict[str, Any] = Field(default_factory=dict, description="the base's own config fields")
     alpha: float = Field(0.5, ge=0.0, le=1.0, description="stage-1 fraction of the budget")
-    eps: float = Field(1e-4, ge=0.0, description="added to A in the stage-2 score (A + eps) * ||v W_O||_1")
+    eps: float = Field(
+        1e-4, ge=0.0, le=1.0, description="added to A in the stage-2 score (A + eps) * ||v W_O||_1"
+    )
 
     @model_validator(mode="after")
     def _check_base(self) -> CriticalKVConfig:
         valid = attention_bases()
         if self.base not in valid:
             raise PolicyConfigError(
-                f"criticalkv needs an attention-based base, not {self.base!r}; valid bases: {', '.join(valid)}"
+                f"criticalkv needs an attention-based base, not {short(self.base)}; valid bases: {', '.join(valid)}"
             )
         build_base("criticalkv", self, self.base, self.base_config)
         return self

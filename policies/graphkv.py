@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 
 from . import REGISTRY, PolicyConfigError, build_base, register
-from .base import LayerView, Policy, PolicyConfig, Refiner, topk_keep
+from .base import LayerView, Policy, PolicyConfig, Refiner, short, topk_keep
 
 
 def scorable_bases() -> list[str]:
@@ -49,16 +49,20 @@ class GraphKVConfig(PolicyConfig):
     base: str = Field("snapkv", description="scoring policy to refine")
     base_config: dict[str, Any] = Field(default_factory=dict, description="the base's own config fields")
     source_frac: float = Field(0.3, gt=0.0, le=1.0, description="sources = this fraction of the budget")
-    neighbors: int = Field(8, ge=1, description="m: neighbours decayed per source (cap when adaptive)")
+    neighbors: int = Field(
+        8, ge=1, le=1 << 10, description="m: neighbours decayed per source (cap when adaptive)"
+    )
     adaptive_neighbors: bool = Field(True, description="m = min(neighbors, max(1, round(n / 1000)))")
-    rounds: int = Field(1, ge=0, description="T: propagation rounds over the fixed graph")
+    rounds: int = Field(1, ge=0, le=64, description="T: propagation rounds over the fixed graph")
     decay: float = Field(1.0, ge=0.0, le=1.0, description="lambda: factor (1 - lambda * e_ij)")
 
     @model_validator(mode="after")
     def _check_base(self) -> GraphKVConfig:
         valid = scorable_bases()
         if self.base not in valid:
-            raise PolicyConfigError(f"graphkv cannot wrap {self.base!r}; valid bases: {', '.join(valid)}")
+            raise PolicyConfigError(
+                f"graphkv cannot wrap {short(self.base)}; valid bases: {', '.join(valid)}"
+            )
         build_base("graphkv", self, self.base, self.base_config)
         return self
 

@@ -48,9 +48,13 @@ Refine = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 class LagKVConfig(PolicyConfig):
-    lag: int = Field(128, ge=2, description="partition size L = reference size = minimum raw window")
+    lag: int = Field(
+        128, ge=2, le=1 << 14, description="partition size L = reference size = minimum raw window"
+    )
     ratio: float = Field(0.5, gt=0.0, lt=1.0, description="retention r: int(r*L) tokens kept per partition")
-    score_v_ratio: float = Field(1.0, ge=0.0, description="weight of the V score added to the K score")
+    score_v_ratio: float = Field(
+        1.0, ge=0.0, le=1e3, description="weight of the V score added to the K score"
+    )
     cap_to_budget: bool = Field(True, description="re-compress the compressed part while it exceeds budget")
 
     @model_validator(mode="after")

@@ -21,7 +21,9 @@ from .base import LayerView, Need, Policy, WindowScoreConfig, carry_scores
 
 
 class SnapKVConfig(WindowScoreConfig):
-    kernel_size: int = Field(5, ge=1, description="pooling kernel (odd, so the output is centred)")
+    kernel_size: int = Field(
+        5, ge=1, le=1 << 10, description="pooling kernel (odd, so the output is centred)"
+    )
     pooling: Literal["avg", "max"] = Field("avg", description="avg (released code) or max (paper text)")
 
     @field_validator("kernel_size")

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import agent, forks, recall, sharegpt
+from . import agent, forks, long, recall, sharegpt
 from .base import Scenario, ScenarioConfig
 
 BUILDERS: dict[str, Callable[[ScenarioConfig], Scenario]] = {
     "agent": agent.build,
     "recall": recall.build,
     "forks": forks.build,
+    "long": long.build,
     "sharegpt": sharegpt.build,
 }
 

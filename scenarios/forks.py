@@ -55,7 +55,7 @@ def frontend_program(url: str, session: Session, max_new_tokens: int = 32) -> li
     """Run one forks session with SGLang's frontend language; returns each turn's branch answers.
 
     Reads `s.text()` before `fork` so that SGLang 0.5.23 commits the shared context and every branch
-    hits the prefix cache (see ENVIRONMENT.md).
+    hits the prefix cache (without it, `fork` can send the branches before the prefix is committed).
     """
     import sglang as sgl
 

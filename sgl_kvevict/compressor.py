@@ -213,8 +213,11 @@ def _commit(req: Any, s: st.ReqState, plan: Plan, own_start: int) -> bool:
 
 
 def _branch_point_moved(req: Any, s: st.ReqState) -> None:
-    """Branch scope: a region node that another running request now holds (a fork sibling admitted
-    after this request matched) is shared from now on; the region starts below it."""
+    """Branch scope, before the first compression: the region's tree part (the prompt checkpointed after
+    prefill, the adopted history) may hold nodes that are shared by now: held by another running request
+    (a fork sibling admitted after this request matched), or inside the declared `shared_prefix` (on a
+    first turn nothing was matched yet, so the match could not place it). The region starts below the
+    deepest such node; a node the declared prefix cuts is split there."""
     rt = runtime.RT
     if req.lock is None or req.kv.cache_protected_len <= s.anchor_kv:
         return
@@ -222,18 +225,30 @@ def _branch_point_moved(req: Any, s: st.ReqState) -> None:
     while node is not None and node is not s.anchor and node is not rt.tree.root_node:
         chain.append(node)
         node = node.parent
-    for i, n in enumerate(chain):  # bottom-up: the first held node is the deepest
-        if n.lock_ref > 1:
-            above = chain[i:]
-            if any(getattr(x, "kvevict_compressed", False) for x in above):
-                s.own_evicted -= s.comp_tokens - s.comp_slots
-                s.inherited_evicted = 0
-                s.comp_slots = s.comp_tokens = 0
-                s.layer_state = []
-            s.anchor = n
-            s.anchor_tokens += sum(len(x.key) for x in above)
-            s.anchor_kv += sum(len(x.value) for x in above)
-            return
+    if node is not (s.anchor if s.anchor is not None else rt.tree.root_node):
+        return
+    chain.reverse()  # top-down from the anchor
+    sp, tokens, cut, i = s.policy.config.shared_prefix, s.anchor_tokens, -1, 0
+    while i < len(chain):
+        n, start = chain[i], tokens
+        if start < sp < start + len(n.key) and not getattr(n, "kvevict_compressed", False):
+            chain[i : i + 1] = [rt.tree._split_node(n.key, n, sp - start), n]
+            continue
+        tokens += len(n.key)
+        if n.lock_ref > 1 or tokens <= sp or (getattr(n, "kvevict_compressed", False) and start < sp):
+            cut = i
+        i += 1
+    if cut < 0:
+        return
+    above = chain[: cut + 1]
+    if any(getattr(x, "kvevict_compressed", False) for x in above):
+        s.own_evicted -= s.comp_tokens - s.comp_slots
+        s.inherited_evicted = 0
+        s.comp_slots = s.comp_tokens = 0
+        s.layer_state = []
+    s.anchor = chain[cut]
+    s.anchor_tokens += sum(len(x.key) for x in above)
+    s.anchor_kv += sum(len(x.value) for x in above)
 
 
 def compress(req: Any, phase: Phase) -> int:

@@ -4,49 +4,125 @@ Server-wide settings come from `--kv-policy`, `--kv-budget`, `--kv-policy-config
 launcher to the scheduler process in the environment variable `KVEVICT_SERVER_CONFIG` (SGLang drops unknown
 CLI fields and its `ServerArgs` is a frozen-schema msgspec struct).
 A request may override them with `custom_params={"kvevict": {"policy": ..., "budget": ..., "config": {...}}}`.
+What a request may override is the operator's call (`--kv-disable-request-override`,
+`--kv-override-policies`, `--kv-override-min-budget`) plus what the server cannot run (CriticalKV on a
+quantized `o_proj`): `ServerSettings`, carried in `KVEVICT_SERVER_SETTINGS`. It is a separate model because
+`KvConfig` is also what a request sends.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
 from sgl_kvevict import policies
+from sgl_kvevict.policies import short
 
 ENV_VAR = "KVEVICT_SERVER_CONFIG"
+SETTINGS_ENV_VAR = "KVEVICT_SERVER_SETTINGS"
 REQUEST_KEY = "kvevict"
 DEFAULT_BUDGET = 0.5
 
 
-def parse_budget(text: str | int | float) -> int | float:
-    """`256` -> 256 tokens; `0.5` -> half of the request's own suffix. Raises ValueError when out of range."""
-    if isinstance(text, bool):
-        raise ValueError("budget must be a number")
-    if isinstance(text, str):
-        s = text.strip()
+MAX_BUDGET_TOKENS = 1 << 24
+_BUDGET_FORMS = 'tokens (e.g. 256), a percent of the suffix (e.g. "50%"), or {"tokens": N} / {"ratio": R}'
+_AMBIGUOUS_ONE = (
+    'budget 1 is ambiguous (a JSON encoder may write the ratio 1.0 as 1): write "100%" (or {"ratio": 1}) to '
+    'keep everything, or {"tokens": 1} if one token is really meant'
+)
+
+
+def _tokens(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"budget tokens must be an integer, got {short(v)}")
+    if not 1 <= v <= MAX_BUDGET_TOKENS:
+        raise ValueError(f"budget tokens {short(v)} out of range: must be in [1, {MAX_BUDGET_TOKENS}]")
+    return v
+
+
+def _ratio(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"budget ratio must be a number, got {short(v)}")
+    if not 0.0 < v <= 1.0:  # NaN fails this too
+        raise ValueError(f"budget ratio {short(v)} out of range: must be in (0, 1]")
+    return float(v)
+
+
+def parse_budget(value: Any) -> int | float:
+    """A budget in any accepted spelling -> its one normalized value: `int` tokens or `float` ratio.
+
+    Why the care: `budget: 1` (one token) and `budget: 1.0` (everything) differ only in a decimal point
+    that many JSON encoders drop, so the bare `1` is refused and unambiguous spellings exist:
+    `{"tokens": N}` (N in [1, 2**24]), `{"ratio": R}` (R in (0, 1]), `"P%"` (P in (0, 100]); the old forms
+    stay where they are unambiguous: an integer >= 2 (or an integral float > 1) is tokens, a float in
+    (0, 1] is a ratio (`1.0` only as a float or the text "1.0", never the integer 1 or the text "1").
+    Equal budgets written differently normalize equal (`"50%"`, `0.5`, `{"ratio": 0.5}` -> `0.5`), so the
+    fingerprint of a compressed history does not depend on the spelling. Raises ValueError.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"budget must be {_BUDGET_FORMS}, not a boolean")
+    if isinstance(value, dict):
+        if len(value) != 1 or next(iter(value)) not in ("tokens", "ratio"):
+            keys = sorted(short(k, 20) for k in value)
+            raise ValueError(f'budget object must have exactly one key, "tokens" or "ratio"; got {keys}')
+        ((key, v),) = value.items()
+        return _tokens(v) if key == "tokens" else _ratio(v)
+    if isinstance(value, str):
+        s = value.strip()
+        if len(s) > 64:
+            raise ValueError(f"budget {short(value)} is too long: give {_BUDGET_FORMS}")
+        if s.startswith("{"):
+            try:
+                obj = json.loads(s)
+            except json.JSONDecodeError:
+                raise ValueError(f"budget {short(value)} is not valid JSON: give {_BUDGET_FORMS}") from None
+            return parse_budget(obj)
+        if s.endswith("%"):
+            try:
+                pct = Decimal(s[:-1].strip())
+            except InvalidOperation:
+                raise ValueError(f'budget {short(value)} is not a percent: give e.g. "50%"') from None
+            if not pct.is_finite() or not 0 < pct <= 100:
+                raise ValueError(f"budget {short(value)} out of range: a percent must be in (0%, 100%]")
+            return float(pct / 100)
+        if s == "1":
+            raise ValueError(_AMBIGUOUS_ONE)
         try:
             val: int | float = int(s)
         except ValueError:
             try:
                 val = float(s)
             except ValueError:
-                raise ValueError(
-                    f"budget {text!r} is not a number: give tokens (e.g. 256) or a ratio in (0, 1] (e.g. 0.5)"
-                ) from None
+                raise ValueError(f"budget {short(value)} is not a number: give {_BUDGET_FORMS}") from None
+    elif isinstance(value, (int, float)):
+        val = value
     else:
-        val = text
-    if isinstance(val, float) and val.is_integer() and val > 1:
-        val = int(val)
+        raise ValueError(f"budget must be {_BUDGET_FORMS}, got {type(value).__name__}")
     if isinstance(val, int):
+        if val == 1:
+            raise ValueError(_AMBIGUOUS_ONE)
         if val < 1:
-            raise ValueError(f"budget {val} out of range: tokens must be >= 1, or a ratio in (0, 1]")
-        return val
-    if not (0.0 < val <= 1.0):
-        raise ValueError(f"budget {val} out of range: a ratio must be in (0, 1], or give tokens >= 1")
+            raise ValueError(f"budget {short(val)} out of range: give tokens >= 2, or a ratio in (0, 1]")
+        return _tokens(val)
+    if val != val or val in (float("inf"), float("-inf")):
+        raise ValueError(f"budget {val} is not a finite number: give {_BUDGET_FORMS}")
+    if val > 1.0 and val.is_integer():
+        return _tokens(int(val))
+    if not 0.0 < val <= 1.0:
+        raise ValueError(
+            f'budget {short(val)} out of range: a ratio must be in (0, 1] (or "P%"), tokens an integer >= 2'
+        )
     return float(val)
+
+
+def spelling(budget: int | float) -> int | float | dict[str, int]:
+    """A normalized budget written so that `parse_budget` reads it back unchanged: one token is
+    `{"tokens": 1}` (the bare 1 is refused), anything else is itself."""
+    return {"tokens": 1} if isinstance(budget, int) and budget == 1 else budget
 
 
 class KvConfig(BaseModel):
@@ -56,7 +132,9 @@ class KvConfig(BaseModel):
 
     policy: str = "none"
     budget: int | float = Field(
-        DEFAULT_BUDGET, description="tokens kept per head beyond sinks+recent, or a ratio of the suffix"
+        DEFAULT_BUDGET,
+        description="tokens kept per head beyond sinks+recent (int), or a ratio of the suffix (float); "
+        "see parse_budget for the spellings a user may write",
     )
     config: dict[str, Any] = Field(default_factory=dict)
 
@@ -65,16 +143,34 @@ class KvConfig(BaseModel):
     def _budget(cls, v: Any) -> int | float:
         return parse_budget(v)
 
+    @field_serializer("budget")
+    def _dump_budget(self, v: int | float) -> int | float | dict[str, int]:
+        return spelling(v)
+
     @field_validator("policy")
     @classmethod
     def _policy(cls, v: str) -> str:
         if v not in policies.REGISTRY:
-            raise ValueError(f"unknown KV policy {v!r}; valid choices: {', '.join(policies.available())}")
+            raise ValueError(
+                f"unknown KV policy {short(v)}; valid choices: {', '.join(policies.available())}"
+            )
         return v
 
     def build(self) -> policies.Policy:
-        """Validate the policy config too (raises PolicyConfigError naming the field)."""
-        return policies.build(self.policy, self.config)
+        """Validate the policy config too (raises PolicyConfigError naming the field).
+
+        Attention-based policies score with the last `window` queries against the request's keys under a
+        causal mask that puts those queries on the last `window` slots of the row. That holds only while
+        the recent window, never evicted, covers them: `window <= recent`.
+        """
+        pol = policies.build(self.policy, self.config)
+        c = pol.config
+        if "attn" in pol.needs and c.window > c.recent:
+            raise policies.PolicyConfigError(
+                f"invalid config for KV policy {self.policy!r}: field 'window' ({c.window}) must be <= "
+                f"'recent' ({c.recent}): the scored queries must be among the never-evicted recent tokens"
+            )
+        return pol
 
     def resolve_budget(self, suffix_tokens: int, always_kept: int = 0) -> int:
         """Candidate tokens to keep per head, beyond the `always_kept` sinks and recent window.
@@ -94,6 +190,77 @@ class KvConfig(BaseModel):
         return self.policy != "none"
 
 
+class OverridePolicy(BaseModel):
+    """What the operator lets a request override (`custom_params.kvevict`).
+
+    The server's own policy and budget are always allowed. A budget is judged only against a minimum of
+    the same kind: tokens against `min_budget_tokens`, a ratio against `min_budget_ratio`. A request
+    budget of a kind the operator gave no minimum for is denied when the operator gave a minimum of the
+    other kind (a ratio cannot be compared with a token count before the request's length is known).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    policies: list[str] | None = Field(None, description="policies an override may name; None: all")
+    min_budget_tokens: int | None = Field(None, ge=1, le=MAX_BUDGET_TOKENS)
+    min_budget_ratio: float | None = Field(None, gt=0.0, le=1.0)
+
+    @field_validator("policies")
+    @classmethod
+    def _known(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("give at least one policy name")
+        bad = [p for p in v if p not in policies.REGISTRY]
+        if bad:
+            raise ValueError(
+                f"unknown KV policy {bad[0]!r}; valid choices: {', '.join(policies.available())}"
+            )
+        return sorted(set(v))
+
+    @property
+    def has_min_budget(self) -> bool:
+        return self.min_budget_tokens is not None or self.min_budget_ratio is not None
+
+
+class ServerSettings(BaseModel):
+    """Server-wide rules for per-request overrides, known to every process (HTTP and scheduler)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    overrides: OverridePolicy = Field(default_factory=OverridePolicy)
+    quantization: str | None = Field(
+        None, description="how the weights are quantized (which flag), if at all"
+    )
+
+    def to_env(self) -> str:
+        return self.model_dump_json()
+
+
+def parse_min_budget(text: str) -> tuple[int | None, float | None]:
+    """`--kv-override-min-budget`: `256` (tokens), `25%` or `0.25` (ratio) or both, `256,25%`.
+
+    Each part is a budget spelling (`parse_budget`), so the bare `1` is refused here too."""
+    tokens: int | None = None
+    ratio: float | None = None
+    parts = [p for p in (x.strip() for x in str(text).split(",")) if p]
+    if not parts or len(parts) > 2:
+        raise ValueError(f"{short(text)}: give tokens (256), a ratio (25% or 0.25) or both (256,25%)")
+    for part in parts:
+        val = parse_budget(part)
+        if isinstance(val, int):
+            if tokens is not None:
+                raise ValueError(f"{short(text)}: two token minimums")
+            tokens = val
+        else:
+            if ratio is not None:
+                raise ValueError(f"{short(text)}: two ratio minimums")
+            ratio = val
+    return tokens, ratio
+
+
 def server_config() -> KvConfig:
     """The server-wide config in this process (from the launcher's environment)."""
     raw = os.environ.get(ENV_VAR)
@@ -102,21 +269,88 @@ def server_config() -> KvConfig:
     return KvConfig.model_validate(json.loads(raw))
 
 
-def request_override(custom_params: dict[str, Any] | None, base: KvConfig) -> KvConfig | None:
-    """The request's own config, or None when it gives none. Raises ValueError with a readable message."""
-    if not custom_params or REQUEST_KEY not in custom_params:
+_SETTINGS: tuple[str | None, ServerSettings] | None = None
+
+
+def server_settings() -> ServerSettings:
+    """The operator's override rules in this process (from the launcher's environment; parsed once)."""
+    global _SETTINGS
+    raw = os.environ.get(SETTINGS_ENV_VAR)
+    if _SETTINGS is None or _SETTINGS[0] != raw:
+        _SETTINGS = (raw, ServerSettings.model_validate_json(raw) if raw else ServerSettings())
+    return _SETTINGS[1]
+
+
+def _check_operator_rules(
+    raw: dict[str, Any], cfg: KvConfig, base: KvConfig, settings: ServerSettings
+) -> None:
+    """Raise ValueError naming the server flag that denies this override."""
+    rules = settings.overrides
+    if "policy" in raw and cfg.policy != base.policy and rules.policies is not None:
+        if cfg.policy not in rules.policies:
+            raise ValueError(
+                f"custom_params.{REQUEST_KEY}.policy: {cfg.policy!r} is not allowed on this server "
+                f"(--kv-override-policies {','.join(rules.policies)}; the server's own {base.policy!r} is too)"
+            )
+    same_budget = (type(cfg.budget), cfg.budget) == (type(base.budget), base.budget)  # 1 token != ratio 1.0
+    if "budget" in raw and not same_budget and rules.has_min_budget:
+        b = cfg.budget
+        if isinstance(b, int):
+            floor, kind = rules.min_budget_tokens, "tokens"
+        else:
+            floor, kind = rules.min_budget_ratio, "a ratio"
+        if floor is None:
+            raise ValueError(
+                f"custom_params.{REQUEST_KEY}.budget: {b} is {kind}, but this server sets a minimum only for "
+                f"the other kind (--kv-override-min-budget "
+                f"{rules.min_budget_tokens if rules.min_budget_tokens is not None else rules.min_budget_ratio})"
+            )
+        if b < floor:
+            raise ValueError(
+                f"custom_params.{REQUEST_KEY}.budget: {b} is below this server's minimum {floor} "
+                f"(--kv-override-min-budget)"
+            )
+    if settings.quantization and cfg.active:
+        pol = cfg.build()
+        if "o_proj" in pol.needs:
+            raise ValueError(
+                f"custom_params.{REQUEST_KEY}.policy: {cfg.policy!r} reads o_proj's weights, which are "
+                f"quantized on this server ({settings.quantization})"
+            )
+
+
+def request_override(
+    custom_params: dict[str, Any] | None, base: KvConfig, settings: ServerSettings | None = None
+) -> KvConfig | None:
+    """The request's own config, or None when it gives none. Raises ValueError with a readable message.
+
+    The operator's rules (`settings`, by default this server's) apply here, so the HTTP check (400) and
+    the scheduler (which falls back to the server policy) judge an override the same way.
+    """
+    if not custom_params:
         return None
+    if not isinstance(custom_params, dict):
+        raise ValueError(f"custom_params must be an object, got {type(custom_params).__name__}")
+    if REQUEST_KEY not in custom_params:
+        return None
+    settings = settings if settings is not None else server_settings()
+    if not settings.overrides.enabled:
+        raise ValueError(
+            f"custom_params.{REQUEST_KEY}: per-request overrides are disabled on this server "
+            "(--kv-disable-request-override)"
+        )
     raw = custom_params[REQUEST_KEY]
     if not isinstance(raw, dict):
         raise ValueError(f"custom_params.{REQUEST_KEY} must be an object with policy/budget/config")
     unknown = set(raw) - {"policy", "budget", "config"}
     if unknown:
         raise ValueError(
-            f"custom_params.{REQUEST_KEY}: unknown field(s) {sorted(unknown)}; valid: policy, budget, config"
+            f"custom_params.{REQUEST_KEY}: unknown field(s) {sorted(short(k, 30) for k in unknown)}; "
+            "valid: policy, budget, config"
         )
     merged = {
         "policy": base.policy,
-        "budget": base.budget,
+        "budget": spelling(base.budget),
         "config": base.config if "policy" not in raw else {},
     }
     merged.update(raw)
@@ -129,7 +363,8 @@ def request_override(custom_params: dict[str, Any] | None, base: KvConfig) -> Kv
         errs = getattr(e, "errors", None)
         if errs:
             err = errs()[0]
-            loc = ".".join(str(x) for x in err["loc"])
+            loc = short(".".join(str(x) for x in err["loc"]), 60).strip("'\"")
             raise ValueError(f"custom_params.{REQUEST_KEY}.{loc}: {err['msg']}") from None
         raise ValueError(f"custom_params.{REQUEST_KEY}: {e}") from None
+    _check_operator_rules(raw, cfg, base, settings)
     return cfg

@@ -1,6 +1,6 @@
 """Scheduler-side hooks (HookRegistry), installed only when a policy other than `none` is active.
 
-Each hook is one of the places SGLang assumes "one KV slot per token" (SGLANG_MAP.md section 2):
+Each hook is one of the places where SGLang assumes "one KV slot per token", which a compressed request breaks:
 
 - `alloc_for_extend` (AROUND): a request that matched a compressed node has fewer prefix slots than
   prefix tokens; lengths are lowered to slots around the allocation, and window-query capture starts.
@@ -201,6 +201,8 @@ def release_overallocated(original, req, start_p, end_p, tree_cache, *args, **kw
 
 
 def on_release_report(req) -> None:
+    if runtime.RT is not None:
+        runtime.RT.publish_metrics()
     stats = compressor.stats(req)
     if stats is None:
         return
@@ -227,7 +229,13 @@ def internal_state(result, *args, **kwargs):
             "evictable_tokens": int(rt.tree.evictable_size()),
             "protected_tokens": int(rt.tree.protected_size()),
         }
-        result.internal_state[META_KEY] = {"policy": st._server().policy, **rt.totals.as_dict(), **pool}
+        result.internal_state[META_KEY] = {
+            "policy": st._server().policy,
+            **rt.totals.as_dict(),
+            **pool,
+            **rt.compressed_kv(),
+        }
+        rt.publish_metrics()
     return result
 
 

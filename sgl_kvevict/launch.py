@@ -38,6 +38,27 @@ def _given(argv: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
+def _int_flag(argv: list[str], names: tuple[str, ...], default: int = 1) -> int:
+    for i, a in enumerate(argv):
+        for n in names:
+            if a == n and i + 1 < len(argv):
+                return int(argv[i + 1])
+            if a.startswith(n + "="):
+                return int(a.split("=", 1)[1])
+    return default
+
+
+def cpu_binding(ranks: int, cores: int) -> str | None:
+    """`SGLANG_CPU_OMP_THREADS_BIND` for `ranks` CPU ranks: disjoint core ranges, one per rank.
+
+    SGLang's CPU path binds each rank to a NUMA node and refuses more ranks than nodes unless this is set
+    (a 2-core, 1-node machine with `--dp-size 2`). None when the cores cannot be split."""
+    if ranks <= 1 or cores < ranks:
+        return None
+    per = cores // ranks
+    return "|".join(f"{r * per}-{r * per + per - 1}" if per > 1 else str(r * per) for r in range(ranks))
+
+
 def build_command(argv: list[str], cuda: bool | None = None) -> tuple[list[str], dict[str, str]]:
     """The full server command and the extra environment it needs."""
     cuda = has_cuda() if cuda is None else cuda
@@ -49,6 +70,10 @@ def build_command(argv: list[str], cuda: bool | None = None) -> tuple[list[str],
         args = ["--model-path", str(default_model_path())] + args
     if not cuda:
         env["SGLANG_USE_CPU_ENGINE"] = "1"
+        ranks = _int_flag(args, ("--dp-size", "--dp")) * _int_flag(args, ("--tp-size", "--tp"))
+        bind = cpu_binding(ranks, os.cpu_count() or 1)
+        if bind and "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = bind
         for flag, val in CPU_FLAGS.items():
             if flag == "--mem-fraction-static" and _given(args, "--max-total-tokens"):
                 continue

@@ -1,9 +1,12 @@
 """SGLang plugin entry point (group `sglang.srt.plugins`), loaded by SGLang in every process.
 
-It adds `--kv-policy`, `--kv-budget`, `--kv-policy-config` to `launch_server`, validates them before the
-model loads, hands the validated config to the scheduler through the environment, registers the
-compressing radix cache backend, and (when a policy is active) installs the scheduler hooks.
-With `--kv-policy none` no cache backend or scheduler hook is installed: SGLang runs unchanged.
+It adds `--kv-policy`, `--kv-budget`, `--kv-policy-config` and the operator's override controls
+(`--kv-disable-request-override`, `--kv-override-policies`, `--kv-override-min-budget`) to
+`launch_server`, validates them before the model loads (refusing, with exit code 2, the SGLang features
+and model architectures compression cannot serve), hands the validated config to the other processes
+through the environment, registers the compressing radix cache backend, and (when a policy is active)
+installs the scheduler hooks. With `--kv-policy none` no cache backend or scheduler hook is installed:
+SGLang runs unchanged.
 """
 
 from __future__ import annotations
@@ -14,10 +17,24 @@ import logging
 import os
 import sys
 
+from pydantic import ValidationError
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sgl_kvevict import policies
-from sgl_kvevict.config import ENV_VAR, REQUEST_KEY, KvConfig, parse_budget, request_override, server_config
+from sgl_kvevict import modelcheck, policies
+from sgl_kvevict.config import (
+    ENV_VAR,
+    REQUEST_KEY,
+    SETTINGS_ENV_VAR,
+    KvConfig,
+    OverridePolicy,
+    ServerSettings,
+    parse_budget,
+    parse_min_budget,
+    request_override,
+    server_config,
+    short,
+    spelling,
+)
 
 logger = logging.getLogger("sgl_kvevict")
 BACKEND_NAME = "kvevict"
@@ -35,14 +52,37 @@ def _json_arg(text: str) -> dict:
     try:
         val = json.loads(text)
     except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg} at char {e.pos}): {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg} at char {e.pos}): {short(text)}") from None
+    except RecursionError:
+        raise argparse.ArgumentTypeError(f"JSON nested too deeply: {short(text)}") from None
     if not isinstance(val, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(val).__name__}")
     return val
 
 
+def _min_budget_arg(text: str) -> tuple[int | None, float | None]:
+    try:
+        return parse_min_budget(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _policies_arg(text: str) -> list[str]:
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(
+            f"give policy names separated by commas; valid: {', '.join(policies.available())}"
+        )
+    bad = [p for p in names if p not in policies.REGISTRY]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown KV policy {short(bad[0])}; valid choices: {', '.join(policies.available())}"
+        )
+    return names
+
+
 def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
-    """AFTER ServerArgs.add_cli_args: our three flags. Choices come from the policy registry."""
+    """AFTER ServerArgs.add_cli_args: our flags. Policy choices come from the policy registry."""
     if any("--kv-policy" in a.option_strings for a in parser._actions):
         return result
     group = parser.add_argument_group("sgl-kvevict (KV-cache compression)")
@@ -56,15 +96,40 @@ def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
         "--kv-budget",
         type=_budget_arg,
         default=None,
-        help="tokens kept per KV head beyond sinks+recent window (e.g. 256), or a ratio of the suffix (e.g. 0.5)",
+        help="tokens kept per KV head beyond sinks+recent window (e.g. 256), or a percent of the suffix "
+        "(e.g. 50%%; 0.5 works too); the bare 1 is refused as ambiguous: write 100%% or '{\"tokens\": 1}'",
     )
     group.add_argument(
         "--kv-policy-config", type=_json_arg, default=None, help="policy config as JSON, e.g. '{\"lag\": 64}'"
     )
+    group.add_argument(
+        "--kv-disable-request-override",
+        action="store_true",
+        help="deny every per-request custom_params.kvevict (HTTP 400)",
+    )
+    group.add_argument(
+        "--kv-override-policies",
+        type=_policies_arg,
+        default=None,
+        help="comma-separated policies a per-request override may name (default: all)",
+    )
+    group.add_argument(
+        "--kv-override-min-budget",
+        type=_min_budget_arg,
+        default=None,
+        help="smallest budget an override may ask for: tokens (256), a percent (25%%, or 0.25) or both "
+        "(256,25%%); "
+        "a budget of a kind without a minimum is denied",
+    )
     return result
 
 
+_in_engine = False  # set while validating an offline Engine's keyword arguments: errors raise instead
+
+
 def _fail(msg: str) -> None:
+    if _in_engine:
+        raise ValueError(msg)
     print(f"sglang launch_server: error: {msg}", file=sys.stderr)
     sys.exit(2)
 
@@ -76,7 +141,7 @@ def from_cli_args(cls, ns: argparse.Namespace, *args, **kwargs):
         return None
     cfg_kwargs: dict = {"policy": policy, "config": ns.kv_policy_config or {}}
     if ns.kv_budget is not None:
-        cfg_kwargs["budget"] = ns.kv_budget
+        cfg_kwargs["budget"] = spelling(ns.kv_budget)
     try:
         cfg = KvConfig.model_validate(cfg_kwargs)
         cfg.build()
@@ -85,6 +150,9 @@ def from_cli_args(cls, ns: argparse.Namespace, *args, **kwargs):
     except ValueError as e:
         _fail(f"argument --kv-policy: {e}")
     os.environ[ENV_VAR] = cfg.to_env()
+    model_cfg = _model_config(ns)
+    settings = _server_settings(ns, model_cfg)
+    os.environ[SETTINGS_ENV_VAR] = settings.to_env()
     if cfg.active:
         current = getattr(ns, "radix_cache_backend", None)
         if current not in (None, BACKEND_NAME):
@@ -92,16 +160,81 @@ def from_cli_args(cls, ns: argparse.Namespace, *args, **kwargs):
         if getattr(ns, "disable_radix_cache", False):
             _fail(f"--kv-policy {policy} needs the radix cache: drop --disable-radix-cache")
         ns.radix_cache_backend = BACKEND_NAME
-        _restrict_features(ns, policy)
+        _restrict_features(ns, cfg, settings, model_cfg)
     return None
 
 
-def _restrict_features(ns: argparse.Namespace, policy: str) -> None:
+def _model_config(ns: argparse.Namespace) -> dict | None:
+    """The model's config.json, read without loading the model (None when not found locally)."""
+    path = getattr(ns, "model_path", None)
+    if not path:
+        return None
+    try:
+        return modelcheck.read_config(
+            str(path), getattr(ns, "revision", None), getattr(ns, "json_model_override_args", None)
+        )
+    except (OSError, ValueError) as e:
+        logger.warning("sgl-kvevict: could not read %s/config.json before loading (%s)", path, e)
+        return None
+
+
+def _server_settings(ns: argparse.Namespace, model_cfg: dict | None) -> ServerSettings:
+    disabled = bool(getattr(ns, "kv_disable_request_override", False))
+    allowed = getattr(ns, "kv_override_policies", None)
+    min_budget = getattr(ns, "kv_override_min_budget", None)
+    if disabled and (allowed is not None or min_budget is not None):
+        other = "--kv-override-policies" if allowed is not None else "--kv-override-min-budget"
+        _fail(f"{other} has no effect with --kv-disable-request-override (no override is allowed): drop one")
+    tokens, ratio = min_budget if min_budget is not None else (None, None)
+    quant = None
+    for flag in ("quantization", "modelopt_quant"):
+        if getattr(ns, flag, None):
+            quant = f"--{flag.replace('_', '-')} {getattr(ns, flag)}"
+            break
+    if quant is None and model_cfg is not None and modelcheck.quantization(model_cfg):
+        quant = f"the checkpoint's quantization_config: {modelcheck.quantization(model_cfg)}"
+    try:
+        return ServerSettings(
+            overrides=OverridePolicy(
+                enabled=not disabled, policies=allowed, min_budget_tokens=tokens, min_budget_ratio=ratio
+            ),
+            quantization=quant,
+        )
+    except ValidationError as e:  # the argparse types check first; this is a second line
+        err = e.errors()[0]
+        flag = "--kv-override-policies" if "policies" in err["loc"] else "--kv-override-min-budget"
+        _fail(f"argument {flag}: {err['msg']}")
+        raise  # unreachable: _fail exits
+
+
+def _restrict_features(
+    ns: argparse.Namespace, cfg: KvConfig, settings: ServerSettings, model_cfg: dict | None
+) -> None:
     """Features that do not compose with per-request compaction: refuse or switch off, saying why."""
+    policy = cfg.policy
     if getattr(ns, "page_size", None) not in (None, 1):
         _fail(f"--kv-policy {policy} compacts per token and needs --page-size 1 (got {ns.page_size})")
     if getattr(ns, "speculative_algorithm", None):
         _fail(f"--kv-policy {policy} does not support speculative decoding (--speculative-algorithm)")
+    if getattr(ns, "enable_hierarchical_cache", False):
+        _fail(
+            f"--kv-policy {policy} does not support --enable-hierarchical-cache "
+            "(host-memory copies of compressed rows are not managed)"
+        )
+    if int(getattr(ns, "pp_size", 1) or 1) > 1:
+        _fail(
+            f"--kv-policy {policy} does not support pipeline parallelism (--pp-size {ns.pp_size}): "
+            "compression runs over all layers of one rank"
+        )
+    if settings.quantization and "o_proj" in cfg.build().needs:
+        _fail(
+            f"--kv-policy {policy} reads o_proj's weights, which are quantized "
+            f"({settings.quantization}); use another policy or an unquantized model"
+        )
+    if model_cfg is not None:
+        why = modelcheck.refusal(model_cfg)
+        if why:
+            _fail(f"--kv-policy {policy} cannot serve {ns.model_path}: {why}")
     if not getattr(ns, "disable_overlap_schedule", False):
         ns.disable_overlap_schedule = True
         logger.warning(
@@ -115,6 +248,64 @@ def _restrict_features(ns: argparse.Namespace, policy: str) -> None:
         logger.warning(
             "sgl-kvevict: --enable-mixed-chunk switched off: mixed batches compute positions without our offsets"
         )
+
+
+ENGINE_KEYS = ("kv_policy", "kv_budget", "kv_policy_config")
+
+
+def server_args_init(*args, **kwargs):
+    """ServerArgs keyword arguments of the offline `sgl.Engine(..., kv_policy="d2o", kv_budget=0.5)`.
+
+    The Engine builds ServerArgs from its keyword arguments, which never pass through the CLI parser:
+    take our three keys out (ServerArgs has no such fields), validate them exactly as the CLI does,
+    and apply what `from_cli_args` would set. A bad value is a ValueError naming the field.
+    Returns (args, kwargs) to build ServerArgs with, or None when no key of ours is given.
+    """
+    global _in_engine
+    if not any(k in kwargs for k in ENGINE_KEYS):
+        return None
+    kv = {k: kwargs.pop(k, None) for k in ENGINE_KEYS}
+    ns = argparse.Namespace(**kwargs)
+    _in_engine = True
+    try:
+        ns.kv_policy = kv["kv_policy"] or "none"
+        ns.kv_budget = _budget_arg(kv["kv_budget"]) if isinstance(kv["kv_budget"], str) else kv["kv_budget"]
+        conf = kv["kv_policy_config"]
+        ns.kv_policy_config = _json_arg(conf) if isinstance(conf, str) else conf
+        from_cli_args(None, ns)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"kv_budget/kv_policy_config: {e}") from None
+    finally:
+        _in_engine = False
+    kwargs.update({k: v for k, v in vars(ns).items() if k not in ENGINE_KEYS})
+    return args, kwargs
+
+
+def _patch_engine() -> None:
+    """Let `sgl.Engine` take our keyword arguments.
+
+    ServerArgs is a msgspec struct (its constructor cannot be hooked) and HookRegistry would rebind
+    every module's `ServerArgs` on a class replacement, so only the Engine's own factory attribute
+    (`Engine.server_args_class`, what `Engine.__init__` calls after loading plugins) is wrapped, and
+    only in a process that has imported the Engine.
+    """
+    mod = sys.modules.get("sglang.srt.entrypoints.engine")
+    engine = getattr(mod, "Engine", None)
+    if engine is None or getattr(engine, "_kvevict_args", False):
+        return
+    base = engine.server_args_class
+
+    class KvEvictServerArgs:
+        """Builds a plain ServerArgs after taking kv_policy / kv_budget / kv_policy_config out."""
+
+        def __new__(cls, *args, **kwargs):
+            res = server_args_init(None, *args, **kwargs)
+            if res is not None:
+                args, kwargs = res[0][1:], res[1]
+            return base(*args, **kwargs)
+
+    engine.server_args_class = KvEvictServerArgs
+    engine._kvevict_args = True
 
 
 def verify_request(result, sampling_params, *args, **kwargs):
@@ -151,6 +342,7 @@ def load() -> None:
         "sglang.srt.sampling.sampling_params.SamplingParams.verify", verify_request, HookType.AFTER
     )
     _register_backend()
+    _patch_engine()
     cfg = server_config()
     if cfg.active:
         from sgl_kvevict import hooks

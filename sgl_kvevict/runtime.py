@@ -32,6 +32,27 @@ class Totals:
         return d
 
 
+def attention_scale(model: Any, head_dim: int) -> float:
+    """The softmax scale the model's own attention uses (`RadixAttention.scaling`).
+
+    Models differ (Gemma's query_pre_attn_scalar, MLA's scaled rope dims, yarn's mscale), so scores must
+    use the model's value; 1/sqrt(head_dim) only when no RadixAttention is found, said in the log.
+    """
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    scales = [float(m.scaling) for m in model.modules() if isinstance(m, RadixAttention)]
+    if not scales:
+        logger.warning(
+            "sgl-kvevict: no RadixAttention module in the model; scoring with 1/sqrt(head_dim=%d)", head_dim
+        )
+        return 1.0 / math.sqrt(head_dim)
+    if any(not math.isclose(x, scales[0], rel_tol=1e-6) for x in scales):
+        logger.warning(
+            "sgl-kvevict: attention scales differ across layers %s; scoring with the first", set(scales)
+        )
+    return scales[0]
+
+
 class Runtime:
     def __init__(self, cache: Any, ctx: Any) -> None:
         self.tree = cache
@@ -46,10 +67,27 @@ class Runtime:
         self.n_q_heads = int(cfg.num_attention_heads) // tp
         self.n_kv_heads = max(1, int(cfg.num_key_value_heads) // tp)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.scale = attention_scale(self.model, self.head_dim)
         self.start_layer = int(getattr(self.kv_pool, "start_layer", 0) or 0)
         self._o_proj: dict[int, torch.Tensor] = {}
         self.totals = Totals()
+        self.metrics = None
+        if getattr(ctx.params, "enable_metrics", False):
+            from sgl_kvevict.metrics import Metrics, labels_for
+
+            self.metrics = Metrics(labels_for(ctx.server_args, int(ctx.tp_rank)))
+
+    def compressed_kv(self) -> dict[str, int]:
+        """KV held by the tree's compressed nodes (counted by its event recorder)."""
+        rec = self.tree.kv_events
+        return {
+            "compressed_kv_tokens": int(getattr(rec, "compressed_slots", 0)),
+            "compressed_nodes": int(getattr(rec, "compressed_nodes", 0)),
+        }
+
+    def publish_metrics(self) -> None:
+        if self.metrics is not None:
+            self.metrics.publish(self.totals, self.compressed_kv())
 
     def k_buffer(self, layer: int) -> torch.Tensor:
         return self.kv_pool.get_key_buffer(layer + self.start_layer)
@@ -70,8 +108,13 @@ RT: Runtime | None = None
 
 def attach(cache: Any, ctx: Any) -> None:
     global RT
+    from sgl_kvevict import hooks, modelcheck
+
+    hf = ctx.model_config.hf_config
+    why = modelcheck.refusal(hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf)))
+    if why:  # the launcher refuses these from config.json; this catches models it could not read
+        raise RuntimeError(f"sgl-kvevict: a compressing KV policy cannot serve {why}")
     RT = Runtime(cache, ctx)
-    from sgl_kvevict import hooks
     from sgl_kvevict.config import server_config
 
     missing = hooks.verify_installed()
@@ -79,10 +122,12 @@ def attach(cache: Any, ctx: Any) -> None:
         raise RuntimeError(f"sgl-kvevict: hooks failed to apply (see the log above): {missing}")
     cfg = server_config()
     logger.info(
-        "sgl-kvevict: KV policy %r active (budget %s, config %s); compressing radix cache on %d layers x %d KV heads",
+        "sgl-kvevict: KV policy %r active (budget %s, config %s); compressing radix cache on %d layers x %d KV heads; "
+        "attention scale %.6g",
         cfg.policy,
         cfg.budget,
         cfg.config,
         RT.n_layers,
         RT.n_kv_heads,
+        RT.scale,
     )

@@ -32,6 +32,7 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
+from sgl_kvevict import events
 from sgl_kvevict import state as st
 
 if TYPE_CHECKING:
@@ -75,6 +76,7 @@ class KvEvictRadixCache(RadixCache):
 
     def __init__(self, params: Any, rows: int) -> None:
         super().__init__(params)
+        self.kv_events = events.KvEvictEventRecorder.replacing(self.kv_events)  # + compressed nodes
         # Logical-position offset of each request row (evicted tokens before its next token).
         self.offsets = torch.zeros(rows, dtype=torch.int64, device=self.device)
 
@@ -339,6 +341,7 @@ class KvEvictRadixCache(RadixCache):
         self.evictable_size_ += len(value)
         self._update_leaf_status(parent)
         self._update_leaf_status(node)
+        self.kv_events.record_store(node)
         return node, False
 
     def checkpoint(self, req: Req, *, up_to: int) -> None:

@@ -15,6 +15,7 @@ from .helpers import CHECKED_ENV, chat_ids, long_text, tokenizer
 pytestmark = pytest.mark.server
 
 SINKS, RECENT, BUDGET, LAG = 4, 32, 128, 16
+BRANCH = ["--kv-policy-config", '{"scope": "branch"}']  # the servers' default; overrides say it too
 POLICIES = {
     "streaming": {},
     "knorm": {},
@@ -28,7 +29,8 @@ POLICIES = {
 @pytest.fixture(scope="module")
 def branch_server():
     srv = Server(
-        ["--max-total-tokens", "30000", "--kv-policy", "snapkv", "--kv-budget", str(BUDGET)], env=CHECKED_ENV
+        ["--max-total-tokens", "30000", "--kv-policy", "snapkv", "--kv-budget", str(BUDGET), *BRANCH],
+        env=CHECKED_ENV,
     )
     with srv:
         yield srv
@@ -55,7 +57,10 @@ def session(srv: Server, kv: dict, turns: int, seed: int, turn_tokens: int = 100
 def test_session_kv_is_flat_under_a_token_budget(branch_server: Server):
     """Every policy at a token budget: once the budget is reached, the branch's own KV stays within
     budget + sinks + recent window (LagKV: + its raw tail below 2L) at the end of every turn; `none` grows."""
-    kvs = {name: {"policy": name, "budget": BUDGET, "config": cfg} for name, cfg in POLICIES.items()}
+    kvs = {
+        name: {"policy": name, "budget": BUDGET, "config": {**cfg, "scope": "branch"}}
+        for name, cfg in POLICIES.items()
+    }
     kvs["none"] = {"policy": "none"}
     with ThreadPoolExecutor(len(kvs)) as ex:
         # distinct seeds: identical sessions would share (and hold) each other's history
@@ -77,7 +82,7 @@ def test_session_kv_is_flat_under_a_token_budget(branch_server: Server):
 
 
 def test_budget_covering_the_context_is_token_identical(branch_server: Server):
-    big = {"policy": "snapkv", "budget": 100000}
+    big = {"policy": "snapkv", "budget": 100000, "config": {"scope": "branch"}}
     a = session(branch_server, big, 5, seed=7, n=12)
     b = session(branch_server, {"policy": "none"}, 5, seed=7, n=12)
     assert [r["output_ids"] for r in a] == [r["output_ids"] for r in b]
@@ -85,7 +90,7 @@ def test_budget_covering_the_context_is_token_identical(branch_server: Server):
 
 
 def test_identical_sessions_after_evictions_get_identical_tokens(branch_server: Server):
-    kv = {"policy": "lagkv", "budget": 64, "config": {"lag": LAG}}
+    kv = {"policy": "lagkv", "budget": 64, "config": {"lag": LAG, "scope": "branch"}}
     first = session(branch_server, kv, 3, seed=8, n=10)
     again = session(branch_server, kv, 3, seed=8, n=10)
     assert sum(r["evicted"] for r in first) > 0
@@ -129,6 +134,7 @@ def small_pool_server():
             "48",
             "--max-running-requests",
             "12",
+            *BRANCH,
         ],
         env=CHECKED_ENV,
     )

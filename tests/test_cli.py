@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,8 +14,8 @@ from sgl_kvevict.launch import CPU_FLAGS
 MISSING_MODEL = "/nonexistent/model-that-would-fail-to-load"
 
 
-def launch(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", MISSING_MODEL, *args]
+def launch(*args: str, model: str = MISSING_MODEL) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, *args]
     for flag, val in CPU_FLAGS.items():
         cmd += [flag] if val is None else [flag, val]
     return subprocess.run(
@@ -43,14 +45,183 @@ def launch(*args: str) -> subprocess.CompletedProcess:
             ["--kv-policy-config", "nope"],
         ),
         (["--kv-policy", "lagkv", "--page-size", "16"], ["--page-size 1"]),
+        (["--kv-policy", "lagkv", "--enable-hierarchical-cache"], ["--enable-hierarchical-cache"]),
     ],
 )
 def test_bad_flags_exit_before_model_load(args, needles):
     res = launch(*args)
-    assert res.returncode != 0
+    assert res.returncode == 2
+    assert len(res.stderr.strip().splitlines()[-1]) > 20  # the reason, on the last line
     err = res.stderr
     for needle in needles:
         assert needle in err, f"{needle!r} not in stderr:\n{err[-2000:]}"
     # Had the flags passed, SGLang would have tried (and failed) to load the missing model.
     assert MISSING_MODEL not in err.split("error:")[-1]
     assert "Load weight" not in res.stdout + err
+
+
+def check_in_process(monkeypatch, capsys, args: list[str], model: str = MISSING_MODEL) -> tuple[int, str]:
+    """SGLang's real parser with the plugin's flags and its `from_cli_args` hook, in this process (a
+    launch costs ~30 s of imports here). Returns (exit code, stderr); 0 when the flags were accepted."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    from sgl_kvevict import plugin
+    from sgl_kvevict.config import ENV_VAR, SETTINGS_ENV_VAR
+
+    monkeypatch.setenv(ENV_VAR, "")  # restored after the test: from_cli_args publishes into os.environ
+    monkeypatch.setenv(SETTINGS_ENV_VAR, "")
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    plugin.add_cli_args(None, parser)
+    capsys.readouterr()
+    try:
+        ns = parser.parse_args(["--model-path", model, *args])
+        plugin.from_cli_args(ServerArgs, ns)
+    except SystemExit as e:
+        return int(e.code or 0), capsys.readouterr().err
+    return 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["--kv-policy", "d2o", "--pp-size", "2"], ["pipeline parallelism", "--pp-size 2"]),
+        (
+            ["--kv-policy", "h2o", "--kv-policy-config", '{"window": 64}'],
+            ["--kv-policy-config", "'window' (64)", "'recent' (32)"],
+        ),
+        (
+            ["--kv-policy", "graphkv", "--kv-policy-config", '{"base": "snapkv", "recent": 8, "window": 16}'],
+            ["--kv-policy-config", "'window' (16)", "'recent' (8)"],
+        ),
+        (
+            ["--kv-policy", "criticalkv", "--quantization", "fp8"],
+            ["criticalkv", "o_proj", "--quantization fp8"],
+        ),
+        (
+            ["--kv-policy", "lagkv", "--kv-override-policies", "lagkv,bogus"],
+            ["--kv-override-policies", "'bogus'"],
+        ),
+        (
+            ["--kv-policy", "lagkv", "--kv-override-min-budget", "0"],
+            ["--kv-override-min-budget", "out of range"],
+        ),
+        (
+            ["--kv-policy", "lagkv", "--kv-override-min-budget", "1"],
+            ["--kv-override-min-budget", "ambiguous", '"100%"', '{"tokens": 1}'],
+        ),
+        (
+            ["--kv-policy", "lagkv", "--kv-budget", "1"],
+            ["--kv-budget", "ambiguous", '"100%"', '{"tokens": 1}'],
+        ),
+        (["--kv-policy", "lagkv", "--kv-budget", "150%"], ["--kv-budget", "out of range"]),
+        (
+            ["--kv-policy", "lagkv", "--kv-override-min-budget", "0.5,0.25"],
+            ["--kv-override-min-budget", "two ratio"],
+        ),
+        (
+            ["--kv-policy", "lagkv", "--kv-disable-request-override", "--kv-override-policies", "lagkv"],
+            ["--kv-override-policies", "--kv-disable-request-override"],
+        ),
+    ],
+)
+def test_bad_flags_refused_by_the_hook(monkeypatch, capsys, args, needles):
+    code, err = check_in_process(monkeypatch, capsys, args)
+    assert code == 2, err
+    last = err.strip().splitlines()[-1]
+    for needle in needles:
+        assert needle in last, f"{needle!r} not in {last!r}"
+
+
+def test_good_override_flags_are_published(monkeypatch, capsys):
+    import os
+
+    from sgl_kvevict.config import ENV_VAR, SETTINGS_ENV_VAR, KvConfig, ServerSettings
+
+    args = [
+        "--kv-policy",
+        "d2o",
+        "--kv-override-policies",
+        "lagkv,h2o",
+        "--kv-override-min-budget",
+        "128,25%",
+        "--kv-budget",
+        '{"tokens": 1}',
+    ]
+    code, err = check_in_process(monkeypatch, capsys, args)
+    assert code == 0, err
+    got = ServerSettings.model_validate_json(os.environ[SETTINGS_ENV_VAR])
+    assert got.overrides.policies == ["h2o", "lagkv"]
+    assert (got.overrides.min_budget_tokens, got.overrides.min_budget_ratio) == (128, 0.25)
+    assert got.overrides.enabled and got.quantization is None
+    cfg = KvConfig.model_validate_json(os.environ[ENV_VAR])
+    assert cfg.budget == 1 and type(cfg.budget) is int  # one token, asked for explicitly
+    for spelling, want in (("50%", 0.5), ("0.5", 0.5), ("1.0", 1.0), ("100%", 1.0), ("256", 256)):
+        code, err = check_in_process(monkeypatch, capsys, ["--kv-policy", "d2o", "--kv-budget", spelling])
+        assert code == 0, err
+        got_b = KvConfig.model_validate_json(os.environ[ENV_VAR]).budget
+        assert got_b == want and type(got_b) is type(want)
+
+
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 128,
+}
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 512}, "sliding-window"),
+        ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window=4096"),
+        ({"architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 512}, "MLA"),
+        ({"architectures": ["DeepseekV2ForCausalLM"]}, "MLA"),
+        ({"rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}, "mrope"),
+        (
+            {"text_config": {"rope_parameters": {"rope_type": "default", "mrope_section": [16, 24, 24]}}},
+            "mrope",
+        ),
+        ({"quantization_config": {"quant_method": "awq"}}, "quantization_config: awq"),  # criticalkv only
+    ],
+)
+def test_unsupported_models_are_refused(monkeypatch, capsys, tmp_path: Path, extra: dict, needle: str):
+    """Model-dependent refusals read the model folder's config.json in the launcher: exit 2, one line."""
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA, **extra}))
+    policy = "criticalkv" if "quantization_config" in extra else "d2o"
+    code, err = check_in_process(monkeypatch, capsys, ["--kv-policy", policy], model=str(tmp_path))
+    assert code == 2, err
+    last = err.strip().splitlines()[-1]
+    assert needle in last and f"--kv-policy {policy}" in last, last
+    # the same model is fine without compression
+    code, err = check_in_process(monkeypatch, capsys, ["--kv-policy", "none"], model=str(tmp_path))
+    assert code == 0, err
+
+
+def test_unsupported_model_exits_2_before_load(tmp_path: Path):
+    """Through the real launcher: exit code 2 and the reason on the last line, no weight loaded."""
+    (tmp_path / "config.json").write_text(
+        json.dumps({**LLAMA, "architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 512})
+    )
+    res = launch("--kv-policy", "lagkv", model=str(tmp_path))
+    assert res.returncode == 2, res.stderr[-2000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert "MLA" in last and "--kv-policy lagkv" in last, last
+    assert "Load weight" not in res.stdout + res.stderr
+
+
+def test_supported_model_configs_pass_the_check():
+    """The refusals do not catch ordinary models (Qwen2-style disabled sliding window, plain Llama)."""
+    from sgl_kvevict import modelcheck
+
+    assert modelcheck.refusal(LLAMA) is None
+    assert modelcheck.refusal({**LLAMA, "sliding_window": 32768, "use_sliding_window": False}) is None
+    assert modelcheck.refusal({**LLAMA, "sliding_window": None}) is None
+    assert modelcheck.refusal({**LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}) is None
+    assert modelcheck.quantization(LLAMA) is None

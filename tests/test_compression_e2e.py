@@ -174,7 +174,7 @@ def test_frontend_fork_shares_the_context(kv_server: Server):
         s += sgl.system("Answer in a few words.")
         s += sgl.user(ctx)
         s += sgl.assistant("I have read the log.")
-        s.text()  # commits the shared prefix before forking (ENVIRONMENT.md)
+        s.text()  # commits the shared prefix before forking, or the branches miss the cache
         forks = s.fork(4)
         for i, f in enumerate(forks):
             f += sgl.user(f"Question {i}: name one worker from the log.")
@@ -282,11 +282,11 @@ def test_compressed_history_is_isolated_per_config(kv_server: Server):
     follow = chat_ids(
         [*first, {"role": "assistant", "content": out["text"]}, {"role": "user", "content": "Why?"}]
     )
+    same = kv_server.generate(input_ids=follow, max_new_tokens=4, kv=lossy)
+    assert kvinfo(same)["reused_evicted"] > 0  # the producer's own config does reuse it
     for other in ({"policy": "none"}, {"policy": "snapkv", "budget": 0.5}, {"policy": "d2o", "budget": 0.25}):
         got = kv_server.generate(input_ids=follow, max_new_tokens=4, kv=other)
         info = kvinfo(got)
         assert info["reused_evicted"] == 0, (other, info)
         # ...and it still shares the document's full KV (the uncompressed copy stays in the tree)
-        assert info["prefix_kv_tokens"] >= 1500 and got["meta_info"]["cached_tokens"] >= 1500
-    same = kv_server.generate(input_ids=follow, max_new_tokens=4, kv=lossy)
-    assert kvinfo(same)["reused_evicted"] > 0  # the producer's own config does reuse it
+        assert got["meta_info"]["cached_tokens"] >= 1500, (other, got["meta_info"])

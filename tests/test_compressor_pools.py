@@ -135,12 +135,7 @@ def _start(rank: Rank, policy: str, config: dict, share_prompt: bool) -> SimpleN
     st.on_match(req, Region(rank.tree.root_node, 0, 0, None))
     if "attn" in s.policy.needs:
         rank.rings[0] = capture.Ring(
-            L,
-            s.policy.config.window,
-            (rank.heads.stop - rank.heads.start) * GROUP,
-            D,
-            torch.float32,
-            torch.device("cpu"),
+            L, s.policy.config.window, (rank.heads.stop - rank.heads.start) * GROUP, D
         )
         capture.RINGS[0] = rank.rings[0]
     for pos in range(PROMPT):
@@ -261,3 +256,16 @@ def test_full_pool_takes_back_its_own_tree_nodes() -> None:
     rank.alloc.free(hog)
     rank.tree.evict(EvictParams(num_tokens=10**6))
     assert rank.alloc.available_size() == POOL
+
+
+def test_declared_shared_prefix_is_kept_on_a_first_turn() -> None:
+    """Nothing was matched on a first turn, so the match could not place the declared prefix; the first
+    compression does, on the prompt checkpointed after prefill (splitting the node it cuts)."""
+    rank = Rank(slice(0, 4))
+    req = _start(rank, "knorm", {"shared_prefix": 40, "scope": "branch"}, share_prompt=True)
+    row_before = rank.r2t.req_to_token[0, :40].clone()
+    assert compressor.compress(req, "prefill") > 0
+    s = st.get(req)
+    assert s.anchor_tokens == 40 and s.anchor_kv == 40 and len(s.anchor.key) == 40
+    assert torch.equal(rank.r2t.req_to_token[0, :40], row_before)  # the declared prefix was not compacted
+    assert req.kv.cache_protected_len == 40

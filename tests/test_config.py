@@ -5,21 +5,116 @@ from __future__ import annotations
 import pytest
 
 from sgl_kvevict import policies
-from sgl_kvevict.config import KvConfig, parse_budget, request_override
+from sgl_kvevict.config import (
+    SETTINGS_ENV_VAR,
+    KvConfig,
+    OverridePolicy,
+    ServerSettings,
+    parse_budget,
+    parse_min_budget,
+    request_override,
+    server_settings,
+)
 
 
 @pytest.mark.parametrize(
-    ("text", "want"), [("256", 256), ("0.5", 0.5), ("1", 1), ("1.0", 1.0), ("300.0", 300), (64, 64)]
+    ("text", "want"),
+    [
+        ("256", 256),
+        ("0.5", 0.5),
+        ("1.0", 1.0),
+        (1.0, 1.0),
+        ("300.0", 300),
+        (64, 64),
+        (2, 2),
+        ("50%", 0.5),
+        (" 100% ", 1.0),
+        ("12.5%", 0.125),
+        ("12.3%", 0.123),
+        ({"tokens": 1}, 1),
+        ({"tokens": 256}, 256),
+        ({"ratio": 1}, 1.0),
+        ({"ratio": 0.5}, 0.5),
+        ('{"tokens": 1}', 1),
+        (1 << 24, 1 << 24),
+    ],
 )
 def test_parse_budget_accepts(text, want):
     got = parse_budget(text)
     assert got == want and type(got) is type(want)
 
 
-@pytest.mark.parametrize("text", ["0", "-3", "0.0", "1.5", "abc", "", "nan"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "0",
+        "-3",
+        "0.0",
+        "1.5",
+        "abc",
+        "",
+        "nan",
+        "inf",
+        float("nan"),
+        True,
+        "0%",
+        "101%",
+        "nan%",
+        "%",
+        {"tokens": 0},
+        {"tokens": 1.0},
+        {"tokens": True},
+        {"ratio": 1.5},
+        {"ratio": 0},
+        {"tokens": 1, "ratio": 0.5},
+        {},
+        [256],
+        None,
+        (1 << 24) + 1,
+        10**30,
+        "x" * 100,
+    ],
+)
 def test_parse_budget_rejects(text):
     with pytest.raises(ValueError):
         parse_budget(text)
+
+
+@pytest.mark.parametrize("one", [1, "1", " 1 "])
+def test_bare_one_is_refused_saying_what_to_write(one):
+    with pytest.raises(ValueError) as e:
+        parse_budget(one)
+    assert '"100%"' in str(e.value) and '{"tokens": 1}' in str(e.value)
+    with pytest.raises(ValueError, match="100%"):
+        request_override({"kvevict": {"budget": one}}, KvConfig(policy="d2o", budget=256), ServerSettings())
+
+
+def test_equal_budgets_written_differently_are_one_budget():
+    from sgl_kvevict.state import fingerprint
+
+    prints = set()
+    for spelling in ("50%", 0.5, "0.5", {"ratio": 0.5}, '{"ratio": 0.5}'):
+        cfg = KvConfig(policy="snapkv", budget=spelling)
+        assert cfg.budget == 0.5 and type(cfg.budget) is float
+        prints.add(fingerprint(cfg, cfg.build()))
+    assert len(prints) == 1
+    tok = {
+        fingerprint(c, c.build())
+        for c in (KvConfig(policy="snapkv", budget=b) for b in (256, "256", {"tokens": 256}))
+    }
+    assert len(tok) == 1 and not tok & prints
+    everything = KvConfig(policy="snapkv", budget="100%")
+    one = KvConfig(policy="snapkv", budget={"tokens": 1})
+    assert fingerprint(everything, everything.build()) != fingerprint(one, one.build())
+
+
+def test_one_token_survives_the_trip_to_the_scheduler():
+    one = KvConfig(policy="snapkv", budget={"tokens": 1})
+    back = KvConfig.model_validate_json(one.to_env())
+    assert back.budget == 1 and type(back.budget) is int
+    assert request_override({"kvevict": {"policy": "h2o"}}, one, ServerSettings()).budget == 1
+    whole = KvConfig.model_validate_json(KvConfig(policy="snapkv", budget="100%").to_env())
+    assert whole.budget == 1.0 and type(whole.budget) is float
 
 
 def test_ratio_budget_resolves_against_suffix():
@@ -60,3 +155,113 @@ def test_request_override_merges_and_validates():
 def test_registry_lists_required_policies():
     want = {"none", "streaming", "knorm", "h2o", "snapkv", "lagkv", "d2o", "graphkv", "criticalkv"}
     assert want <= set(policies.available())
+
+
+# -- the operator's override rules (--kv-disable-request-override, --kv-override-*) -----------------
+
+
+def _settings(**kw) -> ServerSettings:
+    quant = kw.pop("quantization", None)
+    return ServerSettings(overrides=OverridePolicy(**kw), quantization=quant)
+
+
+def _deny(custom: dict, base: KvConfig, settings: ServerSettings, *words: str) -> None:
+    with pytest.raises(ValueError) as e:
+        request_override({"kvevict": custom}, base, settings)
+    for word in words:
+        assert word in str(e.value), str(e.value)
+
+
+def test_disabled_overrides_deny_everything():
+    base = KvConfig(policy="d2o", budget=256)
+    s = _settings(enabled=False)
+    for custom in ({}, {"budget": 512}, {"policy": "d2o"}, {"policy": "none"}):
+        _deny(custom, base, s, "--kv-disable-request-override")
+    assert request_override({"other": 1}, base, s) is None  # no kvevict key: nothing to deny
+
+
+def test_allowed_policies():
+    base = KvConfig(policy="d2o", budget=256)
+    s = _settings(policies=["lagkv", "snapkv"])
+    assert request_override({"kvevict": {"policy": "lagkv"}}, base, s).policy == "lagkv"
+    assert request_override({"kvevict": {"policy": "d2o"}}, base, s).policy == "d2o"  # the server's own
+    assert request_override({"kvevict": {"budget": 300}}, base, s).policy == "d2o"
+    _deny({"policy": "h2o"}, base, s, "'h2o'", "--kv-override-policies lagkv,snapkv")
+    _deny({"policy": "none"}, base, s, "'none'", "--kv-override-policies")
+    with pytest.raises(ValueError, match="valid choices"):
+        OverridePolicy(policies=["lagkv", "bogus"])
+
+
+def test_min_budget_same_kind_only():
+    base = KvConfig(policy="d2o", budget=256)
+    tok = _settings(min_budget_tokens=128)
+    assert request_override({"kvevict": {"budget": 128}}, base, tok).budget == 128
+    assert request_override({"kvevict": {"budget": 4096}}, base, tok).budget == 4096
+    _deny({"budget": 127}, base, tok, "below", "128", "--kv-override-min-budget")
+    _deny({"budget": 0.9}, base, tok, "ratio", "--kv-override-min-budget 128")  # not comparable: denied
+    _deny({"budget": 1.0}, base, tok, "ratio")
+    rat = _settings(min_budget_ratio=0.25)
+    assert request_override({"kvevict": {"budget": 0.25}}, base, rat).budget == 0.25
+    _deny({"budget": 0.2}, base, rat, "below", "0.25")
+    _deny({"budget": 100000}, base, rat, "tokens", "--kv-override-min-budget 0.25")
+    both = _settings(min_budget_tokens=128, min_budget_ratio=0.25)
+    assert request_override({"kvevict": {"budget": 0.3}}, base, both).budget == 0.3
+    assert request_override({"kvevict": {"budget": 200}}, base, both).budget == 200
+    _deny({"budget": 64}, base, both, "below", "128")
+    _deny({"budget": 0.1}, base, both, "below", "0.25")
+    # the server's own budget is always allowed, and a policy change keeps it
+    low = KvConfig(policy="d2o", budget=64)
+    assert request_override({"kvevict": {"budget": 64}}, low, tok).budget == 64
+    assert request_override({"kvevict": {"policy": "lagkv"}}, low, tok).budget == 64
+    # a token budget 1 is not the ratio 1.0 even though 1 == 1.0 in Python
+    _deny({"budget": {"tokens": 1}}, KvConfig(policy="d2o", budget=1.0), tok, "below")
+    assert request_override({"kvevict": {"budget": "30%"}}, base, rat).budget == 0.3
+
+
+def test_quantized_o_proj_denies_criticalkv_overrides():
+    base = KvConfig(policy="d2o", budget=256)
+    s = _settings(quantization="--quantization fp8")
+    _deny({"policy": "criticalkv"}, base, s, "o_proj", "--quantization fp8")
+    assert request_override({"kvevict": {"policy": "snapkv"}}, base, s).policy == "snapkv"
+
+
+def test_window_must_fit_in_recent_for_attention_policies():
+    with pytest.raises(policies.PolicyConfigError, match="'window' \\(64\\) must be <= 'recent' \\(32\\)"):
+        KvConfig(policy="snapkv", config={"window": 64}).build()
+    KvConfig(policy="snapkv", config={"window": 16, "recent": 16}).build()
+    KvConfig(policy="lagkv", config={"window": 64}).build()  # no attention scores: the window is unused
+    base = KvConfig(policy="d2o", budget=256)
+    _deny({"config": {"recent": 8}}, base, ServerSettings(), "'window' (32)", "'recent' (8)")
+
+
+def test_server_settings_travel_through_the_environment(monkeypatch):
+    s = _settings(policies=["lagkv"], min_budget_tokens=64)
+    monkeypatch.setenv(SETTINGS_ENV_VAR, s.to_env())
+    assert server_settings() == s
+    base = KvConfig(policy="d2o", budget=256)
+    with pytest.raises(ValueError, match="--kv-override-policies"):
+        request_override({"kvevict": {"policy": "h2o"}}, base)  # default settings: this process's
+    monkeypatch.delenv(SETTINGS_ENV_VAR)
+    assert server_settings() == ServerSettings()
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("256", (256, None)),
+        ("0.25", (None, 0.25)),
+        ("25%", (None, 0.25)),
+        ("256,0.25", (256, 0.25)),
+        ("0.5, 64", (64, 0.5)),
+        ("256,25%", (256, 0.25)),
+        ('{"tokens": 1}', (1, None)),
+    ],
+)
+def test_parse_min_budget(text, want):
+    assert parse_min_budget(text) == want
+
+
+@pytest.mark.parametrize("text", ["", "0", "1", "1.5", "64,128", "0.1,0.2", "1,2,3", "x", "10%,0.2", "1e30"])
+def test_parse_min_budget_rejects(text):
+    with pytest.raises(ValueError):
+        parse_min_budget(text)

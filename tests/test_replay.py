@@ -16,6 +16,8 @@ from replay_report import final_kv  # noqa: E402
 
 from sgl_kvevict.scenarios.base import ScenarioConfig  # noqa: E402
 
+from .helpers import CHECKED_ENV  # noqa: E402
+
 TURN_FIELDS = {
     "session",
     "turn",
@@ -49,9 +51,67 @@ def test_scenarios_are_deterministic() -> None:
     from sgl_kvevict.scenarios import build
 
     cfg = ScenarioConfig(sessions=2, turns=3, seed=7)
-    for name in ("agent", "recall", "forks"):
+    for name in ("agent", "recall", "forks", "long"):
         assert build(name, cfg) == build(name, cfg)
         assert build(name, cfg) != build(name, cfg.model_copy(update={"seed": 8}))
+
+
+def test_long_scenario_plants_early_and_asks_last() -> None:
+    from sgl_kvevict.scenarios import build
+
+    sc = build("long", ScenarioConfig(sessions=2, turns=30, tool_tokens_min=50, tool_tokens_max=600))
+    for s in sc.sessions:
+        assert len(s.turns) == 30 and s.turns[0].inputs[0].content.startswith("Remember this:")
+        assert s.turns[-1].expect and s.turns[-1].expect in s.turns[0].inputs[0].content
+        assert all(t.expect is None for t in s.turns[:-1])
+        roles = [[m.role for m in t.inputs] for t in s.turns[1:-1]]
+        assert ["user"] in roles and ["user", "assistant", "tool"] in roles  # short turns and tool turns
+        tools = [len(t.inputs[-1].content) for t in s.turns[1:-1] if t.inputs[-1].role == "tool"]
+        assert max(tools) > 3 * min(tools)  # mixed lengths
+    with pytest.raises(ValueError, match="turns >= 2"):
+        build("long", ScenarioConfig(turns=1))
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("snapkv@foo", "unknown scope 'foo'; valid: request, branch"),
+        ("snapx@branch", "unknown policy 'snapx'; valid: "),
+        ("none@request", "'none' takes no scope"),
+        ("snapkv@branch=0", "out of range"),
+    ],
+)
+def test_policy_specs_are_validated(text: str, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        replay.parse_spec(text)
+    with pytest.raises(SystemExit) as e:
+        replay.parse(["--policies", f"none,{text}"])
+    assert e.value.code == 2
+
+
+def test_policy_specs_name_runs() -> None:
+    cfg = replay.parse(
+        [
+            "--policies",
+            "none,snapkv,snapkv@request,snapkv@branch=1024",
+            "--budgets",
+            "256,0.5",
+            "--policy-config",
+            '{"snapkv": {"window": 16}, "snapkv@branch": {"carry": "none"}}',
+        ]
+    )
+    runs = replay.runs_of(cfg)
+    assert [r.label for r in runs] == [
+        "none",
+        "snapkv@256",
+        "snapkv@0.5",
+        "snapkv@request@256",
+        "snapkv@request@0.5",
+        "snapkv@branch@1024",
+    ]
+    assert replay.policy_config(cfg, runs[1].spec) == {"window": 16}
+    assert replay.policy_config(cfg, runs[3].spec) == {"window": 16, "scope": "request"}
+    assert replay.policy_config(cfg, runs[5].spec) == {"window": 16, "carry": "none", "scope": "branch"}
 
 
 def test_sharegpt_loader(tmp_path: Path) -> None:
@@ -133,3 +193,46 @@ def test_short_replay(tmp_path: Path) -> None:
         and lag["greedy_agreement"] is not None
         and lag["loglik_mean"] is not None
     )
+
+
+@pytest.mark.server
+def test_long_session_branch_scope_caps_session_kv(tmp_path: Path) -> None:
+    """One 8-turn session with short turns under snapkv at a 48-token budget in both scopes: every turn
+    reports the session's KV and its branch KV; branch scope holds less at the last turn than request
+    scope (which keeps each turn's sinks + recent window), and `none` holds the most."""
+    budget = 48
+    cfg = replay.BenchConfig(
+        scenarios=["long"],
+        scenario=ScenarioConfig(
+            sessions=1, turns=8, system_tokens=60, tool_tokens_min=40, tool_tokens_max=160
+        ),
+        concurrency=1,
+        max_new_tokens=4,
+        policies=["snapkv@request", "snapkv@branch"],
+        budgets=[budget],
+        max_total_tokens=4000,
+        server_mode="shared",
+        server_env={k: v for k, v in CHECKED_ENV.items() if k != "KVEVICT_DEBUG"},
+        score="none",
+        poll_interval=0.5,
+        out=tmp_path,
+    )
+    replay.main(cfg)
+    res = json.loads((tmp_path / "replay.json").read_text())
+    assert [r["label"] for r in res["runs"]] == ["none", "snapkv@request@48", "snapkv@branch@48"]
+    assert [r["scope"] for r in res["runs"]] == [None, "request", "branch"]
+    assert "KV per session by turn" in (tmp_path / "replay.md").read_text()
+    for run in res["runs"]:
+        assert len(run["turns"]) == 8
+        assert all(t["error"] is None and t["branch_kv_tokens"] is not None for t in run["turns"]), run
+        assert all(t["cached_tokens"] > 0 for t in run["turns"][1:]), run  # history reused every turn
+    none, req, br = res["summary"]
+    for s in res["summary"]:
+        assert len(s["kv_by_turn"]) == 8 and None not in s["kv_by_turn"], s
+        assert len(s["branch_kv_by_turn"]) == 8 and None not in s["branch_kv_by_turn"], s
+    assert none["kv_by_turn"][-1] > req["kv_by_turn"][-1] > br["kv_by_turn"][-1], (none, req, br)
+    assert req["kv_by_turn"][-1] - req["kv_by_turn"][3] > br["kv_by_turn"][-1] - br["kv_by_turn"][3]
+    # branch scope: the branch's own KV is capped by one budget (+ sinks, recent window) at every turn end
+    assert max(br["branch_kv_by_turn"][1:]) <= budget + 4 + 32, br["branch_kv_by_turn"]
+    shared = res["runs"][2]["turns"][-1]["prefix_kv_tokens"]
+    assert shared > 0  # the system block is declared shared: never compressed

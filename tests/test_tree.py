@@ -226,3 +226,59 @@ def test_branch_region_adopts_the_branch_compressed_history(tree):
     assert torch.equal(s.layer_state[0]["carried"], torch.ones(3, 8))
     assert s.layer_state[0]["carried"] is not c_node.kvevict_state[0]["carried"]  # a copy
     assert s.reused_evicted == 12 and s.inherited_evicted == 12
+
+
+def _events_tree(radix_cls):
+    r2t = ReqToTokenPool(8, 256, "cpu", False)
+    kv = MHATokenToKVPool(POOL, 1, torch.bfloat16, 3, 64, 2, "cpu", False)
+    alloc = TokenToKVPoolAllocator(POOL, torch.bfloat16, "cpu", kv, False)
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=r2t,
+        token_to_kv_pool_allocator=alloc,
+        page_size=1,
+        enable_kv_cache_events=True,
+    )
+    return (
+        radix_cls(params, r2t.req_to_token.shape[0]) if radix_cls is KvEvictRadixCache else radix_cls(params)
+    )
+
+
+def test_kv_events_cover_compressed_nodes_and_add_up_to_slots():
+    import msgspec
+    from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored, KVEventBatch
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    from sgl_kvevict.events import event_slots
+
+    t = _events_tree(KvEvictRadixCache)
+    _, c_node, _, _ = build_history(t)
+    stored = t.take_events()
+    assert all(isinstance(e, BlockStored) for e in stored)
+    comp = [e for e in stored if getattr(e, "kv_slots", None) is not None]
+    assert len(comp) == 1 and comp[0].kv_slots == len(c_node.value) == 8  # the compressed node, its slots
+    assert comp[0].token_ids == list(range(10, 30)) and len(comp[0].block_hashes) == 20
+    # Every event together: the slots the tree holds (P 10 + C 8 + tail 5), as the allocator sees them.
+    assert sum(event_slots(e) for e in stored) == t.evictable_size() == 23
+    assert sum(len(e.token_ids) for e in stored) == 35
+    # The hashes are the ones SGLang's own tree publishes for the same 35 tokens, chained in order.
+    plain = _events_tree(RadixCache)
+    plain.insert(
+        InsertParams(key=key(range(35)), value=plain.token_to_kv_pool_allocator.alloc(35).to(torch.int64))
+    )
+    ref = [h for e in plain.take_events() if isinstance(e, BlockStored) for h in e.block_hashes]
+    assert [h for e in stored for h in e.block_hashes] == ref
+    assert comp[0].parent_block_hash == ref[9] and stored[-1].parent_block_hash == ref[29]
+    # On the wire it is SGLang's BlockStored (same tag) with one extra optional field.
+    wire = msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=stored))
+    decoded = msgspec.msgpack.decode(wire, type=KVEventBatch).events
+    assert [type(e) for e in decoded] == [BlockStored] * len(stored)
+    raw = msgspec.msgpack.decode(wire)[1]
+    assert [e.get("kv_slots") for e in raw] == [None, 8, None] and {e["type"] for e in raw} == {"BlockStored"}
+    # Eviction reports every node, compressed included, and frees the same slots.
+    t.evict(EvictParams(num_tokens=1000))
+    removed = t.take_events()
+    assert all(isinstance(e, BlockRemoved) for e in removed)
+    assert sum(event_slots(e) for e in removed) == 23
+    assert sorted(h for e in removed for h in e.block_hashes) == sorted(ref)
+    assert [e.kv_slots for e in removed if getattr(e, "kv_slots", None) is not None] == [8]

@@ -1,0 +1,32 @@
+"""The attention scale used for scoring comes from the model's own RadixAttention modules."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from sglang.srt.layers.radix_attention import RadixAttention
+
+from sgl_kvevict.runtime import attention_scale
+
+
+class TinyModel(torch.nn.Module):
+    def __init__(self, scaling: float) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.ModuleDict({"attn": RadixAttention(4, 64, scaling, 2, layer_id=i)}) for i in range(2)
+        )
+
+
+def test_scale_read_from_radix_attention():
+    # e.g. Gemma's query_pre_attn_scalar**-0.5 differs from 1/sqrt(head_dim)
+    assert attention_scale(TinyModel(256**-0.5), head_dim=64) == 256**-0.5
+    assert attention_scale(TinyModel(0.1), head_dim=64) == 0.1
+
+
+def test_scale_falls_back_to_head_dim_with_a_log_line(caplog):
+    with caplog.at_level(logging.WARNING, logger="sgl_kvevict"):
+        got = attention_scale(torch.nn.Linear(2, 2), head_dim=64)
+    assert got == 1.0 / math.sqrt(64)
+    assert "no RadixAttention" in caplog.text
