@@ -46,17 +46,23 @@ POLICIES: dict[str, dict] = {
     "graphkv": {},
     "criticalkv": {},
 }
-SESSIONS = ["streaming", "snapkv", "lagkv", "d2o"]
+SESSIONS = ["streaming", "snapkv", "lagkv", "d2o", "snapkv-branch"]
 FOLLOW_UPS = ["Which host appears most often?", "And which user restarted a service last?"]
 SUMMARY: dict[str, oracle.TokenCheck] = {}
 
 
-def kv_override(policy: str) -> dict:
-    if policy == "none":
+# other configurations of a policy, by label
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "d2o-merge": ("d2o", {}),  # merge on: the oracle must notice
+    "snapkv-branch": ("snapkv", {"scope": "branch"}),  # earlier turns re-compressed with the new tokens
+}
+
+
+def kv_override(label: str) -> dict:
+    if label == "none":
         return {"policy": "none"}
-    if policy == "d2o-merge":
-        return {"policy": "d2o", "budget": BUDGET, "config": {"interval": 6}}
-    return {"policy": policy, "budget": BUDGET, "config": {"interval": 6, **POLICIES[policy]}}
+    policy, cfg = VARIANTS.get(label, (label, POLICIES.get(label, {})))
+    return {"policy": policy, "budget": BUDGET, "config": {"interval": 6, **cfg}}
 
 
 def timeline_of(out: dict) -> oracle.Timeline:
@@ -171,6 +177,17 @@ def test_multi_turn_under_eviction_equals_hf(runs, model, policy: str):
         t, held = int(adm["tokens"]), len(adm["positions"][0][0])
         assert t >= len(prev.input_ids), "the next turn did not reuse the previous turn's history"
         assert held < t, "nothing evicted before the new turn's tokens (offset 0)"
+        # request scope: the matched history is the tree's, never evicted again (a short new turn
+        # may not compress at all); branch scope: it is re-compressed with the new tokens
+        history = [sum(1 for x in ev["positions"][0][0] if x < t) for ev in turn.timeline[1:]]
+        if policy.endswith("-branch"):
+            assert history and min(history) < held, (
+                f"branch scope kept the whole history: {held} -> {history}"
+            )
+        else:
+            assert all(h == held for h in history), (
+                f"request scope evicted from the matched history: {history}"
+            )
     check(model, f"session/{policy}", turns)
 
 
