@@ -18,7 +18,7 @@ layers (equal counts keep the paged layout rectangular), so the allocation is on
 region) and `view.stats["d2o_inv_var"]` = 1 / sigma2, the softmax logit; alpha_l is
 L_layers * softmax over layers of `d2o_inv_var`.
 
-Readings chosen (ALGORITHMS 2.2, reconstructed): keys-only cosine similarity; tau per KV head; the
+Readings chosen where the paper is silent (reconstructed): keys-only cosine similarity; tau per KV head; the
 updated threshold is compared; merged tokens keep their own slot's carried score (h2o's `carry`);
 `merge=False` gives the paper's "without merging" ablation.
 """

@@ -112,9 +112,8 @@ def _plan(
         idx = torch.arange(n, device=slots.device)
         dk = [rt.k_buffer(layer).index_select(0, slots) for layer in range(rt.n_layers)]
         dv = [rt.v_buffer(layer).index_select(0, slots) for layer in range(rt.n_layers)]
-        if s.policy.merges:
-            for v, kp, k_, v_ in zip(views, keeps, dk, dv, strict=True):
-                s.policy.merge(dataclasses.replace(v, k_buffer=k_, v_buffer=v_, slots=idx), kp)
+        for v, kp, k_, v_ in zip(views, keeps, dk, dv, strict=True):
+            s.policy.merge(dataclasses.replace(v, k_buffer=k_, v_buffer=v_, slots=idx), kp)
         kernels.compact(dk, dv, idx, keep)
         plan.dense_k, plan.dense_v = [x[:k] for x in dk], [x[:k] for x in dv]
     return plan
