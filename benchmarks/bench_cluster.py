@@ -3,9 +3,12 @@
     HF_HUB_OFFLINE=1 python benchmarks/bench_cluster.py --workers 1,2 --policies none,lagkv \\
         --sessions 16 --turns 3 --out results/cluster
 
-For each worker count it starts a cluster (`sgl_kvevict.cluster`: workers with `--kv-policy lagkv`, so
-`none` and `lagkv` are per-request overrides on the same workers, behind the router), replays the agent
-sessions through the router's URL (`benchmarks/replay.py --server-mode url`), then stops it. The
+For each worker count and each policy (`NAME[=BUDGET]`) it starts a cluster (`sgl_kvevict.cluster`:
+workers started with `--kv-policy NAME --kv-budget BUDGET`, behind the router), replays the agent
+sessions through the router's URL (`benchmarks/replay.py --server-mode url`), then stops it. Each
+policy gets its own workers because sglang-router 0.3.2 re-encodes `/generate` requests from its own
+typed fields and drops `custom_params`: a per-request override never reaches a worker behind it (the
+replay checks the policy each response reports and counts a mismatch as an error). The
 router runs its `manual` policy keyed by session (`X-SMG-Routing-Key`): replay sends token ids, and the
 router's cache-aware policy matches request *text*, so with ids it cannot tell sessions apart.
 One worker also goes through the router, so both sides pay the same proxy hop.
@@ -49,9 +52,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", default="1,2", help="comma list of worker counts")
     p.add_argument("--policies", default="none,lagkv")
-    p.add_argument(
-        "--worker-policy", default="lagkv", help="policy the workers start with (runs override it)"
-    )
+    p.add_argument("--budget", default="0.5", help="budget of a policy named without one (lagkv=25%%)")
     p.add_argument("--router-policy", default="manual", choices=["manual", "cache_aware", "round_robin"])
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--turns", type=int, default=3)
@@ -65,52 +66,22 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: dict[int, list[dict]] = {}
+    confs = json.loads(a.policy_config)
     for n in [int(x) for x in a.workers.split(",")]:
-        args = ["--kv-policy", a.worker_policy, "--max-total-tokens", str(a.max_total_tokens)]
-        conf = json.loads(a.policy_config).get(a.worker_policy)
-        if conf:
-            args += ["--kv-policy-config", json.dumps(conf)]
-        router_args = ["--assignment-mode", "min_group"] if a.router_policy == "manual" else []
-        log_dir = out / f"workers-{n}"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        with Cluster(n, args, policy=a.router_policy, log_dir=log_dir, router_args=router_args) as c:
-            cfg = replay.parse(
-                [
-                    "--scenarios",
-                    "agent",
-                    "--sessions",
-                    str(a.sessions),
-                    "--turns",
-                    str(a.turns),
-                    "--concurrency",
-                    str(a.concurrency),
-                    "--max-new-tokens",
-                    str(a.max_new_tokens),
-                    "--tool-tokens",
-                    a.tool_tokens,
-                    "--max-total-tokens",
-                    str(a.max_total_tokens * n),
-                    "--policies",
-                    a.policies,
-                    "--policy-config",
-                    a.policy_config,
-                    "--server-mode",
-                    "url",
-                    "--url",
-                    c.url,
-                    "--worker-urls",
-                    ",".join(w.url for w in c.workers),
-                    "--routing-key",
-                    "--score",
-                    "none",
-                    "--out",
-                    str(log_dir),
-                ]
+        rows[n] = []
+        for spec in a.policies.split(","):
+            policy, _, budget = spec.partition("=")
+            args = ["--kv-policy", policy, "--max-total-tokens", str(a.max_total_tokens)]
+            if policy != "none":
+                args += ["--kv-budget", budget or a.budget]
+                if confs.get(policy):
+                    args += ["--kv-policy-config", json.dumps(confs[policy])]
+            log_dir = out / f"workers-{n}" / policy
+            log_dir.mkdir(parents=True, exist_ok=True)
+            print(f"[bench_cluster] {n} worker(s), policy {spec}", flush=True)
+            rows[n] += run_one(
+                a, n, args, policy if policy == "none" else f"{policy}={budget or a.budget}", log_dir
             )
-            chat = replay.rc.ChatIds(_tok())
-            for w in c.workers:  # a fresh worker's first passes are slow: keep them out of the runs
-                replay.warmup(w.url, chat, None)
-            rows[n] = replay.main(cfg)["summary"]
     counts = sorted(rows)
     lines = [
         f"Command: `{' '.join(sys.argv)}`",
@@ -133,6 +104,50 @@ def main() -> None:
     (out / "cluster.md").write_text(table)
     (out / "cluster.json").write_text(json.dumps({"command": sys.argv, "summaries": rows}, indent=1))
     print(table)
+
+
+def run_one(a: argparse.Namespace, n: int, worker_args: list[str], spec: str, log_dir: Path) -> list[dict]:
+    """One cluster of `n` workers started with the run's policy, the replay through its router."""
+    router_args = ["--assignment-mode", "min_group"] if a.router_policy == "manual" else []
+    with Cluster(n, worker_args, policy=a.router_policy, log_dir=log_dir, router_args=router_args) as c:
+        cfg = replay.parse(
+            [
+                "--scenarios",
+                "agent",
+                "--sessions",
+                str(a.sessions),
+                "--turns",
+                str(a.turns),
+                "--concurrency",
+                str(a.concurrency),
+                "--max-new-tokens",
+                str(a.max_new_tokens),
+                "--tool-tokens",
+                a.tool_tokens,
+                "--max-total-tokens",
+                str(a.max_total_tokens * n),
+                "--policies",
+                spec,
+                "--no-baseline",
+                "--policy-config",
+                a.policy_config,
+                "--server-mode",
+                "url",
+                "--url",
+                c.url,
+                "--worker-urls",
+                ",".join(w.url for w in c.workers),
+                "--routing-key",
+                "--score",
+                "none",
+                "--out",
+                str(log_dir),
+            ]
+        )
+        chat = replay.rc.ChatIds(_tok())
+        for w in c.workers:  # a fresh worker's first passes are slow: keep them out of the runs
+            replay.warmup(w.url, chat, None)
+        return replay.main(cfg)["summary"]
 
 
 def _tok():

@@ -97,6 +97,7 @@ class BenchConfig(BaseModel):
         default_factory=list, description="with --url of a router: its workers, for the plugin's counters"
     )
     routing_key: bool = Field(False, description="send each session's id in sglang-router's session header")
+    baseline: bool = Field(True, description="run `none` first (off: only --policies, e.g. behind a router)")
     shared_policy: str = Field("lagkv", description="policy the shared server starts with (runs override it)")
     server_args: list[str] = Field(default_factory=list)
     server_env: dict[str, str] = Field(default_factory=dict)
@@ -207,7 +208,7 @@ class Run(BaseModel):
 def runs_of(cfg: BenchConfig) -> list[Run]:
     """`none` first (the baseline every other run is compared with), then each spec x budget (a spec
     with its own budget runs once)."""
-    out = [Run(spec=RunSpec(policy="none"), budget=None)]
+    out = [Run(spec=RunSpec(policy="none"), budget=None)] if cfg.baseline or "none" in cfg.policies else []
     for text in cfg.policies:
         spec = parse_spec(text)
         if spec.policy == "none":
@@ -270,6 +271,13 @@ class Replayer:
         meta = call.meta
         stats = (meta.get("kvevict") or [None])[-1]
         kv_tokens = stats["kv_tokens"] if stats else None
+        sent = (self.kv or {}).get("policy", "none")
+        got = stats.get("policy", "none") if stats else "none"
+        if self.kv and not call.error and got != sent:  # a proxy dropped custom_params on the way
+            call.error = (
+                f"override not applied: sent policy {sent!r}, the server ran {got!r} "
+                "(sglang-router drops custom_params: start the workers with the policy instead)"
+            )
         if (
             kv_tokens is None
             and not call.error
@@ -410,7 +418,8 @@ def write(
     cfg: BenchConfig, model: str, runs: list[dict], bench: dict, final: bool
 ) -> tuple[dict[str, Any], str]:
     """Write replay.json and replay.md for the runs so far (`partial` until the last run is done)."""
-    summaries = [rr.summarize(r, runs[0] if r is not runs[0] else None, cfg.max_total_tokens) for r in runs]
+    base = runs[0] if runs and runs[0]["policy"] == "none" else None
+    summaries = [rr.summarize(r, base if r is not base else None, cfg.max_total_tokens) for r in runs]
     result = {
         "config": json.loads(cfg.model_dump_json()),
         "model": model,
@@ -559,6 +568,12 @@ def parse(argv: list[str] | None = None) -> BenchConfig:
         action="store_true",
         help="send each session's id as sglang-router's X-SMG-Routing-Key",
     )
+    p.add_argument(
+        "--no-baseline",
+        dest="baseline",
+        action="store_false",
+        help="do not add the `none` run (when the server's own policy is the one measured)",
+    )
     p.add_argument("--shared-policy", default="lagkv")
     p.add_argument(
         "--server-arg",
@@ -621,6 +636,7 @@ def _config(a: argparse.Namespace) -> BenchConfig:
         url=a.url,
         worker_urls=[u for u in a.worker_urls.split(",") if u],
         routing_key=a.routing_key,
+        baseline=a.baseline,
         shared_policy=a.shared_policy,
         server_args=[x for arg in a.server_arg for x in arg.split("=", 1)] if a.server_arg else [],
         stream=a.stream,
