@@ -46,8 +46,10 @@ from sgl_kvevict import kernels, policies
 from sgl_kvevict.compressor import THREADS, select_layers
 from sgl_kvevict.config import KvConfig
 from sgl_kvevict.policies import LayerView, Policy
+from sgl_kvevict.policies import graphkv as graph_mod
 from sgl_kvevict.policies.lagkv import LagKVPolicy
 
+streamed_neighbors = graph_mod.source_neighbors
 MODEL = "/root/.cache/sgl-kvevict/models/SmolLM2-135M-Instruct-v1"
 SIZES = (512, 2048, 8192)
 W = 32
@@ -328,6 +330,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="also write the table here (markdown)")
     parser.add_argument("--append", action="store_true", help="append to --out instead of overwriting it")
     parser.add_argument("--no-steady", action="store_true", help="skip the decode-time (second) compression")
+    parser.add_argument(
+        "--side-by-side",
+        action="store_true",
+        help="also time the earlier implementations in the same run: graphkv's dense neighbour search "
+        "('graphkv-dense') and criticalkv recomputing every norm at a decode-time step ('criticalkv-recompute')",
+    )
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sizes = sorted(set(args.sizes))
@@ -353,7 +361,15 @@ def main() -> None:
 
     torch.set_num_threads(compress_threads)
     rows: list[tuple[str, str, int, int, float, float, float, float, float, str]] = []
-    for name in args.policies:
+    names = list(args.policies)
+    for base, old in (("graphkv", "graphkv-dense"), ("criticalkv", "criticalkv-recompute")):
+        if args.side_by_side and base in names:
+            names.insert(names.index(base) + 1, old)
+    for label in names:
+        name = label.split("-")[0]
+        graph_mod.source_neighbors = (
+            graph_mod.source_neighbors_dense if label == "graphkv-dense" else streamed_neighbors
+        )
         policy = policies.build(name)
         period, period_txt = trigger_period(policy)
         for n in sizes:
@@ -362,27 +378,31 @@ def main() -> None:
             cfg = policy.config
             n_sink = min(cfg.sinks, n)
             dw, dc = dec[n]
-            if not policy.should_compress(n, n_sink, min(cfg.recent, n - n_sink), 0, budget, "prefill"):
-                log(f"{name} N={n}: trigger does not fire; skipped")
+            if label == "criticalkv-recompute":  # its first step is criticalkv's: nothing cached yet
+                pass
+            elif not policy.should_compress(n, n_sink, min(cfg.recent, n - n_sink), 0, budget, "prefill"):
+                log(f"{label} N={n}: trigger does not fire; skipped")
             else:
                 ms, cpu, kept, peak = time_step(policy, regs, slots, o_proj, budget, args.repeats)
-                rows.append(("first", name, n, kept, ms, cpu, peak / 2**20, ms / dw, cpu / dc, period_txt))
+                rows.append(("first", label, n, kept, ms, cpu, peak / 2**20, ms / dw, cpu / dc, period_txt))
                 log(
-                    f"{name} N={n} first: {ms:.1f} ms ({cpu:.1f} CPU), kept {kept}/{n}, peak {peak / 2**20:.1f} MiB"
+                    f"{label} N={n} first: {ms:.1f} ms ({cpu:.1f} CPU), kept {kept}/{n}, peak {peak / 2**20:.1f} MiB"
                 )
             if args.no_steady:
                 continue
             st = steady_state(policy, regs, slots, o_proj, n, period)
             if st is None:
-                log(f"{name} N={n}: no decode-time step with {period} new tokens; skipped")
+                log(f"{label} N={n}: no decode-time step with {period} new tokens; skipped")
                 continue
             states, sbudget, n_prev = st
+            if label == "criticalkv-recompute":
+                states = [{k: v for k, v in d.items() if not k.startswith("vo")} for d in states]
             ms, cpu, kept, peak = time_step(
                 policy, regs, slots, o_proj, sbudget, args.repeats, states, n_prev
             )
-            rows.append(("decode", name, n, kept, ms, cpu, peak / 2**20, ms / dw, cpu / dc, period_txt))
+            rows.append(("decode", label, n, kept, ms, cpu, peak / 2**20, ms / dw, cpu / dc, period_txt))
             log(
-                f"{name} N={n} decode-time: {ms:.1f} ms ({cpu:.1f} CPU), kept {kept}/{n}, peak {peak / 2**20:.1f} MiB"
+                f"{label} N={n} decode-time: {ms:.1f} ms ({cpu:.1f} CPU), kept {kept}/{n}, peak {peak / 2**20:.1f} MiB"
             )
 
     load_after = os.getloadavg()

@@ -158,6 +158,15 @@ def source_neighbors(
     return best_v, best_i
 
 
+def source_neighbors_dense(kn: torch.Tensor, src: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference (the earlier implementation): the whole `[R, k, n]` similarity tensor, then top m.
+    For tests and `benchmarks/bench_policies.py --graph-dense` only."""
+    sk = kn.gather(1, src.unsqueeze(-1).expand(-1, -1, kn.shape[-1]))
+    e = torch.bmm(sk, kn.transpose(1, 2))
+    e.scatter_(2, src.unsqueeze(-1), float("-inf"))
+    return e.topk(m, dim=2)
+
+
 def decay_refine(
     scores: torch.Tensor,
     keys: torch.Tensor,

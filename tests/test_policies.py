@@ -441,10 +441,9 @@ def test_graphkv_negative_similarity_raises_score_unless_clamped() -> None:
 
 def dense_neighbors(kn: torch.Tensor, src: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The earlier dense implementation: the whole [R, k, n] similarity tensor, then top-m."""
-    sk = kn.gather(1, src.unsqueeze(-1).expand(-1, -1, kn.shape[-1]))
-    e = torch.bmm(sk, kn.transpose(1, 2))
-    e.scatter_(2, src.unsqueeze(-1), float("-inf"))
-    return e.topk(m, dim=2)
+    from sgl_kvevict.policies.graphkv import source_neighbors_dense
+
+    return source_neighbors_dense(kn, src, m)
 
 
 def dense_decay_refine(
