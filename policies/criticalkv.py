@@ -28,6 +28,9 @@ order (the region's first tokens after compaction), with a signature of each val
 compression reuses a norm when the row at that place still has the same signature and computes the
 rest (new tokens; rows D2O's merge rewrote; anything after a shifted region), so it reads O(n) numbers
 and O(n x D) value bits instead of O(n x hidden) products, with the same selection as recomputing.
+A first compression (nothing cached) still computes every norm; a statistic written per slot when K/V
+is written (one norm per token, query-head group and layer, moved with its row by compaction) would
+make it O(n) too, at about one extra o_proj per token in the forward pass.
 
 The wrapper uses the base's score, trigger and merge (d2o), not its select. Shared fields (sinks,
 recent, interval, window) are set on criticalkv and passed to the base.
