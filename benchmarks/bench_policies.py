@@ -24,6 +24,8 @@ Run (from the repo root; results/bench_policies.md holds both tables, torch's de
 one decode thread, since on a loaded 2-core machine the default can be many times slower):
     HF_HUB_OFFLINE=1 python benchmarks/bench_policies.py --out results/bench_policies.md
     HF_HUB_OFFLINE=1 python benchmarks/bench_policies.py --decode-threads 1 --out results/bench_policies.md --append
+GraphKV and CriticalKV beside their earlier implementations (dense graph, recomputed norms), one run:
+    HF_HUB_OFFLINE=1 python benchmarks/bench_policies.py --sizes 8192 --policies snapkv graphkv criticalkv --side-by-side --decode-threads 1
 """
 
 from __future__ import annotations
