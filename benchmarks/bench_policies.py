@@ -13,17 +13,25 @@ The timed step is the server's private-region path of `compressor.compress`: per
 needs "o_proj"), `compressor.select_layers` (the server's own selection loop), the policy's merge (D2O),
 `kernels.compact` over all layers; one compression thread (KVEVICT_COMPRESS_THREADS).
 Not timed: SGLang's slot freeing and request bookkeeping. The budget resolves like the server's
-(`KvConfig.resolve_budget`, a ratio of the region). Median of --repeats after one warm-up, both columns.
+(`KvConfig.resolve_budget`, a ratio of the region). Median of --repeats after one warm-up, both columns,
+in wall and in process CPU time (the CPU ratio is the steadier one on a shared machine).
+
+Two steps per policy and N: `first` (a fresh region, as after prefill) and `decode` (the region's first
+N - period tokens kept by a previous compression whose policy state it reuses, period new tokens), and
+the peak resident memory a step adds above its start (its transient memory).
 
 Run (from the repo root; results/bench_policies.md holds both tables, torch's default decode threads and
 one decode thread, since on a loaded 2-core machine the default can be many times slower):
     HF_HUB_OFFLINE=1 python benchmarks/bench_policies.py --out results/bench_policies.md
     HF_HUB_OFFLINE=1 python benchmarks/bench_policies.py --decode-threads 1 --out results/bench_policies.md --append
+GraphKV and CriticalKV beside their earlier implementations (dense graph, recomputed norms), one run:
+    HF_HUB_OFFLINE=1 python benchmarks/bench_policies.py --sizes 8192 --policies snapkv graphkv criticalkv --side-by-side --decode-threads 1
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import statistics
 import sys
@@ -33,7 +41,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from timing import times_ms  # benchmarks/timing.py (scripts run with benchmarks/ on sys.path)
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -41,8 +48,10 @@ from sgl_kvevict import kernels, policies
 from sgl_kvevict.compressor import THREADS, select_layers
 from sgl_kvevict.config import KvConfig
 from sgl_kvevict.policies import LayerView, Policy
+from sgl_kvevict.policies import graphkv as graph_mod
 from sgl_kvevict.policies.lagkv import LagKVPolicy
 
+streamed_neighbors = graph_mod.source_neighbors
 MODEL = "/root/.cache/sgl-kvevict/models/SmolLM2-135M-Instruct-v1"
 SIZES = (512, 2048, 8192)
 W = 32
@@ -54,9 +63,49 @@ def log(msg: str) -> None:
     print(f"[bench_policies {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def median_ms(fn: Callable[[], object], repeats: int, setup: Callable[[], None] | None = None) -> float:
-    """Median wall time in ms over `repeats` runs after one warm-up."""
-    return statistics.median(times_ms(fn, repeats, setup))
+def wall_cpu_ms(
+    fn: Callable[[], object], repeats: int, setup: Callable[[], None] | None = None
+) -> tuple[float, float]:
+    """Medians of wall and process CPU time in ms over `repeats` runs after one warm-up.
+
+    CPU time is what the step itself burns: on a machine shared with other jobs the wall time also counts
+    the time the OS gave the core to someone else, so the CPU-time ratio is the steadier one."""
+    walls, cpus = [], []
+    for i in range(repeats + 1):
+        if setup is not None:
+            setup()
+        t0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        if i:
+            walls.append((time.perf_counter() - t0) * 1e3)
+            cpus.append((time.process_time() - c0) * 1e3)
+    return statistics.median(walls), statistics.median(cpus)
+
+
+def exact_rss() -> bool:
+    """Make every allocation >= 64 KiB its own mmap, returned to the OS when freed (glibc's M_MMAP_THRESHOLD,
+    which also stops its dynamic threshold), so the process's peak RSS follows the live tensors."""
+    try:
+        return ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16) == 1
+    except OSError:
+        return False
+
+
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+def peak_transient_bytes(fn: Callable[[], object]) -> int:
+    """Peak RSS above the RSS before `fn`, during `fn` (Linux: /proc/self/clear_refs resets the peak)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _status_bytes("VmRSS:")
+    fn()
+    return max(0, _status_bytes("VmHWM:") - base)
 
 
 def corpus() -> str:
@@ -149,9 +198,18 @@ def o_proj_slices(m: Model) -> list[torch.Tensor]:
 
 
 def compression_step(
-    policy: Policy, regs: list[Region], slots: torch.Tensor, o_proj: list[torch.Tensor], budget: int
+    policy: Policy,
+    regs: list[Region],
+    slots: torch.Tensor,
+    o_proj: list[torch.Tensor],
+    budget: int,
+    states: list[dict] | None = None,
+    n_compacted: int = 0,
 ) -> int:
-    """One step on a private region, as `compressor.compress` runs it; returns the kept count."""
+    """One step on a private region, as `compressor.compress` runs it; returns the kept count.
+
+    `states`: the per-layer policy state a previous compression left (the runner's `layer_state`);
+    it is updated as the runner does (carried scores of the kept tokens)."""
     n = int(slots.numel())
     cfg = policy.config
     n_sink = max(0, min(cfg.sinks, n))
@@ -166,17 +224,21 @@ def compression_step(
             slots=slots,
             n_sink=n_sink,
             n_recent=n_recent,
-            n_compacted=0,
+            n_compacted=n_compacted,
             attn=kernels.window_attention(r.q, r.k_buffer, slots, scale, causal=True)
             if "attn" in needs
             else None,
             o_proj=o_proj[layer] if "o_proj" in needs else None,
-            state={},
+            state=states[layer] if states is not None else {},
         )
         for layer, r in enumerate(regs)
     ]
     keeps = select_layers(policy, views, budget)
     keep = torch.stack(keeps).to(torch.int64)
+    for v, kp in zip(views, keeps, strict=True):  # as the runner: scores carried to the next step
+        scored = v.state.pop("scored", None)
+        if scored is not None:
+            v.state["carried"] = scored.gather(1, kp.to(scored.device))
     if policy.merges:
         for v, kp in zip(views, keeps, strict=True):
             policy.merge(v, kp)
@@ -191,16 +253,45 @@ def time_step(
     o_proj: list[torch.Tensor],
     budget: int,
     repeats: int,
-) -> tuple[float, int]:
-    """Median ms of `compression_step` on fresh copies of the pool (it compacts in place); kept count."""
+    states: list[dict] | None = None,
+    n_compacted: int = 0,
+) -> tuple[float, float, int, int]:
+    """Medians of wall and CPU ms of `compression_step` on fresh copies of the pool (it compacts in place)
+    and of `states`; the kept count; the peak transient memory of one more step (bytes)."""
     work: list[Region] = []
+    st: list[list[dict] | None] = [None]
     kept: list[int] = []
 
     def reset() -> None:
         work[:] = [Region(r.k_buffer.clone(), r.v_buffer.clone(), r.q) for r in regs]
+        st[0] = [dict(d) for d in states] if states is not None else None
 
-    ms = median_ms(lambda: kept.append(compression_step(policy, work, slots, o_proj, budget)), repeats, reset)
-    return ms, kept[-1]
+    def step() -> None:
+        kept.append(compression_step(policy, work, slots, o_proj, budget, st[0], n_compacted))
+
+    wall, cpu = wall_cpu_ms(step, repeats, reset)
+    reset()
+    peak = peak_transient_bytes(step)
+    return wall, cpu, kept[-1], peak
+
+
+def steady_state(
+    policy: Policy, regs: list[Region], slots: torch.Tensor, o_proj: list[torch.Tensor], n: int, period: int
+) -> tuple[list[dict], int, int] | None:
+    """A decode-time step's input: the region's first n - period tokens were kept by the previous
+    compression (its per-layer state is returned), `period` tokens arrived since; the budget keeps all
+    but `period` candidates. None when the policy's trigger would not fire there."""
+    cfg = policy.config
+    n_sink = min(cfg.sinks, n)
+    n_recent = min(cfg.recent, n - n_sink)
+    n_prev = n - period
+    budget = n - period - n_sink - n_recent
+    if not policy.should_compress(n, n_sink, n_recent, n_prev, budget, "decode"):
+        return None
+    states: list[dict] = [{} for _ in regs]
+    prev = [Region(r.k_buffer.clone(), r.v_buffer.clone(), r.q) for r in regs]
+    compression_step(policy, prev, slots[:n_prev], o_proj, n_prev, states)  # keeps all n_prev tokens
+    return states, budget, n_prev
 
 
 def trigger_period(policy: Policy) -> tuple[int, str]:
@@ -215,8 +306,8 @@ def trigger_period(policy: Policy) -> tuple[int, str]:
     return policy.config.interval + 1, f"interval+1={policy.config.interval + 1}"
 
 
-def decode_ms(m: Model, n: int, repeats: int) -> float:
-    """Median time of one single-token forward with an n-token cache (cropped back after each)."""
+def decode_ms(m: Model, n: int, repeats: int) -> tuple[float, float]:
+    """Median wall and CPU ms of one single-token forward with an n-token cache (cropped back after each)."""
     m.cache.crop(n - m.cache.get_seq_length())  # negative: drop tokens beyond n
     assert m.cache.get_seq_length() == n
     tok = m.ids[None, n : n + 1]
@@ -225,7 +316,7 @@ def decode_ms(m: Model, n: int, repeats: int) -> float:
         with torch.inference_mode():
             m.model(input_ids=tok, past_key_values=m.cache, use_cache=True)
 
-    return median_ms(step, repeats, setup=lambda: m.cache.crop(n - m.cache.get_seq_length()))
+    return wall_cpu_ms(step, repeats, setup=lambda: m.cache.crop(n - m.cache.get_seq_length()))
 
 
 def main() -> None:
@@ -240,6 +331,13 @@ def main() -> None:
     parser.add_argument("--decode-threads", type=int, default=0, help="torch threads for decode (0: default)")
     parser.add_argument("--out", type=Path, default=None, help="also write the table here (markdown)")
     parser.add_argument("--append", action="store_true", help="append to --out instead of overwriting it")
+    parser.add_argument("--no-steady", action="store_true", help="skip the decode-time (second) compression")
+    parser.add_argument(
+        "--side-by-side",
+        action="store_true",
+        help="also time the earlier implementations in the same run: graphkv's dense neighbour search "
+        "('graphkv-dense') and criticalkv recomputing every norm at a decode-time step ('criticalkv-recompute')",
+    )
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sizes = sorted(set(args.sizes))
@@ -249,20 +347,31 @@ def main() -> None:
     decode_threads = args.decode_threads or default_threads
     compress_threads = THREADS or default_threads
     load_before = os.getloadavg()
+    rss_exact = exact_rss()
 
     torch.set_num_threads(decode_threads)
     m = prefill(sizes[-1])
     o_proj = o_proj_slices(m)
     gen = torch.Generator().manual_seed(0)
     data = {n: regions(m, n, gen) for n in sizes}
-    dec: dict[int, float] = {}
+    dec: dict[int, tuple[float, float]] = {}
     for n in reversed(sizes):  # crop only shrinks the cache
         dec[n] = decode_ms(m, n, args.decode_repeats)
-        log(f"decode step at {n} tokens: {dec[n]:.2f} ms ({decode_threads} threads)")
+        log(
+            f"decode step at {n} tokens: {dec[n][0]:.2f} ms wall, {dec[n][1]:.2f} ms CPU ({decode_threads} threads)"
+        )
 
     torch.set_num_threads(compress_threads)
-    rows: list[tuple[str, int, int, float, float, float, float, str]] = []
-    for name in args.policies:
+    rows: list[tuple[str, str, int, int, float, float, float, float, float, str]] = []
+    names = list(args.policies)
+    for base, old in (("graphkv", "graphkv-dense"), ("criticalkv", "criticalkv-recompute")):
+        if args.side_by_side and base in names:
+            names.insert(names.index(base) + 1, old)
+    for label in names:
+        name = label.split("-")[0]
+        graph_mod.source_neighbors = (
+            graph_mod.source_neighbors_dense if label == "graphkv-dense" else streamed_neighbors
+        )
         policy = policies.build(name)
         period, period_txt = trigger_period(policy)
         for n in sizes:
@@ -270,13 +379,33 @@ def main() -> None:
             budget = KvConfig(policy=name, budget=args.budget).resolve_budget(n)
             cfg = policy.config
             n_sink = min(cfg.sinks, n)
-            if not policy.should_compress(n, n_sink, min(cfg.recent, n - n_sink), 0, budget, "prefill"):
-                log(f"{name} N={n}: trigger does not fire; skipped")
+            dw, dc = dec[n]
+            if label == "criticalkv-recompute":  # its first step is criticalkv's: nothing cached yet
+                pass
+            elif not policy.should_compress(n, n_sink, min(cfg.recent, n - n_sink), 0, budget, "prefill"):
+                log(f"{label} N={n}: trigger does not fire; skipped")
+            else:
+                ms, cpu, kept, peak = time_step(policy, regs, slots, o_proj, budget, args.repeats)
+                rows.append(("first", label, n, kept, ms, cpu, peak / 2**20, ms / dw, cpu / dc, period_txt))
+                log(
+                    f"{label} N={n} first: {ms:.1f} ms ({cpu:.1f} CPU), kept {kept}/{n}, peak {peak / 2**20:.1f} MiB"
+                )
+            if args.no_steady:
                 continue
-            ms, kept = time_step(policy, regs, slots, o_proj, budget, args.repeats)
-            ratio = ms / dec[n]
-            rows.append((name, n, kept, ms, dec[n], ratio, ratio / period, period_txt))
-            log(f"{name} N={n}: {ms:.1f} ms, kept {kept}/{n}, ratio {ratio:.2f}")
+            st = steady_state(policy, regs, slots, o_proj, n, period)
+            if st is None:
+                log(f"{label} N={n}: no decode-time step with {period} new tokens; skipped")
+                continue
+            states, sbudget, n_prev = st
+            if label == "criticalkv-recompute":
+                states = [{k: v for k, v in d.items() if not k.startswith("vo")} for d in states]
+            ms, cpu, kept, peak = time_step(
+                policy, regs, slots, o_proj, sbudget, args.repeats, states, n_prev
+            )
+            rows.append(("decode", label, n, kept, ms, cpu, peak / 2**20, ms / dw, cpu / dc, period_txt))
+            log(
+                f"{label} N={n} decode-time: {ms:.1f} ms ({cpu:.1f} CPU), kept {kept}/{n}, peak {peak / 2**20:.1f} MiB"
+            )
 
     load_after = os.getloadavg()
     command = " ".join(["HF_HUB_OFFLINE=1 python benchmarks/bench_policies.py", *sys.argv[1:]])
@@ -286,28 +415,39 @@ def main() -> None:
         f"- torch {torch.__version__}, {os.cpu_count()} CPUs; compression threads {compress_threads}, "
         f"decode threads {decode_threads} (torch default {default_threads})",
         f"- load average (1, 5, 15 min): before {fmt_load(load_before)}, after {fmt_load(load_after)}",
-        "- other load on the machine inflates both columns, the multi-threaded decode step most (its OpenMP "
-        "threads wait on each other when a core is busy): compare with `--decode-threads 1`",
+        "- other load on the machine inflates the wall columns, the multi-threaded decode step most (its OpenMP "
+        "threads wait on each other when a core is busy): compare with `--decode-threads 1`. The CPU columns "
+        "(process CPU time) count only what the step itself ran, so their ratio is the steadier one under load",
         "- 30 layers, Hkv=3, Hq=9, D=64, bf16; real SmolLM2 K/V/queries/W_O (pydoc text); region = whole "
-        f"context (no shared prefix); budget {args.budget} x N candidate tokens kept beyond sinks 4 + recent 32 "
-        "(kept = per-head count after the step); "
-        f"W={W}; default policy configs (graphkv and criticalkv over snapkv)",
-        "- compress ms: median of one full step (window attention + select for 30 layers + merge (d2o) + "
-        "compact), fresh region (first compression, n_compacted=0); decode step ms: median single-token "
-        "HF forward with a DynamicCache of N tokens",
-        "- amortized = ratio / trigger period, assuming a fixed token budget in steady decode and that a "
-        "decode-time step costs what this step costs at the same N (it re-scores the whole region; it compacts "
-        "fewer tokens). Period: default trigger `n_cand > budget + interval` fires every interval+1 = 17 decode "
-        "steps; lagkv every L = 128 tokens, where a decode-time step scores one partition instead of all, so "
-        "its amortized value is an upper bound. A ratio budget grows with the request and fires less often.\n",
-        "| policy | region N | kept | compress ms (30 layers) | decode step ms | ratio (compress/decode) "
-        "| period | amortized ratio per decode step |",
-        "|---|---:|---:|---:|---:|---:|---|---:|",
+        f"context (no shared prefix); W={W}; default policy configs (graphkv and criticalkv over snapkv)",
+        f"- step `first`: the first compression of a fresh region of N tokens (n_compacted=0), budget {args.budget} "
+        "x N candidate tokens kept beyond sinks 4 + recent 32 (kept = per-head count after the step). Step "
+        "`decode`: a decode-time compression: the region's first N - period tokens were kept by the previous "
+        "compression (whose policy state, e.g. carried scores and CriticalKV's cached norms, it reuses) and "
+        "period tokens arrived since; it evicts period tokens per head. lagkv has none at this period (its "
+        "trigger is its 2L tail)",
+        "- ms: median of one full step (window attention + select for 30 layers + merge (d2o) + compact); "
+        "decode step: median single-token HF forward with a DynamicCache of N tokens",
+        "- peak MiB: peak resident memory above the step's start during one step (glibc mmap threshold 64 KiB "
+        f"so freed tensors leave RSS at once{'' if rss_exact else '; NOT set here, so an underestimate'}): "
+        "window attention, scores, graph blocks, norms, compaction; the pool itself is not counted",
+        "- period: default trigger `n_cand > budget + interval` fires every interval+1 = 17 decode steps with "
+        "a fixed token budget; lagkv every L = 128 tokens. A ratio budget grows with the request and fires "
+        "less often.\n",
+        "| step | policy | region N | kept | ms (30 layers) | CPU ms | peak MiB | ratio to decode step (wall) "
+        "| ratio (CPU) | period |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for name, n, kept_n, ms, dms, ratio, amort, ptxt in rows:
+    for step, name, n, kept_n, ms, cpu, peak_mib, ratio, cratio, ptxt in rows:
         lines.append(
-            f"| {name} | {n} | {kept_n} | {ms:.1f} | {dms:.2f} | {ratio:.2f} | {ptxt} | {amort:.4f} |"
+            f"| {step} | {name} | {n} | {kept_n} | {ms:.1f} | {cpu:.1f} | {peak_mib:.1f} | {ratio:.2f} "
+            f"| {cratio:.2f} | {ptxt} |"
         )
+    lines.append("")
+    lines.append("| region N | decode step ms (wall) | decode step CPU ms |")
+    lines.append("|---:|---:|---:|")
+    for n in sizes:
+        lines.append(f"| {n} | {dec[n][0]:.2f} | {dec[n][1]:.2f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out is not None:

@@ -21,6 +21,7 @@ Options: --tokens (context length, default 2048), --ratio (kept fraction, defaul
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import time
 from typing import Any
@@ -129,6 +130,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--ratio", type=float, default=0.5)
     ap.add_argument("--policies", default="", help="comma-separated labels (default: all)")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL=NAME:JSON",
+        help="an extra row, e.g. 'graphkv clamp=graphkv:{\"clamp_similarity\": true}' (repeatable)",
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(2)
@@ -173,6 +181,12 @@ def main() -> None:
     parts = (n - SINKS) // lag
     k = max(1, round((args.ratio * n - SINKS - lag - (n - SINKS) % lag) / max(1, parts - 1)))
     policies = [*POLICIES, (f"lagkv r={k}/{lag}", "lagkv", {"ratio": (k + 0.5) / lag})]
+    for spec in args.variant:
+        label, _, rest = spec.partition("=")
+        name, _, js = rest.partition(":")
+        policies.append((label, name, json.loads(js or "{}")))
+        if wanted:  # a --policies filter still runs the variants asked for
+            wanted.add(label)
 
     rows = []
     for label, name, pcfg in policies:

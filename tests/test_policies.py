@@ -367,37 +367,150 @@ def test_d2o_merge_off() -> None:
 
 
 def naive_decay(
-    s: list[float], keys: list[torch.Tensor], budget: int, frac: float, m: int, rounds: int, lam: float
+    s: list[float],
+    keys: list[torch.Tensor],
+    n_src: int,
+    m: int,
+    rounds: int,
+    lam: float,
+    clamp: bool = False,
 ) -> list[float]:
+    """GraphKV from the paper's text: e_ij cosine of keys (Eq. 1), the top-k scores are sources (Eq. 2),
+    each source's m most similar other tokens (Eq. 3) are multiplied by (1 - lambda e_ij) (Eq. 4), the
+    factors multiplying over sources and over T rounds of the fixed graph (Eq. 5, Alg. 2)."""
     n = len(s)
     nk = [k / k.norm() for k in keys]
-    src = sorted(range(n), key=lambda j: -s[j])[: max(1, int(frac * budget))]
+    src = sorted(range(n), key=lambda j: -s[j])[:n_src]
     out = list(s)
     for i in src:
         sims = sorted(((float(nk[i] @ nk[j]), j) for j in range(n) if j != i), reverse=True)[: min(m, n - 1)]
         for e, j in sims:
-            out[j] *= (1 - lam * min(max(e, 0.0), 1.0)) ** rounds
+            e = min(max(e, 0.0), 1.0) if clamp else e
+            out[j] *= (1 - lam * e) ** rounds
     return out
 
 
 @pytest.mark.parametrize("rounds,lam,m", [(1, 1.0, 3), (2, 0.5, 5), (3, 0.8, 1)])
-def test_graphkv_decay_formula(rounds: int, lam: float, m: int) -> None:
+@pytest.mark.parametrize("source_of", ["total", "candidates"])
+@pytest.mark.parametrize("clamp", [False, True])
+def test_graphkv_decay_formula(rounds: int, lam: float, m: int, source_of: str, clamp: bool) -> None:
     view = make_view(60, n_recent=8)
     pol = P.build(
-        "graphkv", {"rounds": rounds, "decay": lam, "neighbors": m, "adaptive_neighbors": False, "recent": 8}
+        "graphkv",
+        {
+            "rounds": rounds,
+            "decay": lam,
+            "neighbors": m,
+            "adaptive_neighbors": False,
+            "recent": 8,
+            "source_of": source_of,
+            "clamp_similarity": clamp,
+        },
     )
     budget = 20
+    # sources: 0.3 x the KV a head keeps (the paper's B counts the observation window), or x the budget
+    n_src = int(0.3 * (budget + 4 + 8)) if source_of == "total" else int(0.3 * budget)
     base = P.build("snapkv", {"recent": 8}).score(view)
     cand = view.candidates()
     ks = dense(view)
     want = []
     for h in range(H):
         row = base[h].tolist()
-        row[cand] = naive_decay(row[cand], ks[h][cand], budget, 0.3, m, rounds, lam)
+        row[cand] = naive_decay(row[cand], ks[h][cand], n_src, m, rounds, lam, clamp)
         want.append(row)
     assert as_lists(pol.select(view, budget)) == naive_keep(want, view, budget)
-    refined = pol.refine(base[:, cand], view.keys()[:, cand], budget)
+    kept = budget + 12 if source_of == "total" else budget
+    refined = pol.refine(base[:, cand], view.keys()[:, cand], kept)
     assert torch.allclose(refined, torch.tensor([w[cand] for w in want]), rtol=1e-4, atol=1e-9)
+
+
+def test_graphkv_negative_similarity_raises_score_unless_clamped() -> None:
+    """Eq. 4 with a neighbour at cosine -0.5: (1 - e) = 1.5 raises it; the clamped reading leaves it."""
+    s = torch.tensor([[1.0, 0.5]])
+    keys = torch.tensor([[[1.0, 0.0], [-0.5, 0.75**0.5]]])
+    cls = P.REGISTRY["graphkv"]
+    raw = cls.refine(P.build("graphkv", {"neighbors": 1, "adaptive_neighbors": False}), s, keys, 1)
+    clamped = cls.refine(
+        P.build("graphkv", {"neighbors": 1, "adaptive_neighbors": False, "clamp_similarity": True}),
+        s,
+        keys,
+        1,
+    )
+    assert torch.allclose(raw, torch.tensor([[1.0, 0.75]])) and torch.equal(clamped, s)
+
+
+def dense_neighbors(kn: torch.Tensor, src: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The earlier dense implementation: the whole [R, k, n] similarity tensor, then top-m."""
+    from sgl_kvevict.policies.graphkv import source_neighbors_dense
+
+    return source_neighbors_dense(kn, src, m)
+
+
+def dense_decay_refine(
+    scores: torch.Tensor, keys: torch.Tensor, n_src: int, m: int, rounds: int, decay: float
+) -> torch.Tensor:
+    """The earlier dense `decay_refine` (clamped reading), kept here as the reference."""
+    r, n = scores.shape
+    s = scores.float()
+    if bool((s < 0).any()):
+        s = s - s.amin(dim=1, keepdim=True)
+    src = s.topk(min(n, n_src), dim=1).indices
+    val, nbr = dense_neighbors(torch.nn.functional.normalize(keys.float(), dim=-1), src, min(m, n - 1))
+    logf = torch.log1p(-(decay * val.clamp(0.0, 1.0)).clamp(max=1.0 - 1e-6))
+    logdecay = torch.zeros_like(s).scatter_add_(1, nbr.flatten(1), logf.flatten(1))
+    return s * torch.exp(rounds * logdecay)
+
+
+@pytest.mark.parametrize(
+    "r,n,k,m,max_elems",
+    [
+        (3, 100, 10, 3, 1 << 20),
+        (2, 1000, 300, 8, 5000),
+        (1, 70, 69, 69, 100),
+        (3, 130, 5, 1, 64),
+        (2, 3000, 900, 4, 1 << 14),
+    ],
+)
+def test_graphkv_streamed_neighbours_equal_dense(
+    r: int, n: int, k: int, m: int, max_elems: int, monkeypatch
+) -> None:
+    from sgl_kvevict.policies import graphkv as G
+
+    monkeypatch.setattr(G, "GRAPH_CHUNK", 512)  # several column chunks, several source blocks
+    g = torch.Generator().manual_seed(n)
+    kn = torch.nn.functional.normalize(torch.randn(r, n, 16, generator=g).bfloat16().float(), dim=-1)
+    src = torch.rand(r, n, generator=g).topk(k, dim=1).indices
+    shapes: list[int] = []
+    bmm = torch.bmm
+
+    def spy(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        out = bmm(a, b)
+        shapes.append(out.numel())
+        return out
+
+    monkeypatch.setattr(torch, "bmm", spy)
+    got_v, got_i = G.source_neighbors(kn, src, m, max_elems)
+    monkeypatch.setattr(torch, "bmm", bmm)
+    want_v, want_i = dense_neighbors(kn, src, m)
+    assert torch.allclose(got_v, want_v, atol=1e-6)
+    assert torch.equal(got_i.sort(-1).values, want_i.sort(-1).values)
+    # bounded: no similarity block beyond max(max_elems, one source row of a chunk per head)
+    assert max(shapes) <= max(max_elems, r * 512)
+    if max_elems < r * k * n:
+        assert max(shapes) < r * k * n, "never the whole [R, k, n] tensor"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_graphkv_selection_equals_dense_reference(seed: int) -> None:
+    """Same kept set as the earlier dense implementation (clamped, candidate-budget sources)."""
+    view = make_view(700, n_recent=8, seed=seed, pool_extra=50)
+    cfg = {"recent": 8, "source_of": "candidates", "clamp_similarity": True, "adaptive_neighbors": False}
+    pol = P.build("graphkv", cfg)
+    budget = 300
+    s = P.build("snapkv", {"recent": 8}).score(view)
+    cand = view.candidates()
+    s[:, cand] = dense_decay_refine(s[:, cand], view.keys()[:, cand], int(0.3 * budget), 8, 1, 1.0)
+    assert torch.equal(pol.select(view, budget), P.topk_keep(s, view, budget))
 
 
 @pytest.mark.parametrize(
@@ -489,6 +602,117 @@ def test_criticalkv_two_stages(alpha: float) -> None:
         stage2 = sorted(rest, key=lambda j, h=h: -(a[h][j] + 1e-4) * vo[h][j])[: budget - b1]
         assert set(keep[h]) == set(range(4)) | set(range(62, 70)) | set(stage1) | set(stage2)
     assert pol.needs == frozenset({"attn", "o_proj"})
+
+
+@pytest.mark.parametrize("base", ["h2o", "d2o"])
+@pytest.mark.parametrize("eps_on", ["attention", "score"])
+def test_criticalkv_eps_is_relative_to_attention(base: str, eps_on: str) -> None:
+    """Alg. 1 / Eq. 8: stage 2 ranks by (A_i + eps) ||v_i W_O||_1 with A the attention probability. h2o/d2o
+    score attn * window, so the paper's eps on A is eps * window on their score ('attention')."""
+    view = make_view(70, n_recent=8, pool_extra=3, seed=4)
+    # attention concentrated on few tokens: eps decides the order of the near-zero rest
+    small = torch.rand(H, 70, generator=torch.Generator().manual_seed(7)) * 1e-3
+    view.attn = small.index_fill_(1, torch.tensor([5, 9, 30]), 0.3)
+    pol = P.build("criticalkv", {"base": base, "recent": 8, "eps": 0.01, "eps_on": eps_on, "window": 16})
+    budget = 22
+    keep = as_lists(pol.select(view, budget))
+    prob = view.attn.tolist()  # A: h2o's score / window (no carried scores on a first compression)
+    vo = naive_vo(view)
+    cand = list(range(4, 62))
+    eps = 0.01 if eps_on == "attention" else 0.01 / 16
+    b1 = math.floor(0.5 * budget)
+    for h in range(H):
+        stage1 = set(sorted(cand, key=lambda j, h=h: -prob[h][j])[:b1])
+        rest = [j for j in cand if j not in stage1]
+        stage2 = sorted(rest, key=lambda j, h=h: -(prob[h][j] + eps) * vo[h][j])[: budget - b1]
+        assert set(keep[h]) - set(range(4)) - set(range(62, 70)) - stage1 == set(stage2)
+
+
+def _compact(view: LayerView, keep: torch.Tensor, new: int, seed: int) -> LayerView:
+    """The region after the runner compacts `keep` into its first slots and `new` tokens arrive."""
+    g = torch.Generator().manual_seed(seed)
+    h, k = keep.shape
+    heads = torch.arange(h).unsqueeze(-1)
+    kb = torch.cat(
+        [view.k_buffer[view.slots[keep], heads].transpose(0, 1), torch.randn(new, h, D, generator=g)]
+    )
+    vb = torch.cat(
+        [view.v_buffer[view.slots[keep], heads].transpose(0, 1), torch.randn(new, h, D, generator=g)]
+    )
+    a = torch.rand(h, k + new, generator=g).pow(4).softmax(-1)
+    return LayerView(
+        0,
+        kb,
+        vb,
+        torch.arange(k + new),
+        view.n_sink,
+        view.n_recent,
+        k,
+        attn=a,
+        o_proj=view.o_proj,
+        state=view.state,
+    )
+
+
+@pytest.mark.parametrize("base", ["snapkv", "d2o"])
+def test_criticalkv_cached_norms_select_as_recomputing(base: str, monkeypatch) -> None:
+    """Compressions in a row: the norms carried in view.state give the same selection as recomputing
+    every norm, and only rows that are new (or whose values changed) are computed again."""
+    from sgl_kvevict.policies import criticalkv as C
+
+    computed: list[int] = []
+    real = C.cached_vo_norms
+
+    def spy(view: LayerView):
+        out = real(view)
+        computed.append(out[2])
+        return out
+
+    monkeypatch.setattr(C, "cached_vo_norms", spy)
+    pol = P.build("criticalkv", {"base": base, "recent": 8})
+    view = make_view(90, n_recent=8, pool_extra=7, seed=1)
+    budget = 30
+    keep = pol.select(view, budget)
+    pol.merge(view, keep)  # d2o rewrites kept rows: their signatures no longer match
+    assert computed == [90]
+    for step in range(4):
+        view = _compact(view, keep, 17, seed=step)
+        fresh = LayerView(
+            0,
+            view.k_buffer,
+            view.v_buffer,
+            view.slots,
+            4,
+            8,
+            view.n_compacted,
+            attn=view.attn,
+            o_proj=view.o_proj,
+            state={},
+        )
+        fresh.state = {k: v for k, v in view.state.items() if not k.startswith("vo")}
+        want = pol.select(fresh, budget)
+        keep = pol.select(view, budget)
+        assert torch.equal(keep, want)
+        assert torch.allclose(view.state["vo"], fresh.state["vo"], rtol=1e-5)
+        if base == "snapkv":
+            assert computed[-1] == 17, "only the new tokens"
+        else:
+            assert 17 <= computed[-1] < view.n, "new tokens and merged rows"
+        pol.merge(view, keep)
+
+
+def test_criticalkv_changed_rows_are_recomputed() -> None:
+    pol = P.build("criticalkv", {"recent": 8})
+    view = make_view(60, n_recent=8, seed=3)
+    keep = pol.select(view, 20)
+    nxt = _compact(view, keep, 5, seed=9)
+    nxt.v_buffer[3, 1] += 1.0  # one head's row changes in place (as a merge would)
+    from sgl_kvevict.kernels import vo_norms
+    from sgl_kvevict.policies.criticalkv import cached_vo_norms
+
+    norms, _, computed = cached_vo_norms(nxt)
+    assert computed == 6
+    assert torch.allclose(norms, vo_norms(nxt.v_buffer, nxt.slots, nxt.o_proj), rtol=1e-5)
 
 
 # ---------------------------------------------------------------- registry and composition
