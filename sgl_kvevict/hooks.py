@@ -26,7 +26,7 @@ import torch
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sgl_kvevict import capture, compressor, runtime
+from sgl_kvevict import capture, compressor, engine, runtime
 from sgl_kvevict import state as st
 from sgl_kvevict.config import KvConfig
 
@@ -101,15 +101,15 @@ def prepare_for_extend(result, batch, *args, **kwargs):
 
 def _compress_batch(batch) -> None:
     """Compress the requests whose trigger fires; shrink the batch's carried lengths."""
-    freed = []
+    items = []
     for r in batch.reqs:
         s = st.get(r)
-        if s is None or not s.active:
-            freed.append(0)
-            continue
-        phase = "prefill" if s.after_extend else "decode"
-        s.after_extend = False
-        freed.append(compressor.safe_compress(r, phase))
+        phase = "prefill" if s is not None and s.after_extend else "decode"
+        if s is not None:
+            s.after_extend = False
+        items.append((r, phase))
+    with compressor.one_thread():
+        freed = engine.compress_batch(items)
     if any(freed):
         delta = torch.tensor(freed, dtype=batch.seq_lens_cpu.dtype)
         batch.seq_lens_cpu = batch.seq_lens_cpu - delta
