@@ -150,15 +150,18 @@ def init_new(result, cls, batch, model_runner, *args, **kwargs):
     rt = runtime.RT
     if rt is None or result.positions is None:
         return result
+    # No `offs.any()` shortcut: reading it back would stall the host on every forward; adding zeros
+    # does not. The offsets tensor lives beside the row pool, so this is one gather and one add.
     offs = rt.tree.offsets[result.req_pool_indices.to(rt.tree.offsets.device)]
-    if not bool(offs.any()):
-        return result
     offs = offs.to(result.positions.device, result.positions.dtype)
     if result.forward_mode.is_decode():
         result.positions = result.positions + offs
     elif result.forward_mode.is_extend():
+        lens_cpu = getattr(result, "extend_seq_lens_cpu", None)  # host lengths: no read back for the size
         result.positions = result.positions + torch.repeat_interleave(
-            offs, result.extend_seq_lens.to(offs.device).long()
+            offs,
+            result.extend_seq_lens.to(offs.device).long(),
+            output_size=int(sum(lens_cpu)) if lens_cpu is not None else None,
         )
     return result
 

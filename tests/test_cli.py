@@ -225,3 +225,24 @@ def test_supported_model_configs_pass_the_check():
     assert modelcheck.refusal({**LLAMA, "sliding_window": None}) is None
     assert modelcheck.refusal({**LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}) is None
     assert modelcheck.quantization(LLAMA) is None
+
+
+@pytest.mark.parametrize(
+    ("policy", "overrides", "capture"),
+    [
+        ("lagkv", {"enabled": False}, False),
+        ("knorm", {"policies": ["streaming", "lagkv"]}, False),
+        ("streaming", {}, True),  # any override may name an attention policy
+        ("lagkv", {"policies": ["snapkv"]}, True),
+        ("lagkv", {"policies": ["graphkv"]}, True),  # a refiner's base may be attention-based
+        ("snapkv", {"enabled": False}, True),
+        ("graphkv", {"enabled": False}, True),
+    ],
+)
+def test_cuda_graphs_stay_on_only_without_capture(policy: str, overrides: dict, capture: bool) -> None:
+    from sgl_kvevict.config import KvConfig, OverridePolicy, ServerSettings
+    from sgl_kvevict.plugin import capture_needed
+
+    cfg = KvConfig.model_validate({"policy": policy, "budget": 0.5})
+    settings = ServerSettings(overrides=OverridePolicy(**overrides))
+    assert (capture_needed(cfg, settings) is not None) == capture
