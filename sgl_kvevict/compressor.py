@@ -24,10 +24,12 @@ the request take back the tree nodes that it alone holds.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -250,12 +252,27 @@ def _branch_point_moved(req: Any, s: st.ReqState) -> None:
     s.anchor_kv += sum(len(x.value) for x in above)
 
 
-def compress(req: Any, phase: Phase) -> int:
-    """Run one compression step if the policy's trigger fires. Returns the slots freed (0 if none)."""
+@dataclass
+class Job:
+    """One request whose trigger fired this step: every count the step needs, decided on the host."""
+
+    req: Any
+    s: st.ReqState
+    phase: Phase
+    a: int  # anchor_kv: the region starts here in the row
+    n: int  # region slots
+    n_sink: int
+    n_recent: int
+    budget: int
+    own_start: int  # kv.cache_protected_len: slots from here on are the request's own
+
+
+def prepare(req: Any, phase: Phase) -> Job | None:
+    """The host-side half of a step: None when the policy's trigger does not fire. No tensor is read."""
     s = st.get(req)
     rt = runtime.RT
     if s is None or not s.active or rt is None:
-        return 0
+        return None
     kv = req.kv
     cfg = s.policy.config
     if cfg.scope == "branch":
@@ -263,13 +280,27 @@ def compress(req: Any, phase: Phase) -> int:
     a = s.anchor_kv
     n = kv.kv_committed_len - a
     if n <= 0 or kv.kv_allocated_len != kv.kv_committed_len:
-        return 0
+        return None
     n_sink = max(0, min(cfg.sinks - s.anchor_tokens, n))
     n_recent = max(0, min(cfg.recent, n - n_sink))
     budget = s.cfg.resolve_budget(n + s.own_evicted, n_sink + n_recent)
     if not s.policy.should_compress(n, n_sink, n_recent, s.comp_slots, budget, phase):
-        return 0
+        return None
+    return Job(req, s, phase, a, n, n_sink, n_recent, budget, kv.cache_protected_len)
 
+
+def compress(req: Any, phase: Phase) -> int:
+    """Run one compression step if the policy's trigger fires. Returns the slots freed (0 if none)."""
+    job = prepare(req, phase)
+    return 0 if job is None else run(job)
+
+
+def run(job: Job) -> int:
+    """One request's step on its own (every policy, every region layout): plan, agree, commit."""
+    req, s, a, n = job.req, job.s, job.a, job.n
+    n_sink, n_recent, budget = job.n_sink, job.n_recent, job.budget
+    rt = runtime.RT
+    kv = req.kv
     t0 = time.perf_counter()
     row_idx = kv.req_pool_idx
     row = rt.req_to_token[row_idx]
@@ -301,7 +332,7 @@ def compress(req: Any, phase: Phase) -> int:
             state=s.layer_state[layer],
         )
 
-    own_start = kv.cache_protected_len
+    own_start = job.own_start
     saved_state = [dict(d) for d in s.layer_state]
     plan, error = None, None
     try:
@@ -326,16 +357,21 @@ def compress(req: Any, phase: Phase) -> int:
             s.layer_stats.setdefault(name, [0.0] * rt.n_layers)[v.layer] = float(val)
         s.merged += int(v.stats.get("d2o_merged", 0))
         rt.totals.tokens_merged += int(v.stats.get("d2o_merged", 0))
-    if st.DEBUG:
+    rt.tree.offsets[row_idx] = _account(job, k, plan.tail, plan.keep, time.perf_counter() - t0)
+    return n - k
+
+
+def _account(job: Job, k: int, tail: int, keep: torch.Tensor | None, dt: float) -> int:
+    """Host bookkeeping after a commit (counts, totals, the debug timeline); returns the new offset."""
+    s, a, n, rt = job.s, job.a, job.n, runtime.RT
+    if st.DEBUG and keep is not None:
         before = s.debug_positions(a + n)
-        region = before[..., a:].gather(-1, plan.keep)
+        region = before[..., a:].gather(-1, keep)
         s.debug_event(torch.cat([before[..., :a], region], dim=-1), s.tokens_for(a + n))
     region_tokens = n + s.own_evicted
-    s.comp_slots = k - plan.tail
-    s.comp_tokens = region_tokens - plan.tail
+    s.comp_slots = k - tail
+    s.comp_tokens = region_tokens - tail
     s.own_evicted += n - k
-    rt.tree.offsets[row_idx] = s.offset
-    dt = time.perf_counter() - t0
     s.compressions += 1
     s.seconds += dt
     tot = rt.totals
@@ -347,41 +383,61 @@ def compress(req: Any, phase: Phase) -> int:
         tot.requests_compressed += 1
     logger.debug(
         "kvevict %s: %s %s kept %d of %d region slots (offset %d) in %.3fs",
-        req.rid,
+        job.req.rid,
         s.cfg.policy,
-        phase,
+        job.phase,
         k,
         n,
         s.offset,
         dt,
     )
-    return n - k
+    return s.offset
 
 
 THREADS = int(os.environ.get("KVEVICT_COMPRESS_THREADS", "1"))
 
 
 def safe_compress(req: Any, phase: Phase) -> int:
-    """A failure inside a policy degrades this request to no compression; the server keeps serving.
+    """A failure inside a policy degrades this request to no compression; the server keeps serving."""
+    with one_thread():
+        try:
+            job = prepare(req, phase)
+            return 0 if job is None else run(job)
+        except Exception:
+            degrade(req)
+            return 0
 
-    Compression is many small tensor ops: on a CPU, one OpenMP thread is much faster than several
-    fighting over cores (measured 0.8 ms vs 150 ms for one LagKV score on a loaded 2-core machine).
-    """
+
+def safe_run(job: Job) -> int:
+    """`run`, degrading the request on a failure (the caller holds `one_thread`)."""
+    try:
+        return run(job)
+    except Exception:
+        degrade(job.req)
+        return 0
+
+
+def degrade(req: Any) -> None:
+    """The request continues uncompressed: its policy failed (logged once, counted in the totals)."""
+    s = st.get(req)
+    if s is not None and not s.failed:
+        s.failed = True
+        if runtime.RT is not None:
+            runtime.RT.totals.policy_failures += 1
+        logger.exception(
+            "kvevict: policy %r failed for request %s; it continues uncompressed", s.cfg.policy, req.rid
+        )
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Compression is many small tensor ops: on a CPU, one OpenMP thread is much faster than several
+    fighting over cores (measured 0.8 ms vs 150 ms for one LagKV score on a loaded 2-core machine)."""
     prev = torch.get_num_threads()
     try:
         if THREADS and THREADS != prev:
             torch.set_num_threads(THREADS)
-        return compress(req, phase)
-    except Exception:
-        s = st.get(req)
-        if s is not None and not s.failed:
-            s.failed = True
-            if runtime.RT is not None:
-                runtime.RT.totals.policy_failures += 1
-            logger.exception(
-                "kvevict: policy %r failed for request %s; it continues uncompressed", s.cfg.policy, req.rid
-            )
-        return 0
+        yield
     finally:
         if torch.get_num_threads() != prev:
             torch.set_num_threads(prev)

@@ -26,7 +26,7 @@ import torch
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sgl_kvevict import capture, compressor, runtime
+from sgl_kvevict import capture, compressor, engine, runtime
 from sgl_kvevict import state as st
 from sgl_kvevict.config import KvConfig
 
@@ -101,15 +101,15 @@ def prepare_for_extend(result, batch, *args, **kwargs):
 
 def _compress_batch(batch) -> None:
     """Compress the requests whose trigger fires; shrink the batch's carried lengths."""
-    freed = []
+    items = []
     for r in batch.reqs:
         s = st.get(r)
-        if s is None or not s.active:
-            freed.append(0)
-            continue
-        phase = "prefill" if s.after_extend else "decode"
-        s.after_extend = False
-        freed.append(compressor.safe_compress(r, phase))
+        phase = "prefill" if s is not None and s.after_extend else "decode"
+        if s is not None:
+            s.after_extend = False
+        items.append((r, phase))
+    with compressor.one_thread():
+        freed = engine.compress_batch(items)
     if any(freed):
         delta = torch.tensor(freed, dtype=batch.seq_lens_cpu.dtype)
         batch.seq_lens_cpu = batch.seq_lens_cpu - delta
@@ -150,15 +150,18 @@ def init_new(result, cls, batch, model_runner, *args, **kwargs):
     rt = runtime.RT
     if rt is None or result.positions is None:
         return result
+    # No `offs.any()` shortcut: reading it back would stall the host on every forward; adding zeros
+    # does not. The offsets tensor lives beside the row pool, so this is one gather and one add.
     offs = rt.tree.offsets[result.req_pool_indices.to(rt.tree.offsets.device)]
-    if not bool(offs.any()):
-        return result
     offs = offs.to(result.positions.device, result.positions.dtype)
     if result.forward_mode.is_decode():
         result.positions = result.positions + offs
     elif result.forward_mode.is_extend():
+        lens_cpu = getattr(result, "extend_seq_lens_cpu", None)  # host lengths: no read back for the size
         result.positions = result.positions + torch.repeat_interleave(
-            offs, result.extend_seq_lens.to(offs.device).long()
+            offs,
+            result.extend_seq_lens.to(offs.device).long(),
+            output_size=int(sum(lens_cpu)) if lens_cpu is not None else None,
         )
     return result
 

@@ -207,6 +207,27 @@ def _server_settings(ns: argparse.Namespace, model_cfg: dict | None) -> ServerSe
         raise  # unreachable: _fail exits
 
 
+def capture_needed(cfg: KvConfig, settings: ServerSettings) -> str | None:
+    """What makes this server capture window queries (the reason CUDA graphs go off), or None.
+
+    Attention-free policies (streaming, knorm, lagkv, a refiner over lagkv) never capture, so decode can
+    run in CUDA graphs: the forward reads only `req_to_token`, `seq_lens` and positions, which the
+    compression step updates outside the forward. A request override could ask for an attention-based
+    policy, so overrides count too: graphs stay on only when none can ask for one."""
+    if cfg.build().needs:
+        return f"--kv-policy {cfg.policy}"
+    if not settings.overrides.enabled:
+        return None
+    names = settings.overrides.policies
+    if names is None:
+        return "a per-request override (any policy may be named; restrict with --kv-override-policies)"
+    for name in names:
+        cls = policies.REGISTRY[name]
+        if cls.needs or issubclass(cls, policies.Refiner):
+            return f"an override to {name!r} (--kv-override-policies)"
+    return None
+
+
 def _restrict_features(
     ns: argparse.Namespace, cfg: KvConfig, settings: ServerSettings, model_cfg: dict | None
 ) -> None:
@@ -238,11 +259,17 @@ def _restrict_features(
     if not getattr(ns, "disable_overlap_schedule", False):
         ns.disable_overlap_schedule = True
         logger.warning(
-            "sgl-kvevict: overlap scheduler switched off: compression rewrites a request's row between steps"
+            "sgl-kvevict: overlap scheduler switched off: compression runs while the scheduler builds the "
+            "next batch, which under overlap is while the previous forward still writes the KV it moves"
         )
-    if not getattr(ns, "disable_cuda_graph", False):
+    needs_capture = capture_needed(cfg, settings)
+    if needs_capture and not getattr(ns, "disable_cuda_graph", False):
         ns.disable_cuda_graph = True
-        logger.warning("sgl-kvevict: CUDA graphs switched off: window-query capture runs in Python hooks")
+        logger.warning(
+            "sgl-kvevict: CUDA graphs switched off: %s needs window queries, captured in a Python hook "
+            "that a replayed graph would skip",
+            needs_capture,
+        )
     if getattr(ns, "enable_mixed_chunk", False):
         ns.enable_mixed_chunk = False
         logger.warning(

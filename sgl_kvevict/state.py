@@ -68,6 +68,7 @@ class ReqState:
     merged: int = 0
     seconds: float = 0.0
     layer_state: list[dict] = field(default_factory=list)
+    carry_stack: torch.Tensor | None = None  # [L, H, k]: the carried scores the layers' entries view
     layer_stats: dict[str, list[float]] = field(default_factory=dict)
     prefix_digest: str = ""
     digest_kv: int = 0  # slots the digests cover: the shared prefix at admission

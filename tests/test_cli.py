@@ -225,3 +225,38 @@ def test_supported_model_configs_pass_the_check():
     assert modelcheck.refusal({**LLAMA, "sliding_window": None}) is None
     assert modelcheck.refusal({**LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}) is None
     assert modelcheck.quantization(LLAMA) is None
+
+
+@pytest.mark.parametrize(
+    ("policy", "overrides", "capture"),
+    [
+        ("lagkv", {"enabled": False}, False),
+        ("knorm", {"policies": ["streaming", "lagkv"]}, False),
+        ("streaming", {}, True),  # any override may name an attention policy
+        ("lagkv", {"policies": ["snapkv"]}, True),
+        ("lagkv", {"policies": ["graphkv"]}, True),  # a refiner's base may be attention-based
+        ("snapkv", {"enabled": False}, True),
+        ("graphkv", {"enabled": False}, True),
+    ],
+)
+def test_cuda_graphs_stay_on_only_without_capture(policy: str, overrides: dict, capture: bool) -> None:
+    from sgl_kvevict.config import KvConfig, OverridePolicy, ServerSettings
+    from sgl_kvevict.plugin import capture_needed
+
+    cfg = KvConfig.model_validate({"policy": policy, "budget": 0.5})
+    settings = ServerSettings(overrides=OverridePolicy(**overrides))
+    assert (capture_needed(cfg, settings) is not None) == capture
+
+
+def test_gpu_check_refuses_without_cuda(capsys) -> None:
+    """benchmarks/gpu_check.py is for a GPU machine: here it must say so and exit 2, starting nothing."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--model-path", "m"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+    assert mod.main(["--model-path", "m", "--policies", "nope"]) == 2
+    assert "valid choices" in capsys.readouterr().err

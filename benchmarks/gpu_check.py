@@ -1,0 +1,156 @@
+"""One command for a GPU user: does sgl-kvevict behave on *your* GPU? (Never run by the project: it
+has no GPU.)
+
+`python benchmarks/gpu_check.py --model-path meta-llama/Llama-3.1-8B-Instruct`
+
+For each attention backend (`flashinfer`, `triton`) and each policy, it starts the real SGLang server
+(with this plugin) and checks:
+
+1. **What the plugin switched.** `GET /server_info`: are CUDA graphs and the overlap scheduler on? (The
+   plugin keeps CUDA graphs on when no request can need window queries: an attention-free policy with
+   overrides off or restricted to attention-free ones; it always switches overlap off.) Each policy runs
+   twice: with SGLang's defaults, and with `--disable-cuda-graph`.
+2. **Token identity with nothing evicted.** Greedy outputs at budget `100%` must equal `none`'s on the
+   same backend, token for token (the step runs, positions and rows go through the hooks, nothing is
+   dropped).
+3. **Decode throughput vs `none`**, default flags (graphs and overlap as the plugin leaves them) at
+   budget `--budget`: output tokens per second over `--requests` concurrent requests.
+
+Prints one table and writes it (with the raw numbers) to `--out` as JSON. Exit code 1 if any token
+identity check fails, 2 on bad arguments or without CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import sys
+import time
+from typing import Any
+
+POLICIES = ["streaming", "knorm", "lagkv", "h2o", "snapkv", "d2o", "graphkv", "criticalkv"]
+BACKENDS = ["flashinfer", "triton"]
+PROMPT = (
+    "You are a careful assistant. Summarise the following operations log and then list every error "
+    "code it mentions, in order.\n"
+)
+
+
+def _prompts(n: int, words: int) -> list[str]:
+    return [PROMPT + " ".join(f"step {i}.{j}: ok" for j in range(words)) for i in range(n)]
+
+
+def _generate(url: str, prompts: list[str], max_new: int, policy: str | None, budget: str) -> list[Any]:
+    import requests
+
+    def one(p: str) -> Any:
+        sp: dict[str, Any] = {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True}
+        if policy is not None:
+            sp["custom_params"] = {"kvevict": {"policy": policy, "budget": budget}}
+        r = requests.post(url + "/generate", json={"text": p, "sampling_params": sp}, timeout=600)
+        r.raise_for_status()
+        return r.json()
+
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:
+        return list(ex.map(one, prompts))
+
+
+def _tokens(out: dict) -> list[int]:
+    return out.get("output_ids") or out["meta_info"].get("output_token_ids") or [hash(out["text"])]
+
+
+def _server_flags(url: str) -> dict[str, Any]:
+    import requests
+
+    info = requests.get(url + "/server_info", timeout=30).json()
+    return {k: info.get(k) for k in ("disable_cuda_graph", "disable_overlap_schedule", "attention_backend")}
+
+
+def run(args: argparse.Namespace) -> int:
+    from sgl_kvevict.serverproc import Server
+
+    rows: list[dict[str, Any]] = []
+    ident_prompts = _prompts(4, 60)
+    tput_prompts = _prompts(args.requests, args.prompt_words)
+    failed = False
+    for backend in args.backends:
+        base = ["--model-path", args.model_path, "--attention-backend", backend, *args.extra]
+        with Server([*base, "--kv-policy", "none"], timeout=1800) as srv:
+            ref = [_tokens(o) for o in _generate(srv.url, ident_prompts, args.max_new_tokens, None, "100%")]
+            t0 = time.perf_counter()
+            outs = _generate(srv.url, tput_prompts, args.max_new_tokens, None, "100%")
+            none_tps = sum(len(_tokens(o)) for o in outs) / (time.perf_counter() - t0)
+            rows.append({"backend": backend, "policy": "none", "graphs": "default", **_server_flags(srv.url),
+                         "identical": True, "tok_s": none_tps, "vs_none": 1.0})  # fmt: skip
+        for policy in args.policies:
+            for graphs in ("default", "off"):
+                extra = ["--disable-cuda-graph"] if graphs == "off" else []
+                srv_args = [*base, *extra, "--kv-policy", policy, "--kv-budget", args.budget]
+                with Server(srv_args, timeout=1800) as srv:
+                    got = _generate(srv.url, ident_prompts, args.max_new_tokens, policy, "100%")
+                    same = [_tokens(o) for o in got] == ref
+                    failed |= not same
+                    row = {"backend": backend, "policy": policy, "graphs": graphs, **_server_flags(srv.url),
+                           "identical": same}  # fmt: skip
+                    if graphs == "default":
+                        t0 = time.perf_counter()
+                        outs = _generate(srv.url, tput_prompts, args.max_new_tokens, policy, args.budget)
+                        tps = sum(len(_tokens(o)) for o in outs) / (time.perf_counter() - t0)
+                        row.update(tok_s=tps, vs_none=tps / none_tps)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    print(f"\n{'backend':<11}{'policy':<12}{'graphs':<9}{'cuda graph':<12}{'overlap':<9}{'identical':<11}"
+          f"{'tok/s':>9}{'vs none':>9}")  # fmt: skip
+    for r in rows:
+        tps = f"{r['tok_s']:.1f}" if "tok_s" in r else "-"
+        vs = f"{r['vs_none']:.2f}" if "vs_none" in r else "-"
+        print(f"{r['backend']:<11}{r['policy']:<12}{r['graphs']:<9}{str(not r['disable_cuda_graph']):<12}"
+              f"{str(not r['disable_overlap_schedule']):<9}{str(r['identical']):<11}{tps:>9}{vs:>9}")  # fmt: skip
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--backends", default=",".join(BACKENDS))
+    ap.add_argument("--budget", default="50%", help="budget for the throughput run (identity runs at 100%%)")
+    ap.add_argument("--requests", type=int, default=32, help="concurrent requests for throughput (1-512)")
+    ap.add_argument("--prompt-words", type=int, default=400, help="log lines per throughput prompt (1-20000)")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="1-4096")
+    ap.add_argument("--out", default="gpu_check.json")
+    ap.add_argument("extra", nargs="*", help="more launch_server flags, after --")
+    args = ap.parse_args(argv)
+    from sgl_kvevict.policies import REGISTRY
+
+    args.policies = [p for p in args.policies.split(",") if p]
+    args.backends = [b for b in args.backends.split(",") if b]
+    bad = [p for p in args.policies if p not in REGISTRY or p == "none"]
+    if bad:
+        print(f"--policies: unknown {bad}; valid choices: {', '.join(POLICIES)}", file=sys.stderr)
+        return 2
+    if [b for b in args.backends if b not in BACKENDS]:
+        print(f"--backends: valid choices: {', '.join(BACKENDS)}", file=sys.stderr)
+        return 2
+    for name, lo, hi in (("requests", 1, 512), ("prompt_words", 1, 20000), ("max_new_tokens", 1, 4096)):
+        if not lo <= getattr(args, name) <= hi:
+            print(f"--{name.replace('_', '-')} must be in [{lo}, {hi}]", file=sys.stderr)
+            return 2
+    import torch
+
+    if not torch.cuda.is_available():
+        print(
+            "gpu_check: no CUDA device here. This check is for a GPU machine (CUDA graphs, overlap, "
+            "FlashInfer/Triton backends); on a CPU run the test suite instead (`make test`).",
+            file=sys.stderr,
+        )
+        return 2
+    return run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,186 @@
+"""SGLang's real KV pools, request rows and radix cache, without a server: for the engine benchmark and
+the test that keeps the compression step free of host synchronisation.
+
+Everything here is SGLang's own classes (`MHATokenToKVPool`, `ReqToTokenPool`, `TokenToKVPoolAllocator`,
+this plugin's `KvEvictRadixCache`); only the scheduler is absent, so a batch of decoding requests is
+built by hand: each request holds an own (not tree-shared) region of `n` tokens with random K/V, and,
+for attention-based policies, a full window of captured queries.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from sgl_kvevict import capture, runtime
+from sgl_kvevict import state as st
+from sgl_kvevict.runtime import Runtime, Totals
+
+# Ops that make the host wait for the device on CUDA: a scalar read (`.item()`, `int(t)`, `bool(t)`,
+# `.any()` in an `if`), or an output whose size depends on the data (`nonzero`, boolean-mask indexing,
+# `repeat_interleave` without `output_size`, `unique`, `masked_select`).
+SCALAR_READ = "aten::_local_scalar_dense"
+DATA_DEPENDENT = frozenset(
+    {
+        "aten::nonzero",
+        "aten::masked_select",
+        "aten::_unique2",
+        "aten::unique_dim",
+        "aten::unique_consecutive",
+        "aten::equal",
+    }
+)
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts every op in the step that forces a host sync on CUDA (see `SCALAR_READ`, `DATA_DEPENDENT`),
+    plus `Tensor.tolist()` calls (on CPU they never reach the dispatcher, on CUDA they copy to the host).
+
+    Runs on CPU: what it counts is what *would* wait for the GPU, whatever the device here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+        self._tolist = None
+
+    def _add(self, name: str) -> None:
+        self.counts[name] = self.counts.get(name, 0) + 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = f"aten::{func._schema.name.split('::')[-1]}"
+        if name == SCALAR_READ or name in DATA_DEPENDENT:
+            self._add(name)
+        elif name == "aten::repeat_interleave" and (kwargs or {}).get("output_size") is None:
+            self._add(name)
+        elif name == "aten::index" and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else [])
+        ):
+            self._add("aten::index(bool mask)")
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        counter, orig = self, torch.Tensor.tolist
+
+        def tolist(t, *a, **k):
+            counter._add("Tensor.tolist")
+            return orig(t, *a, **k)
+
+        self._tolist = orig
+        torch.Tensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+class Pools:
+    """One rank's real pools and tree, installed as `runtime.RT`, sized for `max_reqs` rows of `max_len`."""
+
+    def __init__(
+        self,
+        layers: int = 30,
+        kv_heads: int = 2,
+        group: int = 4,
+        head_dim: int = 64,
+        max_reqs: int = 64,
+        max_len: int = 1024,
+        dtype: torch.dtype = torch.bfloat16,
+        seed: int = 0,
+    ) -> None:
+        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+        from sgl_kvevict.tree import KvEvictRadixCache
+
+        size = max_reqs * max_len
+        self.layers, self.kv_heads, self.q_heads, self.head_dim = layers, kv_heads, kv_heads * group, head_dim
+        self.r2t = ReqToTokenPool(max_reqs, max_len, "cpu", False)
+        self.kv = MHATokenToKVPool(size, 1, dtype, kv_heads, head_dim, layers, "cpu", False)
+        self.alloc = TokenToKVPoolAllocator(size, dtype, "cpu", self.kv, False)
+        params = CacheInitParams(
+            disable=False, req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.alloc, page_size=1
+        )
+        self.tree = KvEvictRadixCache(params, max_reqs)
+        g = torch.Generator().manual_seed(seed)
+        for layer in range(layers):  # random K/V everywhere once; compaction only moves rows around
+            self.kv.get_key_buffer(layer).copy_(torch.randn(size + 1, kv_heads, head_dim, generator=g))
+            self.kv.get_value_buffer(layer).copy_(torch.randn(size + 1, kv_heads, head_dim, generator=g))
+        rt = object.__new__(Runtime)
+        rt.tree, rt.req_to_token, rt.allocator, rt.kv_pool = (
+            self.tree,
+            self.r2t.req_to_token,
+            self.alloc,
+            self.kv,
+        )
+        rt.model, rt.metrics = None, None
+        rt.n_layers, rt.n_q_heads, rt.n_kv_heads, rt.head_dim = layers, self.q_heads, kv_heads, head_dim
+        rt.scale, rt.start_layer, rt.tp_size, rt.totals = 1 / math.sqrt(head_dim), 0, 1, Totals()
+        w_o = torch.randn(self.q_heads, head_dim, 128, generator=g)
+        rt._o_proj = dict.fromkeys(range(layers), w_o)
+        self.rt = rt
+        self.gen = g
+
+    def batch(self, n_reqs: int, n_tokens: int, policy: str, budget: Any, config: dict | None = None) -> Any:
+        """A fresh decode batch of `n_reqs` requests, each holding an own region of `n_tokens` slots (the
+        previous batch's slots and rings are dropped first). Returns an object with SGLang's
+        `ScheduleBatch` fields the compression hook reads (`reqs`, `seq_lens`, `seq_lens_cpu`)."""
+        from sgl_kvevict.tree import Region
+
+        runtime.RT = self.rt
+        self.alloc.clear()
+        self.r2t.req_to_token.zero_()
+        capture.RINGS.clear()
+        self.tree.offsets.zero_()
+        slots = self.alloc.alloc(n_reqs * n_tokens).view(n_reqs, n_tokens)
+        reqs = []
+        for i in range(n_reqs):
+            req = SimpleNamespace(
+                rid=f"bench-{i}",
+                kv=_kv_info(),
+                sampling_params=SimpleNamespace(
+                    custom_params={"kvevict": {"policy": policy, "budget": budget, "config": config or {}}},
+                    max_new_tokens=64,
+                ),
+                extra_key=None,
+                cache_salt=None,
+                priority=0,
+                origin_input_ids=list(range(n_tokens)),
+                full_untruncated_fill_ids=list(range(n_tokens)),
+                lock=self.tree.lock(self.tree.root_node),
+                last_node=self.tree.root_node,
+                finished=lambda: False,
+            )
+            req.kv.req_pool_idx = i
+            self.r2t.req_to_token[i, :n_tokens] = slots[i].to(torch.int32)
+            req.kv.kv_committed_len = req.kv.kv_allocated_len = n_tokens
+            s = st.ensure(req)
+            st.on_match(req, Region(self.tree.root_node, 0, 0, None))
+            if "attn" in s.policy.needs:
+                w = s.policy.config.window
+                ring = capture.Ring(self.layers, w, self.q_heads, self.head_dim)
+                ring.buf = torch.randn(self.layers, w, self.q_heads, self.head_dim, generator=self.gen).to(
+                    self.kv.dtype
+                )
+                ring.count = [w] * self.layers
+                capture.RINGS[i] = ring
+            reqs.append(req)
+        lens = torch.full((n_reqs,), n_tokens, dtype=torch.int64)
+        return SimpleNamespace(
+            reqs=reqs, seq_lens=lens.clone(), seq_lens_cpu=lens.clone(), orig_seq_lens=None
+        )
+
+
+def _kv_info() -> Any:
+    from sglang.srt.managers.schedule_batch import ReqKvInfo
+
+    return ReqKvInfo()
