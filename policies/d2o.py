@@ -25,6 +25,8 @@ updated threshold is compared; merged tokens keep their own slot's carried score
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from pydantic import Field
 
@@ -37,6 +39,18 @@ class D2OConfig(H2OConfig):
     recent_fraction: float = Field(0.25, ge=0.0, lt=1.0, description="M / (N + M); paper N:M = 3:1 -> 0.25")
     beta: float = Field(0.7, gt=0.0, le=1.0, description="EMA weight of the current step's max similarity")
     merge: bool = Field(True, description="merge evicted tokens into kept ones (False: eviction only)")
+    scores: Literal["window", "accumulated"] = Field(
+        "window",
+        description="'accumulated': each compression adds the window's attention, credited to the queries "
+        "that arrived since the last one, to the kept tokens' carried sums (the paper's running H2O sum "
+        "without a second attention pass); 'window': h2o's reading (window score, `carry` across steps)",
+    )
+    threshold: Literal["max", "mean"] = Field(
+        "max",
+        description="EMA threshold's current term: 'max' = per KV head, the step's best similarity "
+        "(the paper's Eq. 10); 'mean' = one scalar per layer, the mean of per-token best similarities "
+        "(the authors' released code)",
+    )
 
 
 @register
@@ -46,6 +60,22 @@ class D2OPolicy(H2OPolicy):
     name = "d2o"
     Config = D2OConfig
     config: D2OConfig
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        if self.config.scores == "window":
+            return super().score(view)
+        # Accumulated: the paper sums the attention every query ever paid a token. The window's mean
+        # attention stands in for each query that arrived since the last compression (the region grew
+        # by exactly those tokens; at most `window` of them are credited: the rest were never captured).
+        attn = view.require_attn(self.name).float()
+        old = view.state.get("carried")
+        fresh = view.n - (old.shape[1] if old is not None else 0)
+        s = attn * float(max(0, min(fresh, self.config.window)))
+        if old is not None and old.shape[0] == s.shape[0]:
+            m = min(old.shape[1], s.shape[1])
+            s[:, :m] += old[:, :m].to(s.device)
+        view.state["scored"] = s
+        return s
 
     def select(self, view: LayerView, budget: int) -> torch.Tensor:
         s = self.score(view)
@@ -75,6 +105,14 @@ class D2OPolicy(H2OPolicy):
         tau = view.state.get("tau")
         counts: dict[str, int] = {}
         view.state["tau"] = d2o_merge(
-            view.k_buffer, view.v_buffer, view.slots, keep, tau, self.config.beta, tau is None, counts
+            view.k_buffer,
+            view.v_buffer,
+            view.slots,
+            keep,
+            tau,
+            self.config.beta,
+            tau is None,
+            counts,
+            self.config.threshold,
         )
         view.stats["d2o_merged"] = float(counts.get("merged", 0))
