@@ -184,7 +184,9 @@ def main() -> None:
         if wanted and label not in wanted and name not in wanted:
             continue
         t1 = time.time()
-        pol = with_budget_ratio(P.build(name, {"sinks": SINKS, "recent": RECENT, "window": WINDOW, **pcfg}), args.ratio)
+        pol = with_budget_ratio(
+            P.build(name, {"sinks": SINKS, "recent": RECENT, "window": WINDOW, **pcfg}), args.ratio
+        )
         sinks = pol.config.sinks
         cand_budget = max(0, round(args.ratio * n) - sinks - RECENT)
         masks, new_kv, kept = [], [], 0

@@ -67,7 +67,9 @@ def _threshold(u: torch.Tensor, tau: torch.Tensor, beta: float, init: bool, redu
     return beta * u.amax(dim=1) + (1.0 - beta) * tau
 
 
-def _match_ref(kn: torch.Tensor, evicted: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _match_ref(
+    kn: torch.Tensor, evicted: torch.Tensor, keep: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Best cosine u `[H, E]` and its kept index c `[H, E]` from unit keys kn `[H, N, D]`.
 
     Chunked over evicted *and* kept tokens with a running max: no similarity block exceeds `_MAX_SIMS`

@@ -1,10 +1,24 @@
 """`d2o`: Dynamic Discriminative Operations (Wan et al. 2024, arXiv 2406.13035).
 
-Token level: H2O-style eviction (window-accumulated attention, `h2o`'s reading: score = attn * window,
-the last `window` queries, not every query so far), plus sinks and a recent window, then each evicted
-token is merged into its most key-similar kept token when the similarity clears an EMA threshold
-(`merge`, `kernels.d2o_merge`; per KV head, tau kept per (request, layer) in `view.state["tau"]`,
-tau_0 = mean similarity at the first compression, then tau <- beta * max u + (1 - beta) * tau).
+Token level: H2O-style eviction, plus sinks and a recent window, then each evicted token is merged into
+its most key-similar kept token when the similarity clears an EMA threshold (`merge`,
+`kernels.d2o_merge`; tau kept per (request, layer) in `view.state["tau"]`, tau_0 = mean similarity at
+the first compression, then tau <- beta * cur + (1 - beta) * tau).
+
+Scores (`scores`). The paper accumulates the attention every query paid each token, over the prompt and
+every decode step. Paged attention returns no probabilities, so a second attention pass over the whole
+context at every step would be needed for that. 'accumulated' approximates it without one: at each
+compression the captured window's attention (mean over the last `window` queries) is credited once per
+query that arrived since the previous compression (at most `window`) and added to the kept tokens'
+carried sums; cost per compression is one `[Hkv, N]` add on top of the window attention every
+attention policy computes anyway. 'window' is `h2o`'s reading (attn * window, carried by max).
+
+Threshold (`threshold`). 'max': per KV head, the step's best similarity as the EMA's current term (the
+paper's Eq. 10 as written); 'mean': one scalar per layer, the mean of per-token best similarities (the
+authors' released code).
+
+Defaults are chosen from the recall measurement in the README (merge on/off, both score and threshold
+readings, at equal KV): see its D2O section for the numbers and the command.
 
 Recent window: the paper splits the layer budget N:M = 3:1 between heavy hitters and recent tokens.
 `recent_fraction` (default 0.25) is M / (N + M) of the kept non-sink tokens (candidate budget + the
@@ -18,8 +32,8 @@ layers (equal counts keep the paged layout rectangular), so the allocation is on
 region) and `view.stats["d2o_inv_var"]` = 1 / sigma2, the softmax logit; alpha_l is
 L_layers * softmax over layers of `d2o_inv_var`.
 
-Readings chosen where the paper is silent (reconstructed): keys-only cosine similarity; tau per KV head; the
-updated threshold is compared; merged tokens keep their own slot's carried score (h2o's `carry`);
+Readings chosen where the paper is silent (reconstructed): keys-only cosine similarity; the updated
+threshold is compared; merged tokens keep their own slot's carried score (h2o's `carry`);
 `merge=False` gives the paper's "without merging" ablation.
 """
 
