@@ -15,6 +15,7 @@ per layer, i.e. the window attention's cost / W on every step: printed as "per-s
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import torch
 from timing import times_ms  # benchmarks/timing.py
@@ -37,32 +38,35 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|")
     for n in args.sizes:
-        kb = torch.randn(n, HKV, D)
-        q = torch.randn(HQ, W, D)
-        slots = torch.arange(n)
-        budget = n // 2 - 36
-        attn = kernels.window_attention(q, kb, slots, D**-0.5, causal=True)
-        carried = torch.rand(HKV, n - 17)  # the kept tokens of the last step; 17 arrived since
-        res = {}
-        for reading in ("window", "accumulated"):
-            pol = policies.build("d2o", {"scores": reading, "merge": False})
-            views = [
-                LayerView(layer, kb, kb, slots, 4, 32, 0, attn=attn, state={"carried": carried})
-                for layer in range(LAYERS)
-            ]
-            res[reading] = sorted(
-                times_ms(lambda p=pol, vs=views: [p.select(v, budget) for v in vs], args.repeats)
-            )[args.repeats // 2]
-        wa = sorted(
-            times_ms(
-                lambda: [kernels.window_attention(q, kb, slots, D**-0.5, causal=True) for _ in range(LAYERS)],
-                args.repeats,
-            )
-        )[args.repeats // 2]
-        extra = res["accumulated"] - res["window"]
-        print(
-            f"| {n} | {wa:.1f} | {res['window']:.1f} | {res['accumulated']:.1f} | {extra:+.1f} | {wa / W:.2f} |"
-        )
+        row(n, args.repeats)
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    return sorted(times_ms(fn, repeats))[repeats // 2]
+
+
+def row(n: int, repeats: int) -> None:
+    kb = torch.randn(n, HKV, D)
+    q = torch.randn(HQ, W, D)
+    slots = torch.arange(n)
+    budget = n // 2 - 36
+    attn = kernels.window_attention(q, kb, slots, D**-0.5, causal=True)
+    carried = torch.rand(HKV, n - 17)  # the kept tokens of the last step; 17 arrived since
+    res = {}
+    for reading in ("window", "accumulated"):
+        pol = policies.build("d2o", {"scores": reading, "merge": False})
+        views = [
+            LayerView(layer, kb, kb, slots, 4, 32, 0, attn=attn, state={"carried": carried})
+            for layer in range(LAYERS)
+        ]
+        res[reading] = median_ms(lambda p=pol, vs=views: [p.select(v, budget) for v in vs], repeats)
+    wa = median_ms(
+        lambda: [kernels.window_attention(q, kb, slots, D**-0.5, causal=True) for _ in range(LAYERS)], repeats
+    )
+    extra = res["accumulated"] - res["window"]
+    print(
+        f"| {n} | {wa:.1f} | {res['window']:.1f} | {res['accumulated']:.1f} | {extra:+.1f} | {wa / W:.2f} |"
+    )
 
 
 if __name__ == "__main__":
