@@ -7,8 +7,8 @@ position ids are kept (the cache is never shortened), exactly as the server keep
 Protocol: a deterministic ~2K-token operations log (generated below from a seeded RNG, with one fact
 planted early) is prefilled; post-RoPE K/V come from the cache, the last `window` queries of each layer
 are captured inside the attention function (window attention is causal). Every policy then selects, on every layer, 50% of the
-context (sinks + recent 32 + candidate budget; LagKV keeps what its per-partition ratio, by default the
-budget's ratio as on the server, gives, capped by the same budget), question-agnostically (the question is not seen). The question plus the full-cache
+context (sinks + recent 32 + candidate budget; LagKV keeps what its per-partition ratio gives, capped by the
+same budget, as on the server), question-agnostically (the question is not seen). The question plus the full-cache
 greedy answer are then teacher-forced over the masked cache; the table reports the mean KL(full || policy)
 over those positions, the top-1 agreement with the full cache, and whether the policy's greedy answer
 still contains the planted fact.
@@ -46,8 +46,8 @@ POLICIES: list[tuple[str, str, dict[str, Any]]] = [
     ("snapkv", "snapkv", {}),
     ("lagkv", "lagkv", {}),
     ("lagkv sinks=16", "lagkv", {"sinks": 16}),
-    ("lagkv r=0.5+cap", "lagkv", {"ratio": 0.5}),
-    ("lagkv r=0.5 no-cap", "lagkv", {"ratio": 0.5, "cap_to_budget": False}),
+    ("lagkv r=budget", "lagkv", {"ratio_from_budget": True}),
+    ("lagkv no-cap", "lagkv", {"cap_to_budget": False}),
     ("lagkv L=64", "lagkv", {"lag": 64}),
     ("d2o", "d2o", {}),
     ("d2o no-merge", "d2o", {"merge": False}),

@@ -17,12 +17,13 @@ into it is not compressed (irrelevant with the defaults, recent 32 < L).
 
 Budget: one meaning for every policy. A budget at or above the request's compressible tokens keeps
 everything (`should_compress` is False while candidates <= budget), so `budget: "100%"` or a token count
-longer than the context never compresses. The per-partition retention r is the config field `ratio`;
-left unset it comes from the budget when the budget is a ratio (`"50%"` -> r = 0.5: the paper's "2x"
-setting, where r names the compression; the held fraction is then Eq. 12's, a little above r because
-of the sinks and the raw window) and is the paper's default 0.5 for a token budget. An explicit `ratio`
-wins, and the budget then only caps. (Eq. 13's inverse, solving r for an exact kept fraction at one
-length, is not applied: in decode the length keeps changing.)
+longer than the context never compresses. The per-partition retention r is the config field `ratio`
+(default 0.5, the paper's default); the budget caps the result (below). `ratio_from_budget: true` makes a
+ratio budget the r instead (the paper names its settings by r: "50%" -> r = 0.5, "2x"); measured on
+`benchmarks/fidelity.py --ratio 0.25`, at equal kept KV (34.4%) r = 0.5 capped to the budget gives mean
+KL 0.29 and keeps the planted fact, r = 0.25 gives KL 0.73 and loses it, so it is off by default. At
+50% the two are the same. (Eq. 13's inverse, solving r for an exact kept fraction at one length, is
+the benchmark's `lagkv r=k/128` row; not applied in the server, where the length keeps changing.)
 
 Cap (`cap_to_budget`, default on): `budget` (candidate tokens beyond sinks and recent) caps the
 *compressed part* (everything between the sinks and the raw tail; the raw tail is LagKV's recent window
@@ -32,12 +33,14 @@ re-scored as a sequence per head ("chunk recursion"): cut into chunks of L from 
 oldest tokens wait for the next round), each chunk referenced by its successor and the last one by the
 first L raw tail tokens, and each chunk keeps its top k; this repeats until c <= budget or c < L; then,
 if still over, the compressed part is scored as one partition against the raw tail (Eqs. 7-11 with
-unequal sizes) and cut to the top `budget`. With a ratio budget and r taken from it the cap does not
-bind on a one-shot compression (Eq. 12 keeps c = k (P - 1) < budget); it binds for token budgets and
-in branch scope, where it is what keeps a session under its budget at all.
+unequal sizes) and cut to the top `budget`. At a 50% budget and r = 0.5 the cap does not bind on a
+one-shot compression (Eq. 12 keeps c = k (P - 1) < budget); it binds for smaller budgets (the 25%
+measurement above: re-scoring the compressed part is the better reading there) and in branch scope,
+where it is what keeps a session under its budget at all.
 
-Ambiguities chosen: sinks = the shared `sinks` field (paper 16, kvpress 4; default 4, measured in the
-README: the fidelity benchmark gives the same kept set quality at 4 and 16); K and V scores summed with
+Ambiguities chosen: sinks = the shared `sinks` field (paper 16, kvpress 4; default 4; `{"sinks": 16}`
+measured a little better on the fidelity benchmark, KL 0.142 vs 0.147 at 50% and 0.63 vs 0.73 at 25%,
+see the README); K and V scores summed with
 weight `score_v_ratio` (paper/original code; kvpress averages: same ranking at 1.0); eps 1e-6 in
 max - min; unbiased std; kept indices sorted.
 """
@@ -62,12 +65,11 @@ class LagKVConfig(PolicyConfig):
     lag: int = Field(
         128, ge=2, le=1 << 14, description="partition size L = reference size = minimum raw window"
     )
-    ratio: float | None = Field(
-        None,
-        gt=0.0,
-        lt=1.0,
-        description="retention r: int(r*L) tokens kept per partition; unset: a ratio budget's value, "
-        "else 0.5 (the paper's default)",
+    ratio: float = Field(0.5, gt=0.0, lt=1.0, description="retention r: int(r*L) tokens kept per partition")
+    ratio_from_budget: bool = Field(
+        False,
+        description="a ratio budget replaces `ratio` as the per-partition retention (off: r stays `ratio` "
+        "and the budget caps; measured better at equal KV, see the README)",
     )
     score_v_ratio: float = Field(
         1.0, ge=0.0, le=1e3, description="weight of the V score added to the K score"
@@ -76,28 +78,22 @@ class LagKVConfig(PolicyConfig):
 
     @model_validator(mode="after")
     def _keep_count(self) -> LagKVConfig:
-        if self.ratio is None:
-            return self
         k = int(self.ratio * self.lag)
         if not 1 <= k < self.lag:
             raise ValueError(
                 f"ratio {self.ratio} keeps int(ratio * lag) = {k} of each {self.lag}-token partition; it "
-                f"must keep between 1 and lag - 1 = {self.lag - 1} (or leave ratio unset: it then follows "
-                "a ratio budget)"
+                f"must keep between 1 and lag - 1 = {self.lag - 1}"
             )
         return self
 
 
-DEFAULT_RATIO = 0.5  # the paper's default retention ("2x")
-
-
 def with_budget_ratio(policy: Policy, ratio: float) -> Policy:
-    """The policy to run under a budget given as a ratio: a LagKV (itself or as a refiner's base)
-    without an explicit `ratio` takes the budget's. Other policies are returned unchanged."""
-    if isinstance(policy, LagKVPolicy) and policy.config.ratio is None:
+    """The policy to run under a budget given as a ratio: a LagKV (itself or as a refiner's base) with
+    `ratio_from_budget` takes the budget's ratio as its r. Other policies are returned unchanged."""
+    if isinstance(policy, LagKVPolicy) and policy.config.ratio_from_budget:
         return policy.with_ratio(ratio)
     base = getattr(policy, "base", None)
-    if isinstance(base, LagKVPolicy) and base.config.ratio is None:
+    if isinstance(base, LagKVPolicy) and base.config.ratio_from_budget:
         policy.base = base.with_ratio(ratio)
     return policy
 
@@ -123,8 +119,7 @@ class LagKVPolicy(Policy):
 
     @property
     def keep_per_partition(self) -> int:
-        r = self.config.ratio if self.config.ratio is not None else DEFAULT_RATIO
-        return int(r * self.config.lag)
+        return int(self.config.ratio * self.config.lag)
 
     def with_ratio(self, ratio: float) -> LagKVPolicy:
         """A copy whose per-partition retention is `ratio` (a budget given as a ratio), clamped so that

@@ -302,8 +302,8 @@ def test_lagkv_with_ratio_hook() -> None:
 
 
 def test_lagkv_budget_means_what_it_says() -> None:
-    """A budget covering the request keeps everything; a ratio budget is LagKV's per-partition r unless
-    the config sets `ratio`; a refiner's LagKV base follows it too."""
+    """A budget covering the request keeps everything; with `ratio_from_budget` a ratio budget is LagKV's
+    per-partition r (also as a refiner's base), else `ratio` stays and the budget caps."""
     from sgl_kvevict.config import KvConfig
 
     n, sinks, recent = 2500, 4, 32
@@ -313,11 +313,11 @@ def test_lagkv_budget_means_what_it_says() -> None:
         assert not cfg.build().should_compress(n, sinks, recent, 0, b, "prefill"), budget
     cfg = KvConfig(policy="lagkv", budget=0.5)
     assert cfg.build().should_compress(n, sinks, recent, 0, cfg.resolve_budget(n, sinks + recent), "prefill")
-    assert KvConfig(policy="lagkv", budget=0.25, config={"lag": 16}).build().keep_per_partition == 4
-    assert KvConfig(policy="lagkv", budget=256, config={"lag": 16}).build().keep_per_partition == 8
-    explicit = KvConfig(policy="lagkv", budget=0.25, config={"lag": 16, "ratio": 0.5}).build()
-    assert explicit.keep_per_partition == 8
-    g = KvConfig(policy="graphkv", budget=0.25, config={"base": "lagkv", "base_config": {"lag": 16}}).build()
+    assert KvConfig(policy="lagkv", budget=0.25, config={"lag": 16}).build().keep_per_partition == 8
+    follow = {"lag": 16, "ratio_from_budget": True}
+    assert KvConfig(policy="lagkv", budget=0.25, config=follow).build().keep_per_partition == 4
+    assert KvConfig(policy="lagkv", budget=256, config=follow).build().keep_per_partition == 8
+    g = KvConfig(policy="graphkv", budget=0.25, config={"base": "lagkv", "base_config": follow}).build()
     assert g.base.keep_per_partition == 4
 
 
