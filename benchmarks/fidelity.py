@@ -7,8 +7,8 @@ position ids are kept (the cache is never shortened), exactly as the server keep
 Protocol: a deterministic ~2K-token operations log (generated below from a seeded RNG, with one fact
 planted early) is prefilled; post-RoPE K/V come from the cache, the last `window` queries of each layer
 are captured inside the attention function (window attention is causal). Every policy then selects, on every layer, 50% of the
-context (sinks 4 + recent 32 + candidate budget; LagKV keeps what its per-partition ratio gives, capped
-by the same budget), question-agnostically (the question is not seen). The question plus the full-cache
+context (sinks + recent 32 + candidate budget; LagKV keeps what its per-partition ratio gives, capped by the
+same budget, as on the server), question-agnostically (the question is not seen). The question plus the full-cache
 greedy answer are then teacher-forced over the masked cache; the table reports the mean KL(full || policy)
 over those positions, the top-1 agreement with the full cache, and whether the policy's greedy answer
 still contains the planted fact.
@@ -34,6 +34,7 @@ from sgl_kvevict import policies as P
 from sgl_kvevict.kernels import window_attention
 from sgl_kvevict.model import default_model_path
 from sgl_kvevict.policies.base import LayerView
+from sgl_kvevict.policies.lagkv import with_budget_ratio
 
 MODEL = str(default_model_path())
 SINKS, RECENT, WINDOW = 4, 32, 32
@@ -45,9 +46,14 @@ POLICIES: list[tuple[str, str, dict[str, Any]]] = [
     ("h2o", "h2o", {}),
     ("snapkv", "snapkv", {}),
     ("lagkv", "lagkv", {}),
+    ("lagkv sinks=16", "lagkv", {"sinks": 16}),
+    ("lagkv r=budget", "lagkv", {"ratio_from_budget": True}),
+    ("lagkv no-cap", "lagkv", {"cap_to_budget": False}),
     ("lagkv L=64", "lagkv", {"lag": 64}),
     ("d2o", "d2o", {}),
     ("d2o no-merge", "d2o", {"merge": False}),
+    ("d2o accumulated", "d2o", {"scores": "accumulated"}),
+    ("d2o thr=mean", "d2o", {"threshold": "mean"}),
     ("graphkv/snapkv", "graphkv", {}),
     ("graphkv/knorm", "graphkv", {"base": "knorm"}),
     ("graphkv/lagkv", "graphkv", {"base": "lagkv"}),
@@ -173,7 +179,6 @@ def main() -> None:
         for layer in model.model.layers
     ]
     scale = hd**-0.5
-    budget = max(0, round(args.ratio * n) - SINKS - RECENT)
     wanted = {x.strip() for x in args.policies.split(",") if x.strip()}
 
     # LagKV at the same kept fraction: solve r from Eq. 13 (k = int(r*L) per partition)
@@ -193,7 +198,11 @@ def main() -> None:
         if wanted and label not in wanted and name not in wanted:
             continue
         t1 = time.time()
-        pol = P.build(name, {"sinks": SINKS, "recent": RECENT, "window": WINDOW, **pcfg})
+        pol = with_budget_ratio(
+            P.build(name, {"sinks": SINKS, "recent": RECENT, "window": WINDOW, **pcfg}), args.ratio
+        )
+        sinks = pol.config.sinks
+        cand_budget = max(0, round(args.ratio * n) - sinks - RECENT)
         masks, new_kv, kept = [], [], 0
         for li, (k, v) in enumerate(kv):
             kb = k[0].transpose(0, 1).contiguous()  # [N, Hkv, D]
@@ -204,11 +213,11 @@ def main() -> None:
                 if "attn" in pol.needs
                 else None
             )
-            view = LayerView(li, kb, vb, slots, SINKS, RECENT, 0, attn=attn, o_proj=o_proj[li])
-            if name == "none" or not pol.should_compress(n, SINKS, RECENT, 0, budget, "prefill"):
+            view = LayerView(li, kb, vb, slots, sinks, RECENT, 0, attn=attn, o_proj=o_proj[li])
+            if name == "none" or not pol.should_compress(n, sinks, RECENT, 0, cand_budget, "prefill"):
                 keep = torch.arange(n).expand(hkv, -1)
             else:
-                keep = pol.select(view, budget)
+                keep = pol.select(view, cand_budget)
                 pol.merge(view, keep)
             mask = torch.zeros(hkv, n, dtype=torch.bool)
             mask.scatter_(1, keep, True)

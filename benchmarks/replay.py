@@ -26,8 +26,9 @@ Small plumbing check (two policies, one server; ~5 min):
 
 Recall calibration (full cache only): `--scenarios recall --sessions 10 --policies none`.
 
-Long sessions, request vs branch scope side by side (`--policies` entries are NAME[@SCOPE][=BUDGET]:
-`snapkv@request` sets the policy config's `scope`; `=BUDGET` runs that entry at that budget only):
+Long sessions, request vs branch scope side by side (`--policies` entries are NAME[#VARIANT][@SCOPE][=BUDGET]:
+`snapkv@request` sets the policy config's `scope`; `=BUDGET` runs that entry at that budget only;
+`d2o#nomerge` is a second d2o run whose config adds `--policy-config`'s `"d2o#nomerge"` entry):
 
     HF_HUB_OFFLINE=1 OMP_WAIT_POLICY=PASSIVE python benchmarks/replay.py --scenarios long --sessions 2 \\
         --turns 30 --concurrency 2 --max-new-tokens 8 --system-tokens 300 --tool-tokens 50,600 \\
@@ -154,12 +155,17 @@ class RunSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     policy: str
+    variant: str | None = None
     scope: Literal["request", "branch"] | None = None
     budget: float | int | None = None
 
     @property
+    def variant_name(self) -> str:
+        return self.policy if self.variant is None else f"{self.policy}#{self.variant}"
+
+    @property
     def name(self) -> str:
-        return self.policy if self.scope is None else f"{self.policy}@{self.scope}"
+        return self.variant_name if self.scope is None else f"{self.variant_name}@{self.scope}"
 
 
 def parse_spec(text: str) -> RunSpec:
@@ -170,6 +176,9 @@ def parse_spec(text: str) -> RunSpec:
     raw = text.strip()
     head, eq, budget_text = raw.partition("=")
     policy, at, scope = head.partition("@")
+    policy, hash_, variant = policy.partition("#")
+    if hash_ and not variant.replace("-", "").replace("_", "").isalnum():
+        raise ValueError(f"policy spec {text!r}: a variant is letters, digits, '-' or '_' (NAME#VARIANT)")
     valid = available()
     if policy not in valid:
         raise ValueError(
@@ -189,7 +198,7 @@ def parse_spec(text: str) -> RunSpec:
             budget = parse_budget(budget_text)
         except ValueError as e:
             raise ValueError(f"policy spec {text!r}: {e}") from None
-    return RunSpec(policy=policy, scope=scope or None, budget=budget)
+    return RunSpec(policy=policy, variant=variant or None, scope=scope or None, budget=budget)
 
 
 class Run(BaseModel):
@@ -227,9 +236,11 @@ def label(policy: str, budget: float | int | None) -> str:
 
 
 def policy_config(cfg: BenchConfig, spec: RunSpec) -> dict[str, Any]:
-    """The run's policy config: `--policy-config` by policy name, then by spec name (`snapkv@branch`),
-    then the spec's scope."""
+    """The run's policy config: `--policy-config` by policy name, then by variant (`d2o#nomerge`), then by
+    spec name (`snapkv@branch`), then the spec's scope."""
     out = {**cfg.policy_configs.get(spec.policy, {})}
+    if spec.variant is not None:
+        out.update(cfg.policy_configs.get(spec.variant_name, {}))
     if spec.scope is not None:
         out.update(cfg.policy_configs.get(spec.name, {}))
         out["scope"] = spec.scope

@@ -4,15 +4,18 @@ Reading of the paper used here (where its equations leave a choice, the choice i
 
 - Similarity is on keys only, cosine, per KV head: u_e = max_c cos(k_e, k_c), c*(e) its argmax over the
   kept tokens of that head (many-to-one). Values reuse the keys' matching and weights.
-- Threshold per KV head: at prefill (`init=True`) tau' = mean_e(u_e); in decode
-  tau' = beta * max_e(u_e) + (1 - beta) * tau (EMA, beta weights the current step). The *updated*
-  threshold is the one compared against ("according to the current EMA threshold").
+- Threshold (`reduce`): 'max' reads Eq. 10 per KV head: at prefill (`init=True`) tau' = mean_e(u_e); in
+  decode tau' = beta * max_e(u_e) + (1 - beta) * tau (EMA, beta weights the current step). 'mean' is the
+  authors' released code: one scalar per layer, the mean over heads and evicted tokens of u_e, at prefill
+  and as the EMA's current term. The *updated* threshold is the one compared against ("according to the
+  current EMA threshold").
 - e merges iff u_e >= tau'. GAT-style weights with Euler's number as the kept token's own weight
   (exp(cos(k_c, k_c)) = exp(1)): Z_c = e + sum exp(u_e), k_c <- (e * k_c + sum exp(u_e) k_e) / Z_c, and
   the same for v. Kept tokens that receive nothing are not rewritten (no bf16 round-trip drift).
 - Unmerged evicted tokens are simply dropped later by compaction.
 
-Zero-norm keys get cosine 0 with everything (norm clamped at 1e-12, as F.normalize does).
+Zero-norm keys get cosine 0 with everything (norm clamped at 1e-12, as F.normalize does). The match is
+chunked over both evicted and kept tokens (bounded memory at any length); ties go to the earliest kept.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from ._pool import head_rows, region, write_head_rows
 from .dispatch import next_pow2, use_triton
 
 NORM_EPS = 1e-12
-_MAX_SIMS = 1 << 20  # elements of one [H, chunk, b] similarity block in the reference
+_MAX_SIMS = 1 << 20  # elements of one [H, evicted chunk, kept chunk] similarity block in the reference
 
 
 def _prepare(
@@ -49,11 +52,46 @@ def _prepare(
     return keep, evicted, tau_t
 
 
-def _threshold(u: torch.Tensor, tau: torch.Tensor, beta: float, init: bool) -> torch.Tensor:
-    """tau' per head: mean at prefill, EMA of the step's max similarity in decode."""
+def _threshold(u: torch.Tensor, tau: torch.Tensor, beta: float, init: bool, reduce: str) -> torch.Tensor:
+    """tau' per head `[Hkv]` from the step's best similarities u `[Hkv, E]`.
+
+    reduce='max' (the paper's Eq. 10 as read here): per head, mean at prefill, then
+    beta * max_e(u_e) + (1 - beta) * tau. reduce='mean' (the authors' released code): one scalar per
+    layer, the mean of the per-token best similarities over every head, at prefill and in the EMA.
+    """
+    if reduce == "mean":
+        cur = u.mean().expand(u.shape[0])
+        return cur.clone() if init else beta * cur + (1.0 - beta) * tau
     if init:
         return u.mean(dim=1)
     return beta * u.amax(dim=1) + (1.0 - beta) * tau
+
+
+def _match_ref(
+    kn: torch.Tensor, evicted: torch.Tensor, keep: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Best cosine u `[H, E]` and its kept index c `[H, E]` from unit keys kn `[H, N, D]`.
+
+    Chunked over evicted *and* kept tokens with a running max: no similarity block exceeds `_MAX_SIMS`
+    elements, whatever the region length (a full [E, b] matrix per head is O(N^2) memory at 32K)."""
+    hkv, n_ev, b = kn.shape[0], evicted.shape[1], keep.shape[1]
+    heads = torch.arange(hkv, device=kn.device)[:, None]
+    side = max(1, math.isqrt(_MAX_SIMS // hkv))
+    ce, cb = min(n_ev, side), min(b, side)
+    u = torch.empty(hkv, n_ev, dtype=torch.float32, device=kn.device)
+    c = torch.empty(hkv, n_ev, dtype=torch.int64, device=kn.device)
+    for e0 in range(0, n_ev, ce):
+        ke = kn[heads, evicted[:, e0 : e0 + ce]]  # [H, ce, D]
+        best = torch.full(ke.shape[:2], float("-inf"), device=kn.device)
+        arg = torch.zeros(ke.shape[:2], dtype=torch.int64, device=kn.device)
+        for c0 in range(0, b, cb):
+            kc = kn[heads, keep[:, c0 : c0 + cb]]  # [H, cb, D]
+            m, a = torch.matmul(ke, kc.transpose(1, 2)).max(dim=-1)
+            better = m > best  # ties keep the earlier kept token, as one unchunked argmax would
+            best = torch.where(better, m, best)
+            arg = torch.where(better, a + c0, arg)
+        u[:, e0 : e0 + ce], c[:, e0 : e0 + ce] = best, arg
+    return u, c
 
 
 def _report(stats: dict[str, Any] | None, merged: torch.Tensor, n_evicted: int) -> None:
@@ -71,6 +109,7 @@ def d2o_merge_ref(
     beta: float,
     init: bool,
     stats: dict[str, Any] | None = None,
+    reduce: str = "max",
 ) -> torch.Tensor:
     """Torch reference. Returns the new tau [Hkv]; `stats` (if given) gets 'merged' and 'evicted' counts."""
     hkv = k_buffer.shape[1]
@@ -79,31 +118,10 @@ def d2o_merge_ref(
     if n_ev == 0 or b == 0:
         _report(stats, torch.zeros(1), 0)
         return tau_t
-    n = slots.numel()
     k = region(k_buffer, slots).float().transpose(0, 1)  # [H, N, D]
     kn = k.div_(k.norm(dim=-1, keepdim=True).clamp_min_(NORM_EPS))
-    heads = torch.arange(hkv, device=k.device)[:, None]
-    ke = kn[heads, evicted]  # [H, E, D]
-    u = torch.empty(hkv, n_ev, dtype=torch.float32, device=k.device)
-    c = torch.empty(hkv, n_ev, dtype=torch.int64, device=k.device)
-    if 2 * b >= n:
-        # mostly kept (decode): compare against every token, mask the evicted columns, map back to kept index
-        cols = kn.transpose(1, 2)  # [H, D, N]
-        bias = torch.zeros(hkv, 1, n, device=k.device).scatter_(2, evicted[:, None], float("-inf"))
-        pos = torch.zeros(hkv, n, dtype=torch.int64, device=k.device)
-        pos.scatter_(1, keep, torch.arange(b, device=k.device).expand(hkv, b))
-    else:
-        cols = kn[heads, keep].transpose(1, 2)  # [H, D, b]
-        bias, pos = None, None
-    step = max(1, _MAX_SIMS // (hkv * cols.shape[2]))
-    for e0 in range(0, n_ev, step):
-        sims = torch.matmul(ke[:, e0 : e0 + step], cols)  # [H, chunk, b or N]
-        if bias is not None:
-            sims.add_(bias)
-        u[:, e0 : e0 + step], c[:, e0 : e0 + step] = sims.max(dim=-1)
-    if pos is not None:
-        c = pos.gather(1, c)
-    tau_new = _threshold(u, tau_t, beta, init)
+    u, c = _match_ref(kn, evicted, keep)
+    tau_new = _threshold(u, tau_t, beta, init, reduce)
     merge = u >= tau_new[:, None]
     _report(stats, merge, hkv * n_ev)
     if not bool(merge.any()):
@@ -212,6 +230,7 @@ def d2o_merge_triton(
     beta: float,
     init: bool,
     stats: dict[str, Any] | None = None,
+    reduce: str = "max",
 ) -> torch.Tensor:
     """Triton version: matching kernel, tiny torch glue (threshold, CSR by target), merging kernel."""
     hkv, d = k_buffer.shape[1], k_buffer.shape[2]
@@ -233,7 +252,7 @@ def d2o_merge_triton(
         k_buffer, slots, keep, evicted, u, c, b, n_ev, d, k_buffer.stride(0), k_buffer.stride(1), NORM_EPS,
         BLOCK_E=be, BLOCK_C=bc, BLOCK_D=bd,
     )  # fmt: skip
-    tau_new = _threshold(u, tau_t, beta, init)
+    tau_new = _threshold(u, tau_t, beta, init, reduce)
     merge = u >= tau_new[:, None]
     _report(stats, merge, hkv * n_ev)
     if not bool(merge.any()):
@@ -262,8 +281,9 @@ def d2o_merge(
     beta: float,
     init: bool,
     stats: dict[str, Any] | None = None,
+    reduce: str = "max",
 ) -> torch.Tensor:
     """Merge evicted into kept slots in place; returns the new tau [Hkv]. See the module docstring."""
     if use_triton(k_buffer):
-        return d2o_merge_triton(k_buffer, v_buffer, slots, keep, tau, beta, init, stats)
-    return d2o_merge_ref(k_buffer, v_buffer, slots, keep, tau, beta, init, stats)
+        return d2o_merge_triton(k_buffer, v_buffer, slots, keep, tau, beta, init, stats, reduce)
+    return d2o_merge_ref(k_buffer, v_buffer, slots, keep, tau, beta, init, stats, reduce)

@@ -1,10 +1,24 @@
 """`d2o`: Dynamic Discriminative Operations (Wan et al. 2024, arXiv 2406.13035).
 
-Token level: H2O-style eviction (window-accumulated attention, `h2o`'s reading: score = attn * window,
-the last `window` queries, not every query so far), plus sinks and a recent window, then each evicted
-token is merged into its most key-similar kept token when the similarity clears an EMA threshold
-(`merge`, `kernels.d2o_merge`; per KV head, tau kept per (request, layer) in `view.state["tau"]`,
-tau_0 = mean similarity at the first compression, then tau <- beta * max u + (1 - beta) * tau).
+Token level: H2O-style eviction, plus sinks and a recent window, then each evicted token is merged into
+its most key-similar kept token when the similarity clears an EMA threshold (`merge`,
+`kernels.d2o_merge`; tau kept per (request, layer) in `view.state["tau"]`, tau_0 = mean similarity at
+the first compression, then tau <- beta * cur + (1 - beta) * tau).
+
+Scores (`scores`). The paper accumulates the attention every query paid each token, over the prompt and
+every decode step. Paged attention returns no probabilities, so a second attention pass over the whole
+context at every step would be needed for that. 'accumulated' approximates it without one: at each
+compression the captured window's attention (mean over the last `window` queries) is credited once per
+query that arrived since the previous compression (at most `window`) and added to the kept tokens'
+carried sums; cost per compression is one `[Hkv, N]` add on top of the window attention every
+attention policy computes anyway. 'window' is `h2o`'s reading (attn * window, carried by max).
+
+Threshold (`threshold`). 'max': per KV head, the step's best similarity as the EMA's current term (the
+paper's Eq. 10 as written); 'mean': one scalar per layer, the mean of per-token best similarities (the
+authors' released code).
+
+Defaults are chosen from the recall measurement in the README (merge on/off, both score and threshold
+readings, at equal KV): see its D2O section for the numbers and the command.
 
 Recent window: the paper splits the layer budget N:M = 3:1 between heavy hitters and recent tokens.
 `recent_fraction` (default 0.25) is M / (N + M) of the kept non-sink tokens (candidate budget + the
@@ -18,12 +32,14 @@ layers (equal counts keep the paged layout rectangular), so the allocation is on
 region) and `view.stats["d2o_inv_var"]` = 1 / sigma2, the softmax logit; alpha_l is
 L_layers * softmax over layers of `d2o_inv_var`.
 
-Readings chosen where the paper is silent (reconstructed): keys-only cosine similarity; tau per KV head; the
-updated threshold is compared; merged tokens keep their own slot's carried score (h2o's `carry`);
+Readings chosen where the paper is silent (reconstructed): keys-only cosine similarity; the updated
+threshold is compared; merged tokens keep their own slot's carried score (h2o's `carry`);
 `merge=False` gives the paper's "without merging" ablation.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -37,6 +53,18 @@ class D2OConfig(H2OConfig):
     recent_fraction: float = Field(0.25, ge=0.0, lt=1.0, description="M / (N + M); paper N:M = 3:1 -> 0.25")
     beta: float = Field(0.7, gt=0.0, le=1.0, description="EMA weight of the current step's max similarity")
     merge: bool = Field(True, description="merge evicted tokens into kept ones (False: eviction only)")
+    scores: Literal["window", "accumulated"] = Field(
+        "window",
+        description="'accumulated': each compression adds the window's attention, credited to the queries "
+        "that arrived since the last one, to the kept tokens' carried sums (the paper's running H2O sum "
+        "without a second attention pass); 'window': h2o's reading (window score, `carry` across steps)",
+    )
+    threshold: Literal["max", "mean"] = Field(
+        "max",
+        description="EMA threshold's current term: 'max' = per KV head, the step's best similarity "
+        "(the paper's Eq. 10); 'mean' = one scalar per layer, the mean of per-token best similarities "
+        "(the authors' released code)",
+    )
 
 
 @register
@@ -46,6 +74,22 @@ class D2OPolicy(H2OPolicy):
     name = "d2o"
     Config = D2OConfig
     config: D2OConfig
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        if self.config.scores == "window":
+            return super().score(view)
+        # Accumulated: the paper sums the attention every query ever paid a token. The window's mean
+        # attention stands in for each query that arrived since the last compression (the region grew
+        # by exactly those tokens; at most `window` of them are credited: the rest were never captured).
+        attn = view.require_attn(self.name).float()
+        old = view.state.get("carried")
+        fresh = view.n - (old.shape[1] if old is not None else 0)
+        s = attn * float(max(0, min(fresh, self.config.window)))
+        if old is not None and old.shape[0] == s.shape[0]:
+            m = min(old.shape[1], s.shape[1])
+            s[:, :m] += old[:, :m].to(s.device)
+        view.state["scored"] = s
+        return s
 
     def select(self, view: LayerView, budget: int) -> torch.Tensor:
         s = self.score(view)
@@ -75,6 +119,14 @@ class D2OPolicy(H2OPolicy):
         tau = view.state.get("tau")
         counts: dict[str, int] = {}
         view.state["tau"] = d2o_merge(
-            view.k_buffer, view.v_buffer, view.slots, keep, tau, self.config.beta, tau is None, counts
+            view.k_buffer,
+            view.v_buffer,
+            view.slots,
+            keep,
+            tau,
+            self.config.beta,
+            tau is None,
+            counts,
+            self.config.threshold,
         )
         view.stats["d2o_merged"] = float(counts.get("merged", 0))

@@ -15,20 +15,34 @@ except the last. A one-shot compression of a fresh region of Ls tokens (S sinks)
 (no compression when Ls < S + 2L). The runner's `recent` window is respected too: a partition reaching
 into it is not compressed (irrelevant with the defaults, recent 32 < L).
 
-Budget ("chunk recursion", `cap_to_budget`, default on). LagKV itself has no absolute budget: its
-retention is `ratio` per partition. `budget` (candidate tokens beyond sinks and recent) caps the
-*compressed part* (everything between the sinks and the raw tail; the raw tail is LagKV's recent window
-and is always kept). While the compressed part holds c > budget tokens per head, it is re-scored as a
-sequence per head: cut into chunks of L from its end (the c mod L oldest tokens wait for the next round),
-each chunk referenced by its successor and the last one by the first L raw tail tokens, and each chunk
-keeps its top k. This repeats until c <= budget or c < L; then, if still over, the compressed part is
-scored as one partition against the raw tail (Eqs. 7-11 with unequal sizes) and cut to the top
-`budget`. A ratio budget given to the server resolves to tokens like any other; `with_ratio(r)` is the
-hook to use r as the per-partition retention instead.
+Budget: one meaning for every policy. A budget at or above the request's compressible tokens keeps
+everything (`should_compress` is False while candidates <= budget), so `budget: "100%"` or a token count
+longer than the context never compresses. The per-partition retention r is the config field `ratio`
+(default 0.5, the paper's default); the budget caps the result (below). `ratio_from_budget: true` makes a
+ratio budget the r instead (the paper names its settings by r: "50%" -> r = 0.5, "2x"); measured on
+`benchmarks/fidelity.py --ratio 0.25`, at equal kept KV (34.4%) r = 0.5 capped to the budget gives mean
+KL 0.29 and keeps the planted fact, r = 0.25 gives KL 0.73 and loses it, so it is off by default. At
+50% the two are the same. (Eq. 13's inverse, solving r for an exact kept fraction at one length, is
+the benchmark's `lagkv r=k/128` row; not applied in the server, where the length keeps changing.)
 
-Ambiguities chosen: sinks = the shared `sinks` field (paper 16, kvpress 4; default 4); K and V scores
-summed with weight `score_v_ratio` (paper/original code; kvpress averages: same ranking at 1.0); eps
-1e-6 in max - min; unbiased std; kept indices sorted.
+Cap (`cap_to_budget`, default on): `budget` (candidate tokens beyond sinks and recent) caps the
+*compressed part* (everything between the sinks and the raw tail; the raw tail is LagKV's recent window
+and is always kept). The paper has no absolute budget and never touches the compressed part again
+(`cap_to_budget: false`). With the cap, while the compressed part holds c > budget tokens per head it is
+re-scored as a sequence per head ("chunk recursion"): cut into chunks of L from its end (the c mod L
+oldest tokens wait for the next round), each chunk referenced by its successor and the last one by the
+first L raw tail tokens, and each chunk keeps its top k; this repeats until c <= budget or c < L; then,
+if still over, the compressed part is scored as one partition against the raw tail (Eqs. 7-11 with
+unequal sizes) and cut to the top `budget`. At a 50% budget and r = 0.5 the cap does not bind on a
+one-shot compression (Eq. 12 keeps c = k (P - 1) < budget); it binds for smaller budgets (the 25%
+measurement above: re-scoring the compressed part is the better reading there) and in branch scope,
+where it is what keeps a session under its budget at all.
+
+Ambiguities chosen: sinks = the shared `sinks` field (paper 16, kvpress 4; default 4; `{"sinks": 16}`
+measured a little better on the fidelity benchmark, KL 0.142 vs 0.147 at 50% and 0.63 vs 0.73 at 25%,
+see the README); K and V scores summed with
+weight `score_v_ratio` (paper/original code; kvpress averages: same ranking at 1.0); eps 1e-6 in
+max - min; unbiased std; kept indices sorted.
 """
 
 from __future__ import annotations
@@ -52,6 +66,11 @@ class LagKVConfig(PolicyConfig):
         128, ge=2, le=1 << 14, description="partition size L = reference size = minimum raw window"
     )
     ratio: float = Field(0.5, gt=0.0, lt=1.0, description="retention r: int(r*L) tokens kept per partition")
+    ratio_from_budget: bool = Field(
+        False,
+        description="a ratio budget replaces `ratio` as the per-partition retention (off: r stays `ratio` "
+        "and the budget caps; measured better at equal KV, see the README)",
+    )
     score_v_ratio: float = Field(
         1.0, ge=0.0, le=1e3, description="weight of the V score added to the K score"
     )
@@ -61,8 +80,22 @@ class LagKVConfig(PolicyConfig):
     def _keep_count(self) -> LagKVConfig:
         k = int(self.ratio * self.lag)
         if not 1 <= k < self.lag:
-            raise ValueError(f"int(ratio * lag) = {k} must be in [1, lag - 1]")
+            raise ValueError(
+                f"ratio {self.ratio} keeps int(ratio * lag) = {k} of each {self.lag}-token partition; it "
+                f"must keep between 1 and lag - 1 = {self.lag - 1}"
+            )
         return self
+
+
+def with_budget_ratio(policy: Policy, ratio: float) -> Policy:
+    """The policy to run under a budget given as a ratio: a LagKV (itself or as a refiner's base) with
+    `ratio_from_budget` takes the budget's ratio as its r. Other policies are returned unchanged."""
+    if isinstance(policy, LagKVPolicy) and policy.config.ratio_from_budget:
+        return policy.with_ratio(ratio)
+    base = getattr(policy, "base", None)
+    if isinstance(base, LagKVPolicy) and base.config.ratio_from_budget:
+        policy.base = base.with_ratio(ratio)
+    return policy
 
 
 def lag_score_dense(z: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -89,8 +122,12 @@ class LagKVPolicy(Policy):
         return int(self.config.ratio * self.config.lag)
 
     def with_ratio(self, ratio: float) -> LagKVPolicy:
-        """A copy whose per-partition retention is `ratio` (for a server budget given as a ratio)."""
-        return type(self)(self.config.model_copy(update={"ratio": ratio}))
+        """A copy whose per-partition retention is `ratio` (a budget given as a ratio), clamped so that
+        each partition keeps between 1 and L - 1 tokens (a ratio of 1 never reaches here: nothing is
+        compressed at or above the whole request)."""
+        lag = self.config.lag
+        k = min(lag - 1, max(1, int(ratio * lag)))
+        return type(self)(self.config.model_copy(update={"ratio": (k + 0.5) / lag}))
 
     # -- when -------------------------------------------------------------------------------------
     def _partitions(self, n: int, n_sink: int, n_recent: int, n_compacted: int) -> int:
@@ -102,6 +139,8 @@ class LagKVPolicy(Policy):
     def should_compress(
         self, n_region: int, n_sink: int, n_recent: int, n_compacted: int, budget: int, phase: Phase
     ) -> bool:
+        if n_region - n_sink - n_recent <= budget:  # a budget covering the request keeps everything
+            return False
         if self._partitions(n_region, n_sink, n_recent, n_compacted) > 0:
             return True
         over = max(n_sink, n_compacted) - n_sink > budget

@@ -114,6 +114,19 @@ def test_six_policies_at_once_hold_their_budget(kv_server: Server):
     assert state["compressions"] >= 12 and state["slots_freed"] > 6 * 1500
 
 
+def test_lagkv_budget_covering_the_request_keeps_everything(kv_server: Server):
+    """LagKV at "100%" or at more tokens than the request holds every token, as every policy does
+    (its per-partition ratio used to apply whatever the budget: 53% held at budget 1.0)."""
+    ids = chat_ids([{"role": "user", "content": long_text(600, seed=77) + "\nSummarize the log above."}])
+    for budget in ("100%", 1 << 20):
+        out = kv_server.generate(
+            input_ids=ids, max_new_tokens=8, kv={"policy": "lagkv", "budget": budget, "config": {"lag": 32}}
+        )
+        info = kvinfo(out)
+        assert info["policy"] == "lagkv" and info["evicted"] == 0, (budget, info)
+        assert info["kv_tokens"] == info["logical_tokens"], (budget, info)
+
+
 # ---- 3. a shared prefix stays bit-identical and shared --------------------------------------------
 def test_shared_prefix_is_intact_and_reused(kv_server: Server):
     system = {"role": "system", "content": long_text(1000, seed=11)}

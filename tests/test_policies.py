@@ -283,18 +283,47 @@ def test_lagkv_decode_round_on_compacted_region() -> None:
 
 def test_lagkv_trigger() -> None:
     pol = P.build("lagkv", {"lag": 8, "recent": 4})
-    assert not pol.should_compress(4 + 15, 4, 4, 0, 10**6, "decode")
-    assert pol.should_compress(4 + 16, 4, 4, 0, 10**6, "decode")
-    assert pol.should_compress(4 + 16, 4, 4, 0, 10**6, "prefill")
-    assert not pol.should_compress(40 + 15, 4, 4, 40, 10**6, "decode")
-    assert pol.should_compress(40 + 16, 4, 4, 40, 10**6, "decode")
+    assert not pol.should_compress(4 + 15, 4, 4, 0, 0, "decode")
+    assert pol.should_compress(4 + 16, 4, 4, 0, 0, "decode")
+    assert pol.should_compress(4 + 16, 4, 4, 0, 0, "prefill")
+    assert not pol.should_compress(40 + 15, 4, 4, 40, 36, "decode")
+    assert pol.should_compress(40 + 16, 4, 4, 40, 36, "decode")
     assert pol.should_compress(40 + 3, 4, 4, 40, 20, "decode")  # compacted part over the budget
-    assert not P.build("lagkv", {"lag": 8, "recent": 12}).should_compress(4 + 19, 4, 12, 0, 10**6, "decode")
+    assert not P.build("lagkv", {"lag": 8, "recent": 12}).should_compress(4 + 19, 4, 12, 0, 0, "decode")
+    # a budget covering every candidate keeps everything, whatever the partitions
+    assert not pol.should_compress(4 + 64, 4, 4, 0, 60, "prefill")
+    assert pol.should_compress(4 + 64, 4, 4, 0, 59, "prefill")
 
 
 def test_lagkv_with_ratio_hook() -> None:
     pol = P.build("lagkv", {"lag": 16})
     assert pol.with_ratio(0.25).keep_per_partition == 4 and pol.keep_per_partition == 8
+    assert pol.with_ratio(0.001).keep_per_partition == 1 and pol.with_ratio(0.999).keep_per_partition == 15
+
+
+def test_lagkv_budget_means_what_it_says() -> None:
+    """A budget covering the request keeps everything; with `ratio_from_budget` a ratio budget is LagKV's
+    per-partition r (also as a refiner's base), else `ratio` stays and the budget caps."""
+    from sgl_kvevict.config import KvConfig
+
+    n, sinks, recent = 2500, 4, 32
+    for budget in (1.0, 1 << 24, n):
+        cfg = KvConfig(policy="lagkv", budget=budget)
+        b = cfg.resolve_budget(n, sinks + recent)
+        assert not cfg.build().should_compress(n, sinks, recent, 0, b, "prefill"), budget
+    cfg = KvConfig(policy="lagkv", budget=0.5)
+    assert cfg.build().should_compress(n, sinks, recent, 0, cfg.resolve_budget(n, sinks + recent), "prefill")
+    assert KvConfig(policy="lagkv", budget=0.25, config={"lag": 16}).build().keep_per_partition == 8
+    follow = {"lag": 16, "ratio_from_budget": True}
+    assert KvConfig(policy="lagkv", budget=0.25, config=follow).build().keep_per_partition == 4
+    assert KvConfig(policy="lagkv", budget=256, config=follow).build().keep_per_partition == 8
+    g = KvConfig(policy="graphkv", budget=0.25, config={"base": "lagkv", "base_config": follow}).build()
+    assert g.base.keep_per_partition == 4
+
+
+def test_lagkv_ratio_error_names_field_and_range() -> None:
+    with pytest.raises(P.PolicyConfigError, match=r"ratio 0.001 keeps .* between 1 and lag - 1 = 127"):
+        P.build("lagkv", {"ratio": 0.001})
 
 
 # ---------------------------------------------------------------- D2O
@@ -353,6 +382,32 @@ def test_d2o_merge_conserves_weighted_sum() -> None:
     keep2 = pol.select(view2, 10)
     pol.merge(view2, keep2)
     assert not torch.allclose(view2.state["tau"], tau0)
+
+
+def test_d2o_accumulated_scores_sum_each_query_once() -> None:
+    """`scores: accumulated`: the first compression scores attn * W (W queries seen); the next adds the
+    window's attention once per query that arrived since (the region grew by exactly those), onto the
+    kept tokens' carried sums, in kept order."""
+    pol = P.build("d2o", {"scores": "accumulated", "recent": 8, "window": 8, "merge": False})
+    view = make_view(60, n_sink=4, n_recent=8)
+    keep = pol.select(view, 20)
+    first = view.state["scored"]
+    torch.testing.assert_close(first, view.attn * 8)
+    view.state["carried"] = first.gather(1, keep)  # what the runner keeps for the next compression
+    k = keep.shape[1]
+    view2 = make_view(k + 5, n_sink=4, n_recent=8, seed=1)
+    view2.state = view.state
+    pol.select(view2, 20)
+    want = view2.attn * 5
+    want[:, :k] += first.gather(1, keep)
+    torch.testing.assert_close(view2.state["scored"], want)
+    window = P.build("d2o", {"recent": 8, "window": 8})  # h2o's reading: max with the carried score
+    view3 = make_view(k + 5, n_sink=4, n_recent=8, seed=1)
+    view3.state = {"carried": first.gather(1, keep)}
+    window.select(view3, 20)
+    want = view3.attn * 8
+    want[:, :k] = torch.maximum(want[:, :k], first.gather(1, keep))
+    torch.testing.assert_close(view3.state["scored"], want)
 
 
 def test_d2o_merge_off() -> None:

@@ -79,6 +79,7 @@ def test_long_scenario_plants_early_and_asks_last() -> None:
         ("snapx@branch", "unknown policy 'snapx'; valid: "),
         ("none@request", "'none' takes no scope"),
         ("snapkv@branch=0", "out of range"),
+        ("d2o#no merge", "a variant is letters"),
     ],
 )
 def test_policy_specs_are_validated(text: str, error: str) -> None:
@@ -112,6 +113,22 @@ def test_policy_specs_name_runs() -> None:
     assert replay.policy_config(cfg, runs[1].spec) == {"window": 16}
     assert replay.policy_config(cfg, runs[3].spec) == {"window": 16, "scope": "request"}
     assert replay.policy_config(cfg, runs[5].spec) == {"window": 16, "carry": "none", "scope": "branch"}
+
+
+def test_policy_variants_are_separate_runs() -> None:
+    cfg = replay.parse(
+        [
+            "--policies",
+            "none,d2o,d2o#nomerge,d2o#nomerge@branch",
+            "--policy-config",
+            '{"d2o": {"beta": 0.5}, "d2o#nomerge": {"merge": false}}',
+        ]
+    )
+    runs = replay.runs_of(cfg)
+    assert [r.label for r in runs] == ["none", "d2o@0.5", "d2o#nomerge@0.5", "d2o#nomerge@branch@0.5"]
+    assert replay.policy_config(cfg, runs[1].spec) == {"beta": 0.5}
+    assert replay.policy_config(cfg, runs[2].spec) == {"beta": 0.5, "merge": False}
+    assert replay.policy_config(cfg, runs[3].spec) == {"beta": 0.5, "merge": False, "scope": "branch"}
 
 
 def test_sharegpt_loader(tmp_path: Path) -> None:
