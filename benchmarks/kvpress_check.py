@@ -18,11 +18,18 @@ ratio) and `matched` (the project's config set to kvpress's definition: its sink
 semantics), so a disagreement in `default` that vanishes in `matched` is explained by the named setting.
 Overlap = |project kept & kvpress kept| / max(sizes), per layer and KV head; mean and min over them.
 
-`--recall-sessions N` adds the LagKV recall study: N recall chats (a fact in the first turn, twelve
-~150-token filler turns), compressed once query-agnostically; kvpress's own answer (its compressed cache,
-its decoding) vs the project's lagkv, and the variants that isolate the difference.
+Prompts: `chat`, a recall chat rendered with the chat template (a fact in the first user turn, filler
+notes after it, each answered "Noted."), and `log`, fidelity.py's operations log (a vault code planted in
+its second line). SmolLM2-135M loses a chat fact after a few filler turns even with the full cache, so
+the chat is short (`--filler-turns 3`); the full-cache row says whether the fact is recalled at all.
 
-Options: --ratios 0.5,0.25, --policies knorm,..., --tokens (generic prompt length), --out DIR.
+`--recall-sessions N` adds the LagKV recall study: N operations logs (each its own lines and vault code,
+`--study-tokens` long) compressed once query-agnostically; kvpress's LagKV with its own decoding, the
+same kept sets under the masked evaluation, the project's lagkv, and the variants that isolate the
+difference (no chunk recursion; kvpress's per-partition count), with the share of the fact's tokens kept.
+
+Options: --ratios 0.5,0.25, --policies knorm,..., --tokens, --filler-turns, --recall-sessions,
+--study-tokens, --out DIR (default results/kvpress: table.md and check.json).
 """
 
 from __future__ import annotations
@@ -65,7 +72,9 @@ KV_WINDOW, KV_SINKS, KV_LAG = 64, 4, 128
 # -- prompts --------------------------------------------------------------------------------------------
 
 
-def recall_chat(tok: Any, session: int, filler_turns: int = 12, filler_tokens: int = 150) -> dict[str, Any]:
+def recall_chat(
+    tok: Any, session: int, filler_turns: int = 12, filler_tokens: int = 150, variant: str = "noted"
+) -> dict[str, Any]:
     """A recall chat rendered with the model's chat template: the fact in the first user turn, filler
     notes after it (each answered with a fixed short reply, so nothing is generated), then the question.
     Returns the context ids (compressed), the question ids (never compressed) and the expected value."""
@@ -78,10 +87,18 @@ def recall_chat(tok: Any, session: int, filler_turns: int = 12, filler_tokens: i
     for _ in range(filler_turns):
         topic = r.choice(recall.TOPICS)
         text = fill(r, filler_tokens, lambda r, t=topic: r.choice(recall.SENTENCES).format(t=t))
-        msgs.append({"role": "user", "content": f"Here is a note:\n{text}\nWhat is the topic of this note?"})
-        msgs.append({"role": "assistant", "content": f"The topic is {topic}."})
+        if variant == "topic":
+            msgs.append(
+                {"role": "user", "content": f"Here is a note:\n{text}\nWhat is the topic of this note?"}
+            )
+            msgs.append({"role": "assistant", "content": f"The topic is {topic}."})
+        else:
+            msgs.append({"role": "user", "content": f"Here is a note to read:\n{text}"})
+            msgs.append({"role": "assistant", "content": "Noted."})
     ctx = tok.apply_chat_template(msgs, tokenize=False)
-    full = tok.apply_chat_template([*msgs, {"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+    full = tok.apply_chat_template(
+        [*msgs, {"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
     if not full.startswith(ctx):
         raise RuntimeError("the chat template does not extend the history as a prefix")
     return {
@@ -91,16 +108,22 @@ def recall_chat(tok: Any, session: int, filler_turns: int = 12, filler_tokens: i
     }
 
 
-def generic_prompt(tok: Any, tokens: int) -> dict[str, Any]:
-    """fidelity.py's deterministic operations log (a fact planted near the start) and its question."""
+def generic_prompt(tok: Any, tokens: int, session: int | None = None) -> dict[str, Any]:
+    """fidelity.py's deterministic operations log (a vault code planted in its second line) and its
+    question. `session` varies the log and the code (the recall study); None is fidelity.py's own text."""
+    expect = fidelity.FACT
+    seed = 1234
+    if session is not None:
+        seed = 1234 + 1 + session
+        expect = str(rng_for(0, "kvpress-code", session).randint(1000, 9999))
     text, n_lines = "", 20
     while len(tok(text).input_ids) < tokens:
         n_lines += 10
-        text = fidelity.make_context(random.Random(1234), n_lines)
+        text = fidelity.make_context(random.Random(seed), n_lines).replace(fidelity.FACT, expect)
     return {
         "ids": tok(text).input_ids[:tokens],
         "question": tok(fidelity.QUESTION, add_special_tokens=False).input_ids,
-        "expect": fidelity.FACT,
+        "expect": expect,
     }
 
 
@@ -108,18 +131,25 @@ def generic_prompt(tok: Any, tokens: int) -> dict[str, Any]:
 
 
 def kvpress_python() -> str:
-    out = subprocess.run(["bash", str(ROOT / "scripts/kvpress_env.sh")], check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        ["bash", str(ROOT / "scripts/kvpress_env.sh")], check=True, capture_output=True, text=True
+    )
     return out.stdout.strip().splitlines()[-1]
 
 
-def run_kvpress(py: str, prompts: dict[str, dict[str, Any]], cases: list[dict[str, Any]], dtype: str) -> dict[str, Any]:
+def run_kvpress(
+    py: str, prompts: dict[str, dict[str, Any]], cases: list[dict[str, Any]], dtype: str
+) -> dict[str, Any]:
     """One subprocess in kvpress's venv for all cases; returns its kept sets and own answers."""
     with tempfile.TemporaryDirectory() as d:
         job = Path(d) / "job.json"
         out = Path(d) / "out.pt"
-        job.write_text(json.dumps({"model": MODEL, "dtype": dtype, "prompts": prompts, "cases": cases}))
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-        subprocess.run([py, str(ROOT / "benchmarks/kvpress_side.py"), str(job), str(out)], check=True, env=env)
+        sent = {k: {**v, "answer_tokens": ANSWER_TOKENS} for k, v in prompts.items()}
+        job.write_text(json.dumps({"model": MODEL, "dtype": dtype, "prompts": sent, "cases": cases}))
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "TQDM_DISABLE": "1"}
+        subprocess.run(
+            [py, str(ROOT / "benchmarks/kvpress_side.py"), str(job), str(out)], check=True, env=env
+        )
         return torch.load(out)
 
 
@@ -199,13 +229,23 @@ def lag_partition_keep(n: int, n_kept: int) -> tuple[int, int]:
     return m // max(1, parts), m % max(1, parts)
 
 
-def cases_for(policy: str, ratio: float, n: int) -> list[tuple[str, dict[str, Any], dict[str, Any], int, str]]:
+def cases_for(
+    policy: str, ratio: float, n: int
+) -> list[tuple[str, dict[str, Any], dict[str, Any], int, str]]:
     """(variant, kvpress kwargs, project config, project budget, why they may differ)."""
     n_kept = max(1, int(n * ratio))  # kvpress: int(k_len * (1 - compression_ratio))
-    default_budget = max(0, round(ratio * n) - 4 - 32)  # the server's ratio budget, default sinks 4 + recent 32
+    default_budget = max(
+        0, round(ratio * n) - 4 - 32
+    )  # the server's ratio budget, default sinks 4 + recent 32
     if policy == "knorm":
         return [
-            ("default", {}, {}, default_budget, "project keeps sinks 4 + recent 32 unscored; kvpress scores all"),
+            (
+                "default",
+                {},
+                {},
+                default_budget,
+                "project keeps sinks 4 + recent 32 unscored; kvpress scores all",
+            ),
             ("matched", {}, {"sinks": 0, "recent": 0}, n_kept, "same definition"),
         ]
     if policy == "streaming":
@@ -220,7 +260,7 @@ def cases_for(policy: str, ratio: float, n: int) -> list[tuple[str, dict[str, An
         if policy == "criticalkv":
             # kvpress's stage 1 takes int(0.5 * n_kept) of all N, the 64 window tokens (top scores) included
             stage1 = int(n_kept * 0.5) - KV_WINDOW
-            matched_cfg["alpha"] = (stage1 + 0.5) / b
+            matched_cfg["alpha"] = min(1.0, max(0.0, (stage1 + 0.5) / max(1, b)))
             why += "; stage 1 = int(0.5 n_kept) - 64 window tokens (alpha set to match)"
         return [
             ("default", {}, {}, default_budget, "window 32 + sinks 4 vs kvpress window 64, no sinks"),
@@ -252,13 +292,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ratios", default="0.5,0.25")
     ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--tokens", type=int, default=2048, help="generic prompt length")
+    ap.add_argument("--tokens", type=int, default=1536, help="operations-log prompt length")
+    ap.add_argument("--filler-turns", type=int, default=3, help="recall chat: filler turns after the fact")
     ap.add_argument("--recall-sessions", type=int, default=12, help="LagKV recall study (0: skip)")
+    ap.add_argument("--study-tokens", type=int, default=1024, help="LagKV recall study: log length")
     ap.add_argument("--out", default=str(ROOT / "results/kvpress"))
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(2)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")
     ratios = [float(x) for x in args.ratios.split(",")]
     pols = [p for p in args.policies.split(",") if p]
     bad = sorted(set(pols) - set(POLICIES))
@@ -271,7 +314,7 @@ def main() -> None:
     py = kvpress_python()
     tok = AutoTokenizer.from_pretrained(MODEL)
     model = oracle.load_model(MODEL)
-    prompts = {"recall": recall_chat(tok, 0), "generic": generic_prompt(tok, args.tokens)}
+    prompts = {"chat": recall_chat(tok, 0, args.filler_turns), "log": generic_prompt(tok, args.tokens)}
 
     # kvpress side: one press per (prompt, policy, ratio); both variants compare against it
     kcases = [
@@ -287,8 +330,12 @@ def main() -> None:
     for pn, prompt in prompts.items():
         pre = Prefilled(model, prompt, KV_WINDOW)
         print(f"[check] {pn}: {pre.n} tokens; full-cache answer {tok.decode(pre.answer)!r}", flush=True)
-        full = pre.evaluate(model, tok, torch.arange(pre.n).expand(len(pre.kv), pre.hkv, -1), prompt["expect"])
-        rows.append({"prompt": pn, "policy": "none", "ratio": 1.0, "variant": "-", "n": pre.n, "kv": full, "pj": full})
+        full = pre.evaluate(
+            model, tok, torch.arange(pre.n).expand(len(pre.kv), pre.hkv, -1), prompt["expect"]
+        )
+        rows.append(
+            {"prompt": pn, "policy": "none", "ratio": 1.0, "variant": "-", "n": pre.n, "kv": full, "pj": full}
+        )
         for pol in pols:
             for r in ratios:
                 kid = f"{pn}/{pol}/{r}"
@@ -301,10 +348,20 @@ def main() -> None:
                     pj = pre.evaluate(model, tok, pkept, prompt["expect"])
                     mean, worst = overlap(pkept, kkept, pre.n)
                     row = {
-                        "prompt": pn, "policy": pol, "ratio": r, "variant": variant, "n": pre.n,
-                        "config": cfg, "budget": budget, "why": why,
-                        "kept_kvpress": int(kkept.shape[-1]), "kept_project": int(pkept.shape[-1]),
-                        "overlap_mean": mean, "overlap_min": worst, "kv": kv_eval, "pj": pj,
+                        "prompt": pn,
+                        "policy": pol,
+                        "ratio": r,
+                        "variant": variant,
+                        "n": pre.n,
+                        "config": cfg,
+                        "budget": budget,
+                        "why": why,
+                        "kept_kvpress": int(kkept.shape[-1]),
+                        "kept_project": int(pkept.shape[-1]),
+                        "overlap_mean": mean,
+                        "overlap_min": worst,
+                        "kv": kv_eval,
+                        "pj": pj,
                     }
                     rows.append(row)
                     print(
@@ -314,9 +371,17 @@ def main() -> None:
                         flush=True,
                     )
 
-    study = lagkv_study(py, model, tok, args.recall_sessions, ratios) if args.recall_sessions else None
-    meta = {"versions": kv["versions"], "seconds": round(time.time() - t0), "model": "SmolLM2-135M-Instruct fp32"}
-    (out_dir / "check.json").write_text(json.dumps({"meta": meta, "rows": rows, "lagkv_recall": study}, indent=1))
+    study = None
+    if args.recall_sessions:
+        study = lagkv_study(py, model, tok, args.recall_sessions, args.study_tokens, ratios)
+    meta = {
+        "versions": kv["versions"],
+        "seconds": round(time.time() - t0),
+        "model": "SmolLM2-135M-Instruct fp32",
+    }
+    (out_dir / "check.json").write_text(
+        json.dumps({"meta": meta, "rows": rows, "lagkv_recall": study}, indent=1)
+    )
     report = render(rows, study, meta)
     (out_dir / "table.md").write_text(report)
     print(report)
@@ -325,24 +390,34 @@ def main() -> None:
 # -- the LagKV recall study ------------------------------------------------------------------------------
 
 
-def lagkv_study(py: str, model: Any, tok: Any, sessions: int, ratios: list[float]) -> dict[str, Any]:
-    """Recall over `sessions` chats: kvpress's LagKV (its own answer) vs the project's lagkv and variants."""
-    prompts = {f"s{i}": recall_chat(tok, i) for i in range(sessions)}
+def lagkv_study(
+    py: str, model: Any, tok: Any, sessions: int, tokens: int, ratios: list[float]
+) -> dict[str, Any]:
+    """Recall over `sessions` operations logs (each its own lines and vault code), compressed once,
+    query-agnostic: kvpress's LagKV (its own decoding) vs the project's lagkv and the variants that
+    isolate the difference."""
+    prompts = {f"s{i}": generic_prompt(tok, tokens, i) for i in range(sessions)}
     kcases = [
-        {"id": f"{s}/{r}", "prompt": s, "press": "lagkv", "ratio": r, "kwargs": {}} for s in prompts for r in ratios
+        {"id": f"{s}/{r}", "prompt": s, "press": "lagkv", "ratio": r, "kwargs": {}}
+        for s in prompts
+        for r in ratios
     ]
-    print(f"[study] kvpress LagKV on {sessions} recall chats ...", flush=True)
+    print(f"[study] kvpress LagKV on {sessions} operations logs ...", flush=True)
     kv = run_kvpress(py, prompts, kcases, "float32")
     tally: dict[str, list[int]] = {}
     kept_frac: dict[str, list[float]] = {}
     fact_kept: dict[str, list[float]] = {}
 
-    def add(label: str, kept: torch.Tensor, pre: Prefilled, prompt: dict[str, Any], fact_pos: list[int]) -> None:
+    def add(
+        label: str, kept: torch.Tensor, pre: Prefilled, prompt: dict[str, Any], fact_pos: list[int]
+    ) -> None:
         ev = pre.evaluate(model, tok, kept, prompt["expect"])
         tally.setdefault(label, []).append(int(ev["recall"]))
         kept_frac.setdefault(label, []).append(kept.shape[-1] / pre.n)
         m = torch.zeros(*kept.shape[:2], pre.n, dtype=torch.bool).scatter_(2, kept, True)
-        fact_kept.setdefault(label, []).append(float(m[:, :, fact_pos].float().mean()) if fact_pos else float("nan"))
+        fact_kept.setdefault(label, []).append(
+            float(m[:, :, fact_pos].float().mean()) if fact_pos else float("nan")
+        )
 
     for s, prompt in prompts.items():
         pre = Prefilled(model, prompt, KV_WINDOW)
@@ -420,7 +495,7 @@ def render(rows: list[dict[str, Any]], study: dict[str, Any] | None, meta: dict[
             f"{yn[r['pj']['recall']]} / {yn[kvr['recall']]} / {yn[kvr['own_recall']]} | {r['why']} |"
         )
     if study:
-        lines += ["", "LagKV recall study (recall chats compressed once, query-agnostic):", ""]
+        lines += ["", "LagKV recall study (operations logs compressed once, query-agnostic):", ""]
         lines += ["| selection | recall | kept KV | fact tokens kept (layers x heads) |", "|---|---|---|---|"]
         for label, s in study.items():
             kept = f"{s['kept']:.1%}" if s["kept"] is not None else "(same as masked)"

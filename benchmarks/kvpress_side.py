@@ -1,12 +1,13 @@
 """The kvpress half of `benchmarks/kvpress_check.py`; runs in kvpress's own venv (`scripts/kvpress_env.sh`).
 
-It imports nothing from this project (kvpress needs transformers<5.3; the project pins a newer one). For
-each case of a job file it prefills the prompt under the named press exactly as kvpress does (forward
-hooks on every attention layer, compression during prefill only), then reads which positions each layer
-and KV head kept. The press's own `compress` is wrapped, not re-implemented: the kept positions are found
-by matching each kept (key, value) row to the uncompressed rows byte for byte, so what is reported is what
-the press really kept. It also answers the question on its own compressed cache, with true position ids
-as kvpress's pipeline does, so the masked evaluation on the project side can be checked against it.
+It imports nothing from this project (kvpress needs transformers<5.3; the project pins a newer one). Each
+prompt is prefilled once while every attention layer's call is recorded; each press then runs its *own*
+`forward_hook` on those recorded calls over a fresh copy of the full cache, which is exactly what
+`with press(model): model(prompt)` does (compression during prefill only), without a prefill per press.
+Nothing of a press is re-implemented: the kept positions are read back by matching each kept (key, value)
+row to the uncompressed rows byte for byte. It also answers the question on the press's compressed cache,
+with true position ids as kvpress's pipeline does, so the project side's masked evaluation of the same
+kept sets can be checked against kvpress's own decoding.
 
     python benchmarks/kvpress_side.py JOB.json OUT.pt
 """
@@ -45,7 +46,9 @@ def row_bytes(x: torch.Tensor) -> np.ndarray:
     return a.view(np.dtype((np.void, a.shape[1] * a.itemsize))).ravel()
 
 
-def kept_positions(k_in: torch.Tensor, v_in: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor) -> torch.Tensor:
+def kept_positions(
+    k_in: torch.Tensor, v_in: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor
+) -> torch.Tensor:
     """[B=1, H, N, D] before and [1, H, M, D] after -> [H, M] sorted positions kept per head."""
     out = []
     for h in range(k_in.shape[1]):
@@ -61,25 +64,56 @@ def kept_positions(k_in: torch.Tensor, v_in: torch.Tensor, k_out: torch.Tensor, 
     return torch.tensor(out, dtype=torch.long)
 
 
-def run_case(model: Any, case: dict[str, Any], prompt: dict[str, Any]) -> tuple[torch.Tensor, list[int]]:
+def record_prefill(
+    model: Any, ids: list[int]
+) -> tuple[dict[int, Any], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """One plain prefill: each attention layer's call (module, kwargs, output), as a press's forward hook
+    would receive it, and the full K/V. Every press then runs its own hook on these same arguments."""
     from transformers import DynamicCache
 
-    press = make_press(case["press"], case["ratio"], case.get("kwargs", {}))
-    kept: dict[int, torch.Tensor] = {}
-    inner = press.compress
+    calls: dict[int, Any] = {}
 
-    def compress(module, hidden_states, keys, values, attentions, kwargs):  # noqa: ANN001
-        k2, v2 = inner(module, hidden_states, keys, values, attentions, kwargs)
-        kept[module.layer_idx] = kept_positions(keys, values, k2, v2)
-        return k2, v2
+    def hook(module, args, kwargs, output):  # noqa: ANN001
+        calls[module.layer_idx] = (module, dict(kwargs), output)
 
-    press.compress = compress  # instance attribute: the press's forward hook calls self.compress
-    ctx = torch.tensor([prompt["ids"]])
-    n = ctx.shape[1]
+    layers = model.model.layers
+    handles = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in layers]
     cache = DynamicCache()
-    with torch.no_grad(), press(model):
-        model(input_ids=ctx, past_key_values=cache, use_cache=True)
-    # the question, then greedy decoding, on the compressed cache with true positions (kvpress pipeline)
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+    finally:
+        for h in handles:
+            h.remove()
+    full = [(cache.layers[i].keys.clone(), cache.layers[i].values.clone()) for i in range(len(layers))]
+    return calls, full
+
+
+def run_case(
+    model: Any, case: dict[str, Any], prompt: dict[str, Any], rec: Any
+) -> tuple[torch.Tensor, list[int]]:
+    """The press's own `forward_hook` on every layer's recorded call, over a fresh copy of the full cache
+    (what `with press(model): model(...)` does, without a prefill per press); then the question and
+    greedy decoding on the compressed cache with true position ids, as kvpress's pipeline decodes."""
+    from transformers import DynamicCache
+
+    calls, full = rec
+    press = make_press(case["press"], case["ratio"], case.get("kwargs", {}))
+    press.post_init_from_model(model)
+    lm = model.model
+    for layer in lm.layers:  # what press.__call__ sets up before hooking
+        layer.self_attn.rotary_emb = lm.rotary_emb
+    cache = DynamicCache()
+    for i, (k, v) in enumerate(full):
+        cache.update(k.clone(), v.clone(), i)
+    with torch.no_grad():
+        for i in sorted(calls):
+            module, kwargs, output = calls[i]
+            press.forward_hook(module, [], {**kwargs, "past_key_values": cache}, output)
+    kept = torch.stack(
+        [kept_positions(k, v, cache.layers[i].keys, cache.layers[i].values) for i, (k, v) in enumerate(full)]
+    )
+    n = len(prompt["ids"])
     q = torch.tensor([prompt["question"]])
     pos = torch.arange(n, n + q.shape[1]).unsqueeze(0)
     answer: list[int] = []
@@ -93,7 +127,7 @@ def run_case(model: Any, case: dict[str, Any], prompt: dict[str, Any]) -> tuple[
                 input_ids=torch.tensor([[nxt]]), past_key_values=cache, position_ids=torch.tensor([[p]])
             ).logits[0, -1]
             p += 1
-    return torch.stack([kept[i] for i in sorted(kept)]), answer
+    return kept, answer
 
 
 def main() -> None:
@@ -110,8 +144,12 @@ def main() -> None:
         "answer": {},
         "versions": {p: version(p) for p in ("kvpress", "transformers", "torch")},
     }
+    recorded: dict[str, Any] = {}
     for case in job["cases"]:
-        kept, answer = run_case(model, case, job["prompts"][case["prompt"]])
+        name = case["prompt"]
+        if name not in recorded:
+            recorded = {name: record_prefill(model, job["prompts"][name]["ids"])}  # one prompt held at a time
+        kept, answer = run_case(model, case, job["prompts"][name], recorded[name])
         res["kept"][case["id"]] = kept
         res["answer"][case["id"]] = answer
         print(f"[kvpress] {case['id']}: kept {kept.shape[-1]} per head", file=sys.stderr, flush=True)
