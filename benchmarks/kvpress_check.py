@@ -229,6 +229,15 @@ def lag_partition_keep(n: int, n_kept: int) -> tuple[int, int]:
     return m // max(1, parts), m % max(1, parts)
 
 
+def lag_matched(n: int, n_kept: int) -> tuple[dict[str, Any], int]:
+    """The project's lagkv set to kvpress's selection at `n_kept`: no recent window beyond LagKV's own
+    tail, k per partition; k = 0 (sinks and tail already fill the budget) is a zero budget."""
+    k, _ = lag_partition_keep(n, n_kept)
+    if k == 0:
+        return {"recent": 0}, 0
+    return {"recent": 0, "ratio": (k + 0.5) / KV_LAG, "cap_to_budget": False}, n
+
+
 def cases_for(
     policy: str, ratio: float, n: int
 ) -> list[tuple[str, dict[str, Any], dict[str, Any], int, str]]:
@@ -268,6 +277,7 @@ def cases_for(
         ]
     if policy == "lagkv":
         k, extra = lag_partition_keep(n, n_kept)
+        cfg, budget = lag_matched(n, n_kept)
         return [
             (
                 "default",
@@ -275,14 +285,17 @@ def cases_for(
                 {},
                 default_budget,
                 "project: int(0.5 L) per partition whatever the budget, then chunk recursion to the budget; "
-                "kvpress: one global top-k of within-partition ranks",
+                "kvpress: one global top-k of within-partition ranks, sinks and the raw tail served first",
             ),
             (
                 "matched",
                 {},
-                {"ratio": (k + 0.5) / KV_LAG, "cap_to_budget": False},
-                n,
-                f"k={k} per partition both sides; kvpress adds {extra} tokens of the next rank level",
+                cfg,
+                budget,
+                f"k={k} per partition both sides; kvpress adds {extra} tokens of the next rank level"
+                if n_kept >= n - (n - KV_SINKS) // KV_LAG * KV_LAG + KV_LAG
+                else "budget below sinks + raw tail: kvpress keeps n_kept of them in top-k tie order, "
+                "no scored token; the project keeps sinks + tail",
             ),
         ]
     raise ValueError(policy)
@@ -437,10 +450,10 @@ def lagkv_study(
                 prompt,
                 fact_pos,
             )
-            k, _ = lag_partition_keep(pre.n, max(1, int(pre.n * r)))
+            cfg, b = lag_matched(pre.n, max(1, int(pre.n * r)))
             add(
                 f"project lagkv {r:.0%}, kvpress's per-partition k",
-                pre.select("lagkv", {"ratio": (k + 0.5) / KV_LAG, "cap_to_budget": False}, pre.n),
+                pre.select("lagkv", cfg, b),
                 pre,
                 prompt,
                 fact_pos,
