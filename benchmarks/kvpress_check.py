@@ -309,6 +309,7 @@ def main() -> None:
     ap.add_argument("--filler-turns", type=int, default=3, help="recall chat: filler turns after the fact")
     ap.add_argument("--recall-sessions", type=int, default=12, help="LagKV recall study (0: skip)")
     ap.add_argument("--study-tokens", type=int, default=1024, help="LagKV recall study: log length")
+    ap.add_argument("--skip-table", action="store_true", help="only the LagKV recall study")
     ap.add_argument("--out", default=str(ROOT / "results/kvpress"))
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -329,6 +330,33 @@ def main() -> None:
     model = oracle.load_model(MODEL)
     prompts = {"chat": recall_chat(tok, 0, args.filler_turns), "log": generic_prompt(tok, args.tokens)}
 
+    rows: list[dict[str, Any]] = []
+    versions: dict[str, str] = {}
+    if not args.skip_table:
+        rows, versions = table(py, model, tok, prompts, pols, ratios)
+    study = None
+    if args.recall_sessions:
+        study = lagkv_study(py, model, tok, args.recall_sessions, args.study_tokens, ratios)
+    if study is not None:
+        versions = versions or study.pop("_versions")
+        study.pop("_versions", None)
+    meta = {
+        "versions": versions,
+        "seconds": round(time.time() - t0),
+        "model": "SmolLM2-135M-Instruct fp32",
+    }
+    (out_dir / "check.json").write_text(
+        json.dumps({"meta": meta, "rows": rows, "lagkv_recall": study}, indent=1)
+    )
+    report = render(rows, study, meta)
+    (out_dir / "table.md").write_text(report)
+    print(report)
+
+
+def table(
+    py: str, model: Any, tok: Any, prompts: dict[str, Any], pols: list[str], ratios: list[float]
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """The overlap/KL table: one kvpress press per (prompt, policy, ratio), two project variants each."""
     # kvpress side: one press per (prompt, policy, ratio); both variants compare against it
     kcases = [
         {"id": f"{pn}/{pol}/{r}", "prompt": pn, "press": pol, "ratio": r, "kwargs": {}}
@@ -383,21 +411,7 @@ def main() -> None:
                         f"recall pj {pj['recall']} kv {kv_eval['recall']} (kvpress own {kv_eval['own_recall']})",
                         flush=True,
                     )
-
-    study = None
-    if args.recall_sessions:
-        study = lagkv_study(py, model, tok, args.recall_sessions, args.study_tokens, ratios)
-    meta = {
-        "versions": kv["versions"],
-        "seconds": round(time.time() - t0),
-        "model": "SmolLM2-135M-Instruct fp32",
-    }
-    (out_dir / "check.json").write_text(
-        json.dumps({"meta": meta, "rows": rows, "lagkv_recall": study}, indent=1)
-    )
-    report = render(rows, study, meta)
-    (out_dir / "table.md").write_text(report)
-    print(report)
+    return rows, kv["versions"]
 
 
 # -- the LagKV recall study ------------------------------------------------------------------------------
@@ -459,7 +473,7 @@ def lagkv_study(
                 fact_pos,
             )
         print(f"[study] {s}: {pre.n} tokens, {tally['full cache'][-1]} full-cache recall", flush=True)
-    return {
+    out: dict[str, Any] = {
         label: {
             "recall": sum(v),
             "sessions": len(v),
@@ -468,6 +482,8 @@ def lagkv_study(
         }
         for label, v in tally.items()
     }
+    out["_versions"] = kv["versions"]
+    return out
 
 
 def value_positions(tok: Any, prompt: dict[str, Any]) -> list[int]:
