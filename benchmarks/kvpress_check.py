@@ -506,10 +506,13 @@ def render(rows: list[dict[str, Any]], study: dict[str, Any] | None, meta: dict[
     lines = [
         f"kvpress {v.get('kvpress')} (transformers {v.get('transformers')}, torch {v.get('torch')}) vs this project, "
         f"{meta['model']}, {meta['seconds']} s under shared load.",
-        "",
-        "| prompt | policy | kept | variant | kept/head pj / kv | overlap mean (min) | KL pj | KL kv | recall pj / kv / kv own | why they differ |",
-        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    if rows:
+        lines += [
+            "",
+            "| prompt | policy | kept | variant | kept/head pj / kv | overlap mean (min) | KL pj | KL kv | recall pj / kv / kv own | why they differ |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
     yn = {True: "y", False: "n"}
     for r in rows:
         if r["policy"] == "none":
