@@ -6,7 +6,7 @@ ARGS ?=
 WORKERS ?= 2
 ENV := bash scripts/env.sh
 
-.PHONY: env serve serve-cluster test test-fast lint model-path bench-kernels bench-fidelity bench-compress bench-replay
+.PHONY: env serve serve-cluster test test-fast lint model-path bench-kernels bench-fidelity bench-compress bench-replay bench-kvpress
 
 env:
 	@$(ENV) >/dev/null
@@ -33,3 +33,8 @@ lint:
 
 model-path:
 	@PY=$$($(ENV)) && $$PY -m sgl_kvevict.model
+
+## Peer cross-check against kvpress (its own venv, scripts/kvpress_env.sh); writes results/kvpress/. Slow: not in `make test`.
+bench-kvpress:
+	@PY=$$($(ENV)) && bash scripts/kvpress_env.sh >/dev/null && \
+	  HF_HUB_OFFLINE=1 TQDM_DISABLE=1 nice -n 10 $$PY benchmarks/kvpress_check.py $(ARGS)
