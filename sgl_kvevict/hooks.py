@@ -28,7 +28,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from sgl_kvevict import capture, compressor, runtime
 from sgl_kvevict import state as st
-from sgl_kvevict.config import KvConfig
+from sgl_kvevict.config import KvConfig, server_settings
 
 logger = logging.getLogger("sgl_kvevict")
 META_KEY = "kvevict"
@@ -100,16 +100,35 @@ def prepare_for_extend(result, batch, *args, **kwargs):
 
 
 def _compress_batch(batch) -> None:
-    """Compress the requests whose trigger fires; shrink the batch's carried lengths."""
-    freed = []
-    for r in batch.reqs:
+    """Compress the requests whose trigger fires; shrink the batch's carried lengths.
+
+    With `--kv-compress-step-tokens C`, once this step's compressions have covered C region tokens the
+    remaining requests wait (their trigger still fires next step; those that waited go first), so several
+    large compressions (first compressions after a batched prefill) are spread over steps instead of
+    stalling every request of the batch in one. One compression always runs, so each step progresses."""
+    cap = server_settings().step_tokens
+    reqs = batch.reqs
+    order = range(len(reqs))
+    if cap is not None:
+        waited = [getattr(st.get(r), "deferred", 0) for r in reqs]
+        order = sorted(order, key=lambda i: -waited[i])
+    freed = [0] * len(reqs)
+    spent = 0
+    for i in order:
+        r = reqs[i]
         s = st.get(r)
         if s is None or not s.active:
-            freed.append(0)
+            continue
+        if cap is not None and spent >= cap:
+            s.deferred += 1  # after_extend stays set: a deferred post-prefill compression keeps its phase
             continue
         phase = "prefill" if s.after_extend else "decode"
         s.after_extend = False
-        freed.append(compressor.safe_compress(r, phase))
+        before, count = r.kv.kv_committed_len - s.anchor_kv, s.compressions
+        freed[i] = compressor.safe_compress(r, phase)
+        s.deferred = 0
+        if s.compressions > count:
+            spent += before
     if any(freed):
         delta = torch.tensor(freed, dtype=batch.seq_lens_cpu.dtype)
         batch.seq_lens_cpu = batch.seq_lens_cpu - delta
