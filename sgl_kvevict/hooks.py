@@ -105,9 +105,13 @@ def _compress_batch(batch) -> None:
     With `--kv-compress-step-tokens C`, once this step's compressions have covered C region tokens the
     remaining requests wait (their trigger still fires next step; those that waited go first), so several
     large compressions (first compressions after a batched prefill) are spread over steps instead of
-    stalling every request of the batch in one. One compression always runs, so each step progresses."""
+    stalling every request of the batch in one. One compression always runs, so each step progresses,
+    and the cap is lifted when the pool is nearly full (deferring would make SGLang retract instead)."""
     cap = server_settings().step_tokens
     reqs = batch.reqs
+    rt = runtime.RT
+    if cap is not None and rt.allocator.available_size() + rt.tree.evictable_size() < 2 * len(reqs):
+        cap = None
     order = range(len(reqs))
     if cap is not None:
         waited = [getattr(st.get(r), "deferred", 0) for r in reqs]
@@ -121,6 +125,7 @@ def _compress_batch(batch) -> None:
             continue
         if cap is not None and spent >= cap:
             s.deferred += 1  # after_extend stays set: a deferred post-prefill compression keeps its phase
+            rt.totals.compressions_deferred += 1
             continue
         phase = "prefill" if s.after_extend else "decode"
         s.after_extend = False
