@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import sys
 import threading
 import time
@@ -216,14 +217,24 @@ class Client:
 
 
 def run_soak(
-    url: str, n: int, concurrency: int = 8, seed: int = 0, progress_every: int = 0, max_prompt: int = 1200
+    url: str,
+    n: int,
+    concurrency: int = 8,
+    seed: int = 0,
+    progress_every: int = 0,
+    max_prompt: int = 1200,
+    max_seconds: float | None = None,
 ) -> Soak:
-    """`n` requests, `concurrency` in flight; conversations to continue are drawn from finished ones."""
+    """`n` requests, `concurrency` in flight; conversations to continue are drawn from finished ones.
+    With `max_seconds`, no request is sent after that time (the ones in flight finish)."""
     c = Client(url, seed, max_prompt)
     t0 = time.time()
     with ThreadPoolExecutor(concurrency) as ex:
         running: set[Future] = set()
         for i in range(n):
+            if max_seconds is not None and time.time() - t0 > max_seconds:
+                print(f"[soak] time limit ({max_seconds:.0f} s) reached after {i} requests", file=sys.stderr)
+                break
             if len(running) >= concurrency:
                 _, running = wait(running, return_when=FIRST_COMPLETED)
             running.add(ex.submit(c.run, c.plan(i)))
@@ -267,12 +278,15 @@ def rss_mib(pid: int) -> float:
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the server on the way out
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=100, help="requests before the RSS baseline")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-total-tokens", type=int, default=40000)
+    ap.add_argument("--max-prompt", type=int, default=1200, help="longest first-turn prompt, tokens")
+    ap.add_argument("--max-seconds", type=float, default=None, help="stop sending after this long")
     ap.add_argument("--out", type=Path, default=Path("results/soak"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -283,16 +297,26 @@ def main() -> None:
     )
     with srv:
         rss0 = rss_mib(srv.proc.pid)
-        warm = run_soak(srv.url, args.warmup, args.concurrency, args.seed + 1)
+        warm = run_soak(srv.url, args.warmup, args.concurrency, args.seed + 1, max_prompt=args.max_prompt)
         flush_until_whole(srv.url)
         rss1 = rss_mib(srv.proc.pid)
-        stats = run_soak(srv.url, args.requests, args.concurrency, args.seed, progress_every=50)
+        stats = run_soak(
+            srv.url,
+            args.requests,
+            args.concurrency,
+            args.seed,
+            progress_every=25,
+            max_prompt=args.max_prompt,
+            max_seconds=args.max_seconds,
+        )
         state = flush_until_whole(srv.url)
         rss2 = rss_mib(srv.proc.pid)
         alive = srv.alive()
         log = srv.log_path.read_text(errors="replace")
     result = {
         "requests": stats.requests,
+        "max_prompt": args.max_prompt,
+        "max_seconds": args.max_seconds,
         "concurrency": args.concurrency,
         "finished": stats.finished,
         "compressed": stats.compressed,
