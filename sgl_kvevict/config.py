@@ -29,6 +29,7 @@ DEFAULT_BUDGET = 0.5
 
 
 MAX_BUDGET_TOKENS = 1 << 24
+MAX_STEP_TOKENS = 1 << 24
 _BUDGET_FORMS = 'tokens (e.g. 256), a percent of the suffix (e.g. "50%"), or {"tokens": N} / {"ratio": R}'
 _AMBIGUOUS_ONE = (
     'budget 1 is ambiguous (a JSON encoder may write the ratio 1.0 as 1): write "100%" (or {"ratio": 1}) to '
@@ -239,6 +240,13 @@ class ServerSettings(BaseModel):
     overrides: OverridePolicy = Field(default_factory=OverridePolicy)
     quantization: str | None = Field(
         None, description="how the weights are quantized (which flag), if at all"
+    )
+    step_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_STEP_TOKENS,
+        description="region tokens compressed per scheduler step (--kv-compress-step-tokens); beyond it "
+        "the other requests' compressions wait for the next steps; None: no cap",
     )
 
     def to_env(self) -> str:

@@ -58,10 +58,11 @@ def _policy_key(job: Job) -> str | None:
     return pol.name + json.dumps(pol.config.model_dump(mode="json"), sort_keys=True)
 
 
-def compress_batch(items: list[tuple[Any, Phase]]) -> list[int]:
+def compress_batch(items: list[tuple[Any, Phase]], cap: int | None = None) -> list[int]:
     """Compress every request whose trigger fires; returns the slots each request freed (0 if none).
 
-    A policy failure degrades only its request (as `compressor.safe_compress` does one at a time)."""
+    A policy failure degrades only its request (as `compressor.safe_compress` does one at a time).
+    `cap`: region tokens this step may compress (`--kv-compress-step-tokens`); see `_defer`."""
     freed = [0] * len(items)
     if runtime.RT is None:
         return freed
@@ -74,6 +75,8 @@ def compress_batch(items: list[tuple[Any, Phase]]) -> list[int]:
             continue
         if job is not None:
             jobs.append((i, job))
+    if cap is not None:
+        jobs = _defer(jobs, cap)
     groups: dict[str, list[tuple[int, Job]]] = {}
     single: list[tuple[int, Job]] = []
     for i, job in jobs:
@@ -95,6 +98,25 @@ def compress_batch(items: list[tuple[Any, Phase]]) -> list[int]:
     for i, job in single:
         freed[i] = compressor.safe_run(job)
     return freed
+
+
+def _defer(jobs: list[tuple[int, Job]], cap: int) -> list[tuple[int, Job]]:
+    """The jobs that run this step: those that waited longest first, until their regions cover `cap`
+    tokens (at least one runs, so every step progresses). The rest wait; a job deferred right after
+    prefill keeps its phase for the step that runs it."""
+    rt = runtime.RT
+    order = sorted(jobs, key=lambda ij: -ij[1].s.deferred)
+    run, spent = [], 0
+    for i, job in order:
+        if run and spent >= cap:
+            job.s.deferred += 1
+            job.s.after_extend = job.phase == "prefill"
+            rt.totals.compressions_deferred += 1
+            continue
+        job.s.deferred = 0
+        spent += job.n
+        run.append((i, job))
+    return run
 
 
 def _host_index(lengths: list[int], width: int, device: torch.device) -> torch.Tensor:

@@ -28,7 +28,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from sgl_kvevict import capture, compressor, engine, runtime
 from sgl_kvevict import state as st
-from sgl_kvevict.config import KvConfig
+from sgl_kvevict.config import KvConfig, server_settings
 
 logger = logging.getLogger("sgl_kvevict")
 META_KEY = "kvevict"
@@ -100,16 +100,26 @@ def prepare_for_extend(result, batch, *args, **kwargs):
 
 
 def _compress_batch(batch) -> None:
-    """Compress the requests whose trigger fires; shrink the batch's carried lengths."""
+    """Compress the requests whose trigger fires; shrink the batch's carried lengths.
+
+    With `--kv-compress-step-tokens C`, once this step's compressions cover C region tokens the other
+    requests wait for later steps (`engine.compress_batch`), so several large first compressions after a
+    batched prefill are spread over steps instead of stalling the whole batch in one. The cap is lifted
+    when the pool is nearly full: deferring then would make SGLang retract instead."""
+    reqs = batch.reqs
+    rt = runtime.RT
+    cap = server_settings().step_tokens
+    if cap is not None and rt.allocator.available_size() + rt.tree.evictable_size() < 2 * len(reqs):
+        cap = None
     items = []
-    for r in batch.reqs:
+    for r in reqs:
         s = st.get(r)
         phase = "prefill" if s is not None and s.after_extend else "decode"
         if s is not None:
             s.after_extend = False
         items.append((r, phase))
     with compressor.one_thread():
-        freed = engine.compress_batch(items)
+        freed = engine.compress_batch(items, cap)
     if any(freed):
         delta = torch.tensor(freed, dtype=batch.seq_lens_cpu.dtype)
         batch.seq_lens_cpu = batch.seq_lens_cpu - delta

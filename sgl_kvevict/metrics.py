@@ -31,6 +31,11 @@ COUNTERS: list[tuple[str, str, str]] = [
         "sglang:kvevict_policy_failures_total",
         "Compressions skipped because a policy raised.",
     ),
+    (
+        "compressions_deferred",
+        "sglang:kvevict_compressions_deferred_total",
+        "Compression checks postponed to a later scheduler step: the step's --kv-compress-step-tokens was spent.",
+    ),
 ]
 GAUGES: list[tuple[str, str, str]] = [
     (

@@ -23,6 +23,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from sgl_kvevict import modelcheck, policies
 from sgl_kvevict.config import (
     ENV_VAR,
+    MAX_STEP_TOKENS,
     REQUEST_KEY,
     SETTINGS_ENV_VAR,
     KvConfig,
@@ -121,7 +122,25 @@ def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
         "(256,25%%); "
         "a budget of a kind without a minimum is denied",
     )
+    group.add_argument(
+        "--kv-compress-step-tokens",
+        type=_step_tokens_arg,
+        default=None,
+        help="cap on the region tokens compressed in one scheduler step (e.g. 4096): once a step has "
+        "compressed that many, other requests' compressions wait for the next steps, so several large "
+        "compressions do not stall the batch in the same step (one always runs; default: no cap)",
+    )
     return result
+
+
+def _step_tokens_arg(text: str) -> int:
+    try:
+        val = int(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer number of tokens, got {short(text)}") from None
+    if not 1 <= val <= MAX_STEP_TOKENS:
+        raise argparse.ArgumentTypeError(f"{short(val)} out of range: must be in [1, {MAX_STEP_TOKENS}]")
+    return val
 
 
 _in_engine = False  # set while validating an offline Engine's keyword arguments: errors raise instead
@@ -199,6 +218,7 @@ def _server_settings(ns: argparse.Namespace, model_cfg: dict | None) -> ServerSe
                 enabled=not disabled, policies=allowed, min_budget_tokens=tokens, min_budget_ratio=ratio
             ),
             quantization=quant,
+            step_tokens=getattr(ns, "kv_compress_step_tokens", None),
         )
     except ValidationError as e:  # the argparse types check first; this is a second line
         err = e.errors()[0]

@@ -24,6 +24,7 @@ class Totals:
     seconds_compressing: float = 0.0
     requests_compressed: int = 0
     policy_failures: int = 0
+    compressions_deferred: int = 0  # compression checks postponed a step (--kv-compress-step-tokens spent)
     started: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict[str, Any]:

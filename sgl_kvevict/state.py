@@ -62,6 +62,7 @@ class ReqState:
     after_extend: bool = False  # the next compression check is the one right after a prefill
     releasing: bool = False  # released unfinished (retraction): the tree checkpoint gets a slot count
     failed: bool = False
+    deferred: int = 0  # scheduler steps this request's compression waited (--kv-compress-step-tokens)
     ran: bool = False  # KV was allocated since the last match (a later match is a re-admission)
     commit: bool = False  # generates nothing: a prefix commit (SGLang's frontend before `fork`), kept whole
     compressions: int = 0

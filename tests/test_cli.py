@@ -118,6 +118,14 @@ def check_in_process(monkeypatch, capsys, args: list[str], model: str = MISSING_
         ),
         (["--kv-policy", "lagkv", "--kv-budget", "150%"], ["--kv-budget", "out of range"]),
         (
+            ["--kv-policy", "lagkv", "--kv-compress-step-tokens", "0"],
+            ["--kv-compress-step-tokens", "out of range"],
+        ),
+        (
+            ["--kv-policy", "lagkv", "--kv-compress-step-tokens", "1e9"],
+            ["--kv-compress-step-tokens", "integer"],
+        ),
+        (
             ["--kv-policy", "lagkv", "--kv-override-min-budget", "0.5,0.25"],
             ["--kv-override-min-budget", "two ratio"],
         ),
@@ -149,10 +157,13 @@ def test_good_override_flags_are_published(monkeypatch, capsys):
         "128,25%",
         "--kv-budget",
         '{"tokens": 1}',
+        "--kv-compress-step-tokens",
+        "4096",
     ]
     code, err = check_in_process(monkeypatch, capsys, args)
     assert code == 0, err
     got = ServerSettings.model_validate_json(os.environ[SETTINGS_ENV_VAR])
+    assert got.step_tokens == 4096
     assert got.overrides.policies == ["h2o", "lagkv"]
     assert (got.overrides.min_budget_tokens, got.overrides.min_budget_ratio) == (128, 0.25)
     assert got.overrides.enabled and got.quantization is None

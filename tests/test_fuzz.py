@@ -288,6 +288,8 @@ def test_fuzz_operator_flags(capsys):
         if m is not None:
             OverridePolicy(min_budget_tokens=m[0], min_budget_ratio=m[1])  # the flag's value is in range
         _flag(plugin._policies_arg, text)
+        c = _flag(plugin._step_tokens_arg, text)
+        assert c is None or (isinstance(c, int) and 1 <= c <= MAX_BUDGET_TOKENS)
         j = _flag(plugin._json_arg, text)
         assert j is None or isinstance(j, dict)
 
