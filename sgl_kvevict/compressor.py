@@ -152,7 +152,10 @@ def _exclusive_tree_nodes(req: Any, anchor: Any) -> list[Any]:
 def _target_slots(req: Any, s: st.ReqState, plan: Plan, own_start: int) -> torch.Tensor | None:
     """At least `k` slots the request owns for the kept K/V of a region that starts in the tree, or None
     with nothing changed. Its own tail slots first, then fresh ones; only when the pool cannot give
-    those, the tree nodes it alone holds are taken back (as eviction would take them)."""
+    those, the tree nodes it alone holds are taken back (as eviction would take them).
+
+    Inside SGLang's free group (a finishing batch's releases, where the last compression of a turn runs),
+    slots that eviction frees come back only when the group ends: only the free slots count then."""
     from sglang.srt.mem_cache.allocation import alloc_token_slots
 
     rt = runtime.RT
@@ -161,9 +164,15 @@ def _target_slots(req: Any, s: st.ReqState, plan: Plan, own_start: int) -> torch
     own = row[own_start : a + n].to(torch.int64)
     if own.numel() >= k:
         return own
-    pool = rt.allocator.available_size() + rt.tree.evictable_size()
+    in_group = getattr(rt.allocator, "free_group", None) is not None
+    pool = rt.allocator.available_size() + (0 if in_group else rt.tree.evictable_size())
+
+    def fresh(count: int) -> torch.Tensor:
+        out = rt.allocator.alloc(count) if in_group else alloc_token_slots(rt.tree, count)
+        return out.to(torch.int64)
+
     if own.numel() + pool >= k:
-        return torch.cat([own, alloc_token_slots(rt.tree, k - own.numel()).to(torch.int64)])
+        return torch.cat([own, fresh(k - own.numel())])
     anchor = s.anchor if s.anchor is not None else rt.tree.root_node
     nodes = _exclusive_tree_nodes(req, anchor)
     taken = sum(len(x.value) for x in nodes)
@@ -176,7 +185,7 @@ def _target_slots(req: Any, s: st.ReqState, plan: Plan, own_start: int) -> torch
         rt.tree._delete_leaf(x)  # ...that we take out of the tree, bottom-up, keeping their slots
     got = torch.cat(parts)
     if got.numel() < k:
-        got = torch.cat([got, alloc_token_slots(rt.tree, k - got.numel()).to(torch.int64)])
+        got = torch.cat([got, fresh(k - got.numel())])
     return got
 
 

@@ -403,6 +403,16 @@ class KvEvictRadixCache(RadixCache):
             node.kvevict_shared = True
             node = node.parent
 
+    def _print_helper(self, node: TreeNode, indent: int) -> None:
+        """SGLang prints the tree on out-of-memory; a compressed child sits under its own key, and a
+        printer that asserted the usual key there would turn the report into a crash."""
+        stack = [(node, indent)]
+        while stack:
+            cur, ind = stack.pop()
+            note = f" compressed: {len(cur.value)} slots" if is_compressed(cur) else ""
+            print(" " * ind, len(cur.key), cur.key.token_ids[:10], f"r={cur.lock_ref}{note}")
+            stack.extend((child, ind + 2) for child in cur.children.values())
+
     def _split_node(self, key: RadixKey, child: TreeNode, split_len: int) -> TreeNode:
         new = super()._split_node(key, child, split_len)
         if getattr(child, "kvevict_shared", False):

@@ -15,9 +15,10 @@ import pytest
 import torch
 from sglang.srt.managers.schedule_batch import ReqKvInfo
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sgl_kvevict import capture, compressor, runtime
 from sgl_kvevict import state as st
@@ -269,3 +270,52 @@ def test_declared_shared_prefix_is_kept_on_a_first_turn() -> None:
     assert s.anchor_tokens == 40 and s.anchor_kv == 40 and len(s.anchor.key) == 40
     assert torch.equal(rank.r2t.req_to_token[0, :40], row_before)  # the declared prefix was not compacted
     assert req.kv.cache_protected_len == 40
+
+
+def test_finishing_batch_does_not_count_on_eviction() -> None:
+    """The last compression of a turn runs inside SGLang's free group, where slots freed by eviction come
+    back only when the group ends. With no free slot and only another prompt's evictable cache, the step
+    must not ask eviction for slots (that raised out of memory): it takes back its own tree nodes."""
+    rank = Rank(slice(0, 4))
+    req = _start(rank, "snapkv", {}, share_prompt=True)
+    other = rank.alloc.alloc(200).to(torch.int64)
+    rank.tree.insert(InsertParams(key=RadixKey(list(range(10_000, 10_200))), value=other))
+    hog = rank.alloc.alloc(rank.alloc.available_size())
+    assert rank.alloc.available_size() == 0 and rank.tree.evictable_size() == 200
+    rank.alloc.free_group_begin()
+    freed = compressor.compress(req, "decode")
+    rank.alloc.free_group_end()
+    assert freed > 0 and req.kv.cache_protected_len == 0
+    assert rank.tree.evictable_size() == 200  # the other prompt stayed cached
+    kv_len = req.kv.kv_committed_len
+    req.done = True
+    rank.tree.checkpoint(req, up_to=kv_len)
+    rank.tree.unlock(req.lock)
+    rank.alloc.free(hog)
+    rank.tree.evict(EvictParams(num_tokens=10**6))
+    assert rank.alloc.available_size() == POOL
+
+
+def test_out_of_memory_report_prints_compressed_nodes(capsys) -> None:
+    """SGLang prints the tree when an allocation fails; compressed nodes must not break that report."""
+    rank = Rank(slice(0, 4))
+    req = _start(rank, "snapkv", {}, share_prompt=False)
+    assert compressor.compress(req, "prefill") > 0
+    kv_len = req.kv.kv_committed_len
+    req.done = True
+    rank.tree.checkpoint(req, up_to=kv_len)
+    assert any(is_compressed(n) for n in _all_nodes(rank.tree))
+    rank.tree.pretty_print()
+    assert "compressed:" in capsys.readouterr().out
+    rank.tree.unlock(req.lock)
+    rank.tree.evict(EvictParams(num_tokens=10**6))
+    assert rank.alloc.available_size() == POOL
+
+
+def _all_nodes(tree: KvEvictRadixCache) -> list:
+    out, stack = [], [tree.root_node]
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(node.children.values())
+    return out
