@@ -82,6 +82,18 @@ class SyncCounter(TorchDispatchMode):
         return sum(self.counts.values())
 
 
+def runtime_for(tree: Any, alloc: Any, kv: Any, q_heads: int, o_proj: dict[int, torch.Tensor]) -> Runtime:
+    """The plugin's `Runtime` over pools built by hand (no model runner): shapes from the KV pool,
+    `o_proj` as `[q_heads, head_dim, hidden]` per layer."""
+    rt = object.__new__(Runtime)
+    rt.tree, rt.req_to_token, rt.allocator, rt.kv_pool = tree, tree.req_to_token_pool.req_to_token, alloc, kv
+    rt.model, rt.metrics = None, None
+    rt.n_layers, rt.n_q_heads, rt.n_kv_heads, rt.head_dim = kv.layer_num, q_heads, kv.head_num, kv.head_dim
+    rt.scale, rt.start_layer, rt.tp_size, rt.totals = 1 / math.sqrt(kv.head_dim), 0, 1, Totals()
+    rt._o_proj = o_proj
+    return rt
+
+
 class Pools:
     """One rank's real pools and tree, installed as `runtime.RT`, sized for `max_reqs` rows of `max_len`."""
 
@@ -115,19 +127,8 @@ class Pools:
         for layer in range(layers):  # random K/V everywhere once; compaction only moves rows around
             self.kv.get_key_buffer(layer).copy_(torch.randn(size + 1, kv_heads, head_dim, generator=g))
             self.kv.get_value_buffer(layer).copy_(torch.randn(size + 1, kv_heads, head_dim, generator=g))
-        rt = object.__new__(Runtime)
-        rt.tree, rt.req_to_token, rt.allocator, rt.kv_pool = (
-            self.tree,
-            self.r2t.req_to_token,
-            self.alloc,
-            self.kv,
-        )
-        rt.model, rt.metrics = None, None
-        rt.n_layers, rt.n_q_heads, rt.n_kv_heads, rt.head_dim = layers, self.q_heads, kv_heads, head_dim
-        rt.scale, rt.start_layer, rt.tp_size, rt.totals = 1 / math.sqrt(head_dim), 0, 1, Totals()
         w_o = torch.randn(self.q_heads, head_dim, 128, generator=g)
-        rt._o_proj = dict.fromkeys(range(layers), w_o)
-        self.rt = rt
+        self.rt = runtime_for(self.tree, self.alloc, self.kv, self.q_heads, dict.fromkeys(range(layers), w_o))
         self.gen = g
 
     def batch(self, n_reqs: int, n_tokens: int, policy: str, budget: Any, config: dict | None = None) -> Any:

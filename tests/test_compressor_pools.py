@@ -8,7 +8,6 @@ lock and the tree exactly as before.
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import pytest
@@ -22,7 +21,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sgl_kvevict import capture, compressor, runtime
 from sgl_kvevict import state as st
-from sgl_kvevict.runtime import Runtime, Totals
+from sgl_kvevict.pools import runtime_for
 from sgl_kvevict.tree import KvEvictRadixCache, Region, is_compressed
 
 L, HKV, GROUP, D = 2, 4, 2, 16  # layers, KV heads (2 per rank), query heads per KV head, head dim
@@ -53,20 +52,12 @@ class Rank:
             disable=False, req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.alloc, page_size=1
         )
         self.tree = KvEvictRadixCache(params, self.r2t.req_to_token.shape[0])
-        rt = object.__new__(Runtime)
-        rt.tree, rt.req_to_token, rt.allocator, rt.kv_pool = (
-            self.tree,
-            self.r2t.req_to_token,
-            self.alloc,
-            self.kv,
-        )
-        rt.model = None
-        rt.n_layers, rt.n_q_heads, rt.n_kv_heads, rt.head_dim = L, h * GROUP, h, D
-        rt.scale, rt.start_layer, rt.tp_size, rt.totals = 1 / math.sqrt(D), 0, 1, Totals()
         w = torch.Generator().manual_seed(7)
         w_o = torch.randn(HKV * GROUP, D, 32, generator=w)  # [Hq, D, hidden] of the whole model
         qs = slice(heads.start * GROUP, heads.stop * GROUP)
-        rt._o_proj = {layer: w_o[qs].contiguous() for layer in range(L)}
+        rt = runtime_for(
+            self.tree, self.alloc, self.kv, h * GROUP, {lay: w_o[qs].contiguous() for lay in range(L)}
+        )
         self.rt = rt
         self.rings: dict[int, capture.Ring] = {}
 
