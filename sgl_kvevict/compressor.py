@@ -411,10 +411,10 @@ def safe_compress(req: Any, phase: Phase) -> int:
     with one_thread():
         try:
             job = prepare(req, phase)
-            return 0 if job is None else run(job)
         except Exception:
             degrade(req)
             return 0
+        return 0 if job is None else safe_run(job)
 
 
 def safe_run(job: Job) -> int:

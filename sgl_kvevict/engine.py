@@ -167,14 +167,13 @@ def _run_group(jobs: list[Job]) -> list[int]:
         keep = torch.where(pos < sink, pos, pos + shift).to(dev)  # [R, Kmax]
         keep = keep.view(R, 1, 1, kmax).expand(R, L, H, kmax)
     else:
-        scores = _scores(pol, jobs, slots_pad, valid, nmax)  # [R, L, H, Nmax] float32
+        scores = _scores(pol, jobs, slots_pad, cols, valid)  # [R, L, H, Nmax] float32
         if "attn" in pol.needs:
             scores = _carry(jobs, scores, nmax)
             carried_scores = scores
-        fixed = torch.tensor(
-            [[i < j.n_sink or j.n - j.n_recent <= i < j.n for i in range(nmax)] for j in jobs],
-            dtype=torch.bool,
-        ).to(dev)
+        sink_col = torch.tensor([j.n_sink for j in jobs], dtype=torch.int64).view(-1, 1)
+        recent_col = torch.tensor([j.n_recent for j in jobs], dtype=torch.int64).view(-1, 1)
+        fixed = ((pad_pos < sink_col) | ((pad_pos >= n_col - recent_col) & (pad_pos < n_col))).to(dev)
         ranked = scores.masked_fill(~valid.view(R, 1, 1, nmax), float("-inf"))
         ranked = ranked.masked_fill(fixed.view(R, 1, 1, nmax), float("inf"))
         keep = ranked.topk(kmax, dim=-1).indices  # [R, L, H, Kmax]: fixed first, then the best candidates
@@ -231,18 +230,19 @@ def _tail_index(ks: list[int], ns: list[int], width: int, device: torch.device) 
 
 
 def _scores(
-    pol: Any, jobs: list[Job], slots_pad: torch.Tensor, valid: torch.Tensor, nmax: int
+    pol: Any, jobs: list[Job], slots_pad: torch.Tensor, cols: torch.Tensor, valid: torch.Tensor
 ) -> torch.Tensor:
-    """`[R, L, H, Nmax]` float32 scores of every request's region on every layer."""
+    """`[R, L, H, Nmax]` float32 scores of every request's region on every layer. `cols`: each
+    request's padded region positions in its row; `valid`: which of them are real."""
     rt = runtime.RT
-    R, L, H = len(jobs), rt.n_layers, rt.n_kv_heads  # noqa: N806
+    R, L, H, nmax = len(jobs), rt.n_layers, rt.n_kv_heads, slots_pad.shape[1]  # noqa: N806
     if pol.name == "knorm":
         flat = slots_pad.reshape(-1)
         norms = torch.stack(
             [rt.k_buffer(layer).index_select(0, flat).float().norm(dim=-1) for layer in range(L)]
         )  # [L, R*Nmax, H]
         return -norms.view(L, R, nmax, H).permute(1, 0, 3, 2)
-    attn = _window_attention(jobs, nmax)  # [R, L, H, Nmax]
+    attn = _window_attention(jobs, cols, valid)  # [R, L, H, Nmax]
     if pol.name == "h2o":
         return attn * pol.config.window
     from sgl_kvevict.policies.snapkv import pool_scores
@@ -250,10 +250,11 @@ def _scores(
     return pool_scores(attn.reshape(-1, nmax), pol.config.kernel_size, pol.config.pooling).view(R, L, H, nmax)
 
 
-def _window_attention(jobs: list[Job], nmax: int) -> torch.Tensor:
+def _window_attention(jobs: list[Job], reg: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """`kernels.window_attention(causal=True)` for every request and layer at once, restricted to each
     region: `[R, L, Hkv, Nmax]`, zeros in the padding. Keys are each request's whole row (prefix +
-    region), padded; the causal mask and the padding come from host-known lengths."""
+    region), padded; the causal mask and the padding come from host-known lengths. `reg`, `valid`: the
+    group's padded region positions in each row and which of them are real."""
     rt = runtime.RT
     dev = rt.req_to_token.device
     R, L, H, Hq, D = len(jobs), rt.n_layers, rt.n_kv_heads, rt.n_q_heads, rt.head_dim  # noqa: N806
@@ -274,13 +275,8 @@ def _window_attention(jobs: list[Job], nmax: int) -> torch.Tensor:
     ).to(dev)  # [R, W]
     bufs = torch.stack([capture.RINGS[j.req.kv.req_pool_idx].buf for j in jobs])  # [R, L, W, Hq, D]
     q_all = bufs.gather(2, order.view(R, 1, w, 1, 1).expand(R, L, w, Hq, D))
-    # the region part of each row, as a padded [R, Nmax] gather out of [R, A]
-    reg = torch.tensor([j.a for j in jobs], dtype=torch.int64).view(-1, 1) + torch.arange(nmax).clamp(
-        max=torch.tensor([j.n for j in jobs]).view(-1, 1) - 1
-    )
-    reg = reg.to(dev)
+    nmax = reg.shape[1]  # `reg`: the region part of each row, a padded [R, Nmax] gather out of [R, A]
     out = torch.zeros(R, L, H, nmax, dtype=torch.float32, device=dev)
-    valid = (torch.arange(nmax).unsqueeze(0) < torch.tensor([j.n for j in jobs]).view(-1, 1)).to(dev)
     step = max(1, MAX_LOGITS // max(1, H * g * w * amax))
     for layer in range(L):
         k = rt.k_buffer(layer).index_select(0, slots).float().view(R, amax, H, D)
