@@ -240,10 +240,15 @@ def test_full_pool_takes_back_its_own_tree_nodes() -> None:
     assert rank.alloc.available_size() == 0 and rank.tree.evictable_size() == 0
     freed = compressor.compress(req, "prefill")
     assert freed > 0 and req.kv.cache_protected_len == 0
-    kv_len = req.kv.kv_committed_len
     assert rank.alloc.available_size() == freed
+    _finish_and_check_no_leak(rank, req, hog)
+
+
+def _finish_and_check_no_leak(rank: Rank, req: SimpleNamespace, hog: torch.Tensor) -> None:
+    """The request finishes (its history stored in the tree), the hogged slots come back, everything is
+    evicted: the whole pool must be free again."""
     req.done = True
-    rank.tree.checkpoint(req, up_to=kv_len)
+    rank.tree.checkpoint(req, up_to=req.kv.kv_committed_len)
     rank.tree.unlock(req.lock)
     rank.alloc.free(hog)
     rank.tree.evict(EvictParams(num_tokens=10**6))
@@ -278,13 +283,7 @@ def test_finishing_batch_does_not_count_on_eviction() -> None:
     rank.alloc.free_group_end()
     assert freed > 0 and req.kv.cache_protected_len == 0
     assert rank.tree.evictable_size() == 200  # the other prompt stayed cached
-    kv_len = req.kv.kv_committed_len
-    req.done = True
-    rank.tree.checkpoint(req, up_to=kv_len)
-    rank.tree.unlock(req.lock)
-    rank.alloc.free(hog)
-    rank.tree.evict(EvictParams(num_tokens=10**6))
-    assert rank.alloc.available_size() == POOL
+    _finish_and_check_no_leak(rank, req, hog)
 
 
 def test_out_of_memory_report_prints_compressed_nodes(capsys) -> None:
