@@ -34,7 +34,6 @@ from sgl_kvevict import policies as P
 from sgl_kvevict.kernels import window_attention
 from sgl_kvevict.model import default_model_path
 from sgl_kvevict.policies.base import LayerView
-from sgl_kvevict.policies.lagkv import with_budget_ratio
 
 MODEL = str(default_model_path())
 SINKS, RECENT, WINDOW = 4, 32, 32
@@ -198,8 +197,8 @@ def main() -> None:
         if wanted and label not in wanted and name not in wanted:
             continue
         t1 = time.time()
-        pol = with_budget_ratio(
-            P.build(name, {"sinks": SINKS, "recent": RECENT, "window": WINDOW, **pcfg}), args.ratio
+        pol = P.build(name, {"sinks": SINKS, "recent": RECENT, "window": WINDOW, **pcfg}).for_budget_ratio(
+            args.ratio
         )
         sinks = pol.config.sinks
         cand_budget = max(0, round(args.ratio * n) - sinks - RECENT)

@@ -217,6 +217,11 @@ class Policy:
     def merges(self) -> bool:
         return type(self).merge is not Policy.merge
 
+    def for_budget_ratio(self, ratio: float) -> Policy:
+        """The policy to run when the budget is a ratio below 1: itself, unless the policy reads the
+        ratio into its own parameters (LagKV's per-partition retention)."""
+        return self
+
 
 class Refiner(Policy):
     """A policy that re-ranks another policy's scores (GraphKV, CriticalKV): it wraps `self.base` and
@@ -238,3 +243,7 @@ class Refiner(Policy):
     @property
     def merges(self) -> bool:
         return self.base.merges
+
+    def for_budget_ratio(self, ratio: float) -> Policy:
+        self.base = self.base.for_budget_ratio(ratio)
+        return self

@@ -87,17 +87,6 @@ class LagKVConfig(PolicyConfig):
         return self
 
 
-def with_budget_ratio(policy: Policy, ratio: float) -> Policy:
-    """The policy to run under a budget given as a ratio: a LagKV (itself or as a refiner's base) with
-    `ratio_from_budget` takes the budget's ratio as its r. Other policies are returned unchanged."""
-    if isinstance(policy, LagKVPolicy) and policy.config.ratio_from_budget:
-        return policy.with_ratio(ratio)
-    base = getattr(policy, "base", None)
-    if isinstance(base, LagKVPolicy) and base.config.ratio_from_budget:
-        policy.base = base.with_ratio(ratio)
-    return policy
-
-
 def lag_score_dense(z: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """Eqs. 7-10 for one partition of any size: z [R, M, D] judged by ref [R, M', D]; softmax over M."""
     mn = ref.float().amin(dim=1, keepdim=True)
@@ -120,6 +109,10 @@ class LagKVPolicy(Policy):
     @property
     def keep_per_partition(self) -> int:
         return int(self.config.ratio * self.config.lag)
+
+    def for_budget_ratio(self, ratio: float) -> Policy:
+        """With `ratio_from_budget`, the budget's ratio is r (alone or as a refiner's base)."""
+        return self.with_ratio(ratio) if self.config.ratio_from_budget else self
 
     def with_ratio(self, ratio: float) -> LagKVPolicy:
         """A copy whose per-partition retention is `ratio` (a budget given as a ratio), clamped so that

@@ -160,7 +160,7 @@ class KvConfig(BaseModel):
     def build(self) -> policies.Policy:
         """Validate the policy config too (raises PolicyConfigError naming the field).
 
-        A ratio budget also sets LagKV's per-partition retention when its config leaves `ratio` unset.
+        A ratio budget also sets LagKV's per-partition retention when its config asks (`ratio_from_budget`).
 
         Attention-based policies score with the last `window` queries against the request's keys under a
         causal mask that puts those queries on the last `window` slots of the row. That holds only while
@@ -168,9 +168,7 @@ class KvConfig(BaseModel):
         """
         pol = policies.build(self.policy, self.config)
         if isinstance(self.budget, float) and self.budget < 1.0:
-            from sgl_kvevict.policies.lagkv import with_budget_ratio
-
-            pol = with_budget_ratio(pol, self.budget)  # LagKV: a ratio budget is its per-partition ratio
+            pol = pol.for_budget_ratio(self.budget)  # LagKV: a ratio budget may be its per-partition ratio
         c = pol.config
         if "attn" in pol.needs and c.window > c.recent:
             raise policies.PolicyConfigError(
