@@ -11,6 +11,10 @@ A step has two phases, so that a failure anywhere in policy code leaves the requ
 tree-owned region, into slots the request owns), free the rest, shrink the request's lengths and record
 the position offset of its next tokens.
 
+The plan may span several scheduler steps (`Pending`): with `--kv-compress-step-tokens`, a region
+larger than the step's cap is planned a few layers per step while the request keeps decoding, and it
+commits once every layer is planned; tokens decoded meanwhile move down behind the kept ones.
+
 Tensor-parallel ranks hold different KV heads of the same request. Every count that decides slots (the
 kept count, the raw tail, the compacted boundary) comes from the budget and the policy's config on the
 host, never from scores, and the ranks agree on the plan's success before any commit: their rows and
@@ -30,7 +34,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -85,39 +89,82 @@ def _check_tail(keep: torch.Tensor, n: int, tail: int, name: str) -> None:
         raise RuntimeError(f"policy {name!r} declared a raw tail of {tail} tokens it does not keep")
 
 
-def _plan(
-    s: st.ReqState, views: list[LayerView], slots: torch.Tensor, budget: int, stage: bool
-) -> Plan | None:
-    keeps = select_layers(s.policy, views, budget)
-    k, n = int(keeps[0].shape[1]), int(slots.numel())
+@dataclass
+class Pending:
+    """A compression in progress. Its selection runs layer by layer, possibly over several scheduler
+    steps (`--kv-compress-step-tokens`: a large first compression must not stall the batch), against
+    the region as it was when it started; the request keeps decoding meanwhile. Nothing the request or
+    the tree can see changes before the last layer is planned and the plan commits: the policy works
+    on copies of its per-layer state, and a pending compression that is dropped (retraction, release,
+    the branch point moved) leaves no trace."""
+
+    job: Job
+    slots: torch.Tensor  # [n] region slots at the start
+    states: list[dict]  # working copies of the request's per-layer policy state
+    queries: list[torch.Tensor] | None  # window queries per layer, frozen at the start (split runs)
+    keeps: list[torch.Tensor] = field(default_factory=list)  # [Hkv, k] per planned layer
+    views: list[LayerView] = field(default_factory=list)
+    dense_k: list[torch.Tensor] = field(default_factory=list)
+    dense_v: list[torch.Tensor] = field(default_factory=list)
+    seconds: float = 0.0
+    comp_slots: int = 0  # the request's compacted boundary when it started
+
+    def valid_for(self, req: Any, s: st.ReqState) -> bool:
+        """The region it planned is still the request's region, unchanged."""
+        j, kv = self.job, req.kv
+        return (
+            s.anchor_kv == j.a
+            and kv.cache_protected_len == j.own_start
+            and kv.kv_committed_len >= j.a + j.n
+            and kv.kv_allocated_len == kv.kv_committed_len
+            and s.comp_slots == self.comp_slots
+        )
+
+
+def _plan_layer(p: Pending, v: LayerView, stage: bool) -> None:
+    """Step 1 (and the staging of step 2) for one layer: nothing in the pool or the row is written."""
+    s, slots, rt = p.job.s, p.slots, runtime.RT
+    kp = s.policy.select(v, p.job.budget)
+    n = int(slots.numel())
+    lay = v.layer
+    if p.keeps and int(kp.shape[1]) != int(p.keeps[0].shape[1]):
+        raise RuntimeError(f"policy {s.policy.name!r} kept different counts across layers")
+    p.keeps.append(kp)
+    p.views.append(v)
+    k = int(kp.shape[1])
     if k >= n:
-        return None
-    keep = torch.stack(keeps).to(torch.int64)  # [L, Hkv, k]
-    tail = min(s.policy.raw_tail(views[0]), k)
-    if st.DEBUG:
-        _check_tail(keep, n, tail, s.policy.name)
-    for v, kp in zip(views, keeps, strict=True):  # scores carried to the next compression (kept order)
-        scored = v.state.pop("scored", None)
-        if scored is not None:
-            v.state["carried"] = scored.gather(1, kp.to(scored.device))
-    plan = Plan(slots=slots, keep=keep, views=views, tail=tail)
-    rt = runtime.RT
+        return
+    scored = v.state.pop("scored", None)  # scores carried to the next compression (kept order)
+    if scored is not None:
+        v.state["carried"] = scored.gather(1, kp.to(scored.device))
+    keep = kp.to(torch.int64)
     if stage and not s.policy.merges:  # gather only the kept rows: O(k), never the whole region
-        heads = torch.arange(keep.shape[1], device=slots.device).unsqueeze(-1)
-        plan.dense_k = [
-            rt.k_buffer(lay)[slots[keep[lay]], heads].transpose(0, 1) for lay in range(rt.n_layers)
-        ]
-        plan.dense_v = [
-            rt.v_buffer(lay)[slots[keep[lay]], heads].transpose(0, 1) for lay in range(rt.n_layers)
-        ]
+        heads = torch.arange(keep.shape[0], device=slots.device).unsqueeze(-1)
+        p.dense_k.append(rt.k_buffer(lay)[slots[keep], heads].transpose(0, 1))
+        p.dense_v.append(rt.v_buffer(lay)[slots[keep], heads].transpose(0, 1))
     elif s.policy.merges:  # the merge reads evicted tokens and writes kept ones: stage the region
         idx = torch.arange(n, device=slots.device)
-        dk = [rt.k_buffer(layer).index_select(0, slots) for layer in range(rt.n_layers)]
-        dv = [rt.v_buffer(layer).index_select(0, slots) for layer in range(rt.n_layers)]
-        for v, kp, k_, v_ in zip(views, keeps, dk, dv, strict=True):
-            s.policy.merge(dataclasses.replace(v, k_buffer=k_, v_buffer=v_, slots=idx), kp)
-        kernels.compact(dk, dv, idx, keep)
-        plan.dense_k, plan.dense_v = [x[:k] for x in dk], [x[:k] for x in dv]
+        dk = rt.k_buffer(lay).index_select(0, slots)
+        dv = rt.v_buffer(lay).index_select(0, slots)
+        s.policy.merge(dataclasses.replace(v, k_buffer=dk, v_buffer=dv, slots=idx), kp)
+        kernels.compact([dk], [dv], idx, keep.unsqueeze(0))
+        p.dense_k.append(dk[:k])
+        p.dense_v.append(dv[:k])
+
+
+def _plan(p: Pending) -> Plan | None:
+    """Every layer planned: the whole plan, or None when the policy keeps the whole region."""
+    s = p.job.s
+    k, n = int(p.keeps[0].shape[1]), int(p.slots.numel())
+    if k >= n:
+        return None
+    keep = torch.stack(p.keeps).to(torch.int64)  # [L, Hkv, k]
+    tail = min(s.policy.raw_tail(p.views[0]), k)
+    if st.DEBUG:
+        _check_tail(keep, n, tail, s.policy.name)
+    plan = Plan(slots=p.slots, keep=keep, views=p.views, tail=tail)
+    if p.dense_k:
+        plan.dense_k, plan.dense_v = p.dense_k, p.dense_v
     return plan
 
 
@@ -194,6 +241,8 @@ def _commit(req: Any, s: st.ReqState, plan: Plan, own_start: int) -> bool:
     rt = runtime.RT
     kv, a, k = req.kv, s.anchor_kv, plan.k
     row = rt.req_to_token[kv.req_pool_idx]
+    end = kv.kv_committed_len  # past the region: tokens decoded while a split plan was pending
+    after = row[a + plan.n : end].clone()
     k_bufs = [rt.k_buffer(layer) for layer in range(rt.n_layers)]
     v_bufs = [rt.v_buffer(layer) for layer in range(rt.n_layers)]
     if own_start <= a:  # the whole region is the request's own: compact in place
@@ -218,7 +267,8 @@ def _commit(req: Any, s: st.ReqState, plan: Plan, own_start: int) -> bool:
         if kv.cache_protected_len > a:  # the tree part is no longer the request's: it becomes cache
             rt.tree.relock(req, s.anchor if s.anchor is not None else rt.tree.root_node, a)
     row[a : a + k] = new.to(row.dtype)
-    kv.kv_committed_len = kv.kv_allocated_len = a + k
+    row[a + k : a + k + after.numel()] = after
+    kv.kv_committed_len = kv.kv_allocated_len = a + k + after.numel()
     return True
 
 
@@ -274,6 +324,7 @@ class Job:
     n_recent: int
     budget: int
     own_start: int  # kv.cache_protected_len: slots from here on are the request's own
+    layers: int = 1 << 30  # layers to plan this step (fewer than all: the plan continues next step)
 
 
 def prepare(req: Any, phase: Phase) -> Job | None:
@@ -286,6 +337,13 @@ def prepare(req: Any, phase: Phase) -> Job | None:
     cfg = s.policy.config
     if cfg.scope == "branch":
         _branch_point_moved(req, s)
+    p = s.pending
+    if p is not None:
+        if p.valid_for(req, s):
+            p.job.phase = phase if phase == "finish" else p.job.phase
+            p.job.layers = 1 << 30
+            return p.job  # continues; the caller may limit its layers again
+        s.pending = None
     a = s.anchor_kv
     n = kv.kv_committed_len - a
     if n <= 0 or kv.kv_allocated_len != kv.kv_committed_len:
@@ -305,78 +363,107 @@ def compress(req: Any, phase: Phase) -> int:
 
 
 def run(job: Job) -> int:
-    """One request's step on its own (every policy, every region layout): plan, agree, commit."""
-    req, s, a, n = job.req, job.s, job.a, job.n
-    n_sink, n_recent, budget = job.n_sink, job.n_recent, job.budget
-    rt = runtime.RT
-    kv = req.kv
+    """One request's step on its own (every policy, every region layout): plan, agree, commit.
+
+    With `job.layers` below the layer count the plan advances by that many layers and the commit
+    waits for a later step (see `Pending`); the request's pending compression, if any, continues."""
+    s, rt = job.s, runtime.RT
+    p = s.pending if s.pending is not None and s.pending.job is job else _begin(job)
+    s.pending = None
     t0 = time.perf_counter()
-    row_idx = kv.req_pool_idx
-    row = rt.req_to_token[row_idx]
-    slots = row[a : a + n].to(torch.int64)
-    needs = s.policy.needs
-    ring = capture.RINGS.get(row_idx) if "attn" in needs else None
-    if not s.layer_state:
-        s.layer_state = [{} for _ in range(rt.n_layers)]
-
-    def view(layer: int) -> LayerView:
-        attn = None
-        if ring is not None:
-            q = ring.get(layer)
-            if q.shape[1] > 0:
-                all_slots = torch.cat([row[:a].to(torch.int64), slots])
-                attn = kernels.window_attention(q, rt.k_buffer(layer), all_slots, rt.scale, causal=True)[
-                    :, a:
-                ]
-        return LayerView(
-            layer=layer,
-            k_buffer=rt.k_buffer(layer),
-            v_buffer=rt.v_buffer(layer),
-            slots=slots,
-            n_sink=n_sink,
-            n_recent=n_recent,
-            n_compacted=s.comp_slots,
-            attn=attn,
-            o_proj=rt.o_proj(layer) if "o_proj" in needs else None,
-            state=s.layer_state[layer],
-        )
-
-    own_start = job.own_start
-    saved_state = [dict(d) for d in s.layer_state]
-    plan, error = None, None
+    error = None
     try:
-        plan = _plan(s, [view(layer) for layer in range(rt.n_layers)], slots, budget, own_start > a)
+        stop = min(rt.n_layers, len(p.keeps) + max(1, job.layers))
+        stage = job.own_start > job.a
+        for layer in range(len(p.keeps), stop):
+            _plan_layer(p, _view(p, layer), stage)
     except Exception as e:  # policy code: degrade this request, after the ranks agree
         error = e
+    p.seconds += time.perf_counter() - t0
     if not _agree(error is None):
-        s.layer_state = saved_state
         raise (
             error if error is not None else RuntimeError("compression failed on another tensor-parallel rank")
         )
+    if len(p.keeps) < rt.n_layers:
+        s.pending = p
+        rt.totals.compressions_split += 1
+        return 0
+    t0 = time.perf_counter()
+    plan = _plan(p)
     if plan is None:
+        s.layer_state = p.states
         return 0
-    if not _commit(req, s, plan, own_start):
-        s.layer_state = saved_state
+    req = job.req
+    d = req.kv.kv_committed_len - (job.a + job.n)  # tokens decoded while the plan was pending
+    if not _commit(req, s, plan, job.own_start):
         return 0
+    s.layer_state = p.states
     k = plan.k
-
-    # bookkeeping
-    for v in plan.views:
+    for v in plan.views:  # bookkeeping
         for name, val in v.stats.items():
             s.layer_stats.setdefault(name, [0.0] * rt.n_layers)[v.layer] = float(val)
         s.merged += int(v.stats.get("d2o_merged", 0))
         rt.totals.tokens_merged += int(v.stats.get("d2o_merged", 0))
-    rt.tree.offsets[row_idx] = _account(job, k, plan.tail, plan.keep, time.perf_counter() - t0)
-    return n - k
+    dt = p.seconds + time.perf_counter() - t0
+    rt.tree.offsets[req.kv.req_pool_idx] = _account(job, k, plan.tail, plan.keep, dt, after=d)
+    return job.n - k
 
 
-def _account(job: Job, k: int, tail: int, keep: torch.Tensor | None, dt: float) -> int:
-    """Host bookkeeping after a commit (counts, totals, the debug timeline); returns the new offset."""
+def _begin(job: Job) -> Pending:
+    """A new plan over the job's region. When it will span several steps, the window queries are frozen
+    now: later queries attend to tokens past the region, which its causal mask does not cover."""
+    s, rt, req = job.s, runtime.RT, job.req
+    row = rt.req_to_token[req.kv.req_pool_idx]
+    slots = row[job.a : job.a + job.n].to(torch.int64)
+    if not s.layer_state:
+        s.layer_state = [{} for _ in range(rt.n_layers)]
+    queries = None
+    ring = capture.RINGS.get(req.kv.req_pool_idx) if "attn" in s.policy.needs else None
+    if ring is not None and job.layers < rt.n_layers:
+        queries = [ring.get(layer).clone() for layer in range(rt.n_layers)]
+    states = [dict(d) for d in s.layer_state]
+    return Pending(job=job, slots=slots, states=states, queries=queries, comp_slots=s.comp_slots)
+
+
+def _view(p: Pending, layer: int) -> LayerView:
+    """What the policy sees of one layer: the region's slots, the pools, the window's attention."""
+    job, rt = p.job, runtime.RT
+    s, a = job.s, job.a
+    needs = s.policy.needs
+    attn = None
+    if "attn" in needs:
+        if p.queries is not None:
+            q = p.queries[layer]
+        else:
+            ring = capture.RINGS.get(job.req.kv.req_pool_idx)
+            q = ring.get(layer) if ring is not None else None
+        if q is not None and q.shape[1] > 0:
+            row = rt.req_to_token[job.req.kv.req_pool_idx]
+            all_slots = torch.cat([row[:a].to(torch.int64), p.slots])
+            attn = kernels.window_attention(q, rt.k_buffer(layer), all_slots, rt.scale, causal=True)[:, a:]
+    return LayerView(
+        layer=layer,
+        k_buffer=rt.k_buffer(layer),
+        v_buffer=rt.v_buffer(layer),
+        slots=p.slots,
+        n_sink=job.n_sink,
+        n_recent=job.n_recent,
+        n_compacted=s.comp_slots,
+        attn=attn,
+        o_proj=rt.o_proj(layer) if "o_proj" in needs else None,
+        state=p.states[layer],
+    )
+
+
+def _account(job: Job, k: int, tail: int, keep: torch.Tensor | None, dt: float, after: int = 0) -> int:
+    """Host bookkeeping after a commit (counts, totals, the debug timeline); returns the new offset.
+    `after`: tokens that follow the region in the row (decoded while the plan was pending)."""
     s, a, n, rt = job.s, job.a, job.n, runtime.RT
     if st.DEBUG and keep is not None:
-        before = s.debug_positions(a + n)
-        region = before[..., a:].gather(-1, keep)
-        s.debug_event(torch.cat([before[..., :a], region], dim=-1), s.tokens_for(a + n))
+        before = s.debug_positions(a + n + after)
+        region = before[..., a : a + n].gather(-1, keep)
+        pos = torch.cat([before[..., :a], region, before[..., a + n :]], dim=-1)
+        s.debug_event(pos, s.tokens_for(a + n + after))
     region_tokens = n + s.own_evicted
     s.comp_slots = k - tail
     s.comp_tokens = region_tokens - tail

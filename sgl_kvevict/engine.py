@@ -80,7 +80,7 @@ def compress_batch(items: list[tuple[Any, Phase]], cap: int | None = None) -> li
     groups: dict[str, list[tuple[int, Job]]] = {}
     single: list[tuple[int, Job]] = []
     for i, job in jobs:
-        key = _policy_key(job)
+        key = None if _split(job, cap) else _policy_key(job)
         (single if key is None else groups.setdefault(key, [])).append((i, job))
     for members in groups.values():
         done = None
@@ -100,6 +100,15 @@ def compress_batch(items: list[tuple[Any, Phase]], cap: int | None = None) -> li
     return freed
 
 
+def _split(job: Job, cap: int | None) -> bool:
+    """Whether the job plans only part of its layers this step: its region is larger than the step's
+    cap (about `cap` region tokens' worth of layers run per step), or it is already under way."""
+    if cap is None or (job.n <= cap and job.s.pending is None):
+        return job.s.pending is not None
+    job.layers = max(1, cap * runtime.RT.n_layers // max(1, job.n))
+    return True
+
+
 def _defer(jobs: list[tuple[int, Job]], cap: int) -> list[tuple[int, Job]]:
     """The jobs that run this step: those that waited longest first, until their regions cover `cap`
     tokens (at least one runs, so every step progresses). The rest wait; a job deferred right after
@@ -114,7 +123,7 @@ def _defer(jobs: list[tuple[int, Job]], cap: int) -> list[tuple[int, Job]]:
             rt.totals.compressions_deferred += 1
             continue
         job.s.deferred = 0
-        spent += job.n
+        spent += min(job.n, cap)  # a larger job plans only part of its layers (`_split`)
         run.append((i, job))
     return run
 

@@ -36,6 +36,11 @@ COUNTERS: list[tuple[str, str, str]] = [
         "sglang:kvevict_compressions_deferred_total",
         "Compression checks postponed to a later scheduler step: the step's --kv-compress-step-tokens was spent.",
     ),
+    (
+        "compressions_split",
+        "sglang:kvevict_compressions_split_total",
+        "Scheduler steps that planned part of a compression larger than --kv-compress-step-tokens.",
+    ),
 ]
 GAUGES: list[tuple[str, str, str]] = [
     (

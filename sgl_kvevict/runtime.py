@@ -25,6 +25,7 @@ class Totals:
     requests_compressed: int = 0
     policy_failures: int = 0
     compressions_deferred: int = 0  # compression checks postponed a step (--kv-compress-step-tokens spent)
+    compressions_split: int = 0  # steps that planned part of a compression and left the rest for later
     started: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict[str, Any]:

@@ -63,6 +63,7 @@ class ReqState:
     releasing: bool = False  # released unfinished (retraction): the tree checkpoint gets a slot count
     failed: bool = False
     deferred: int = 0  # scheduler steps this request's compression waited (--kv-compress-step-tokens)
+    pending: Any = None  # compressor.Pending: a compression planned over several steps, not committed yet
     ran: bool = False  # KV was allocated since the last match (a later match is a re-admission)
     commit: bool = False  # generates nothing: a prefix commit (SGLang's frontend before `fork`), kept whole
     compressions: int = 0
@@ -169,6 +170,7 @@ def on_match(req: Any, region: Any, prefix_pos: torch.Tensor | None = None) -> R
     s.own_evicted = s.inherited_evicted = s.comp_slots = s.comp_tokens = 0
     s.reused_evicted = region.tokens - region.kv
     s.releasing = False
+    s.pending = None  # planned against slots the request no longer holds
     # Per-head policy state (D2O's tau) survives a retraction; per-slot entries do not (the slots change).
     s.layer_state = [{k: v for k, v in d.items() if k != "carried"} for d in s.layer_state]
     first = region.first

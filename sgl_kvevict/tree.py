@@ -442,6 +442,8 @@ class KvEvictRadixCache(RadixCache):
             self.offsets[row] = 0
             capture.drop(row)
         s = st.get(req)
+        if s is not None:
+            s.pending = None  # a plan over slots the request gives up is never committed
         if s is not None and not req.finished():
             return  # retraction: the request comes back, with its counters, failure flag and policy state
         if st.DEBUG and s is not None and s.anchor is not None:
