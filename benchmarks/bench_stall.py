@@ -14,6 +14,15 @@ Each server configuration runs every scenario `--repeats` times; one server per 
     HF_HUB_OFFLINE=1 nice -n 10 python benchmarks/bench_stall.py --heavy 3 --heavy-tokens 2000 \
         --config "nocap=" --config "cap=--kv-compress-step-tokens 2048" --out results/stall
 
+With `--kv-compress-step-tokens` below the heavy prompts, one first compression is planned over several
+steps while its request decodes: give the heavy requests enough new tokens (`--heavy-new`) for the plan
+to commit before they finish, and a small `--chunked-prefill-size` in every configuration, so that the
+heavy prefill does not dominate the largest gap:
+
+    HF_HUB_OFFLINE=1 nice -n 10 python benchmarks/bench_stall.py --heavy 1 --heavy-tokens 4000 \
+        --heavy-new 40 --config "whole=--chunked-prefill-size 512" \
+        --config "split=--chunked-prefill-size 512 --kv-compress-step-tokens 512" --out results/stall-split
+
 Numbers depend on the machine's load: compare configurations measured in the same run.
 """
 
@@ -66,11 +75,11 @@ def stream_gaps(url: str, ids: list[int], n: int, started: threading.Event, out:
     return None
 
 
-def heavy(url: str, ids: list[int], kv: dict) -> dict:
+def heavy(url: str, ids: list[int], kv: dict, new_tokens: int) -> dict:
     body = {
         "input_ids": ids,
         "sampling_params": {
-            "max_new_tokens": 8,
+            "max_new_tokens": new_tokens,
             "temperature": 0,
             "ignore_eos": True,
             "custom_params": {"kvevict": kv},
@@ -107,7 +116,10 @@ def scenario(url: str, tok, name: str, kv: dict | None, args: argparse.Namespace
             tok.encode(log_text(tok, args.heavy_tokens, seed * 100 + j) + "\nSummarize.")
             for j in range(args.heavy)
         ]
-        hs = [threading.Thread(target=lambda p=p: metas.append(heavy(url, p, kv))) for p in prompts]
+        hs = [
+            threading.Thread(target=lambda p=p: metas.append(heavy(url, p, kv, args.heavy_new)))
+            for p in prompts
+        ]
         for h in hs:
             h.start()
         for h in hs:
@@ -136,6 +148,12 @@ def main() -> None:
     ap.add_argument("--budget", default="256")
     ap.add_argument("--heavy", type=int, default=3, help="heavy requests arriving at once")
     ap.add_argument("--heavy-tokens", type=int, default=2000)
+    ap.add_argument(
+        "--heavy-new",
+        type=int,
+        default=8,
+        help="tokens each heavy request generates (a split compression commits while it decodes)",
+    )
     ap.add_argument("--small", type=int, default=4)
     ap.add_argument("--small-tokens", type=int, default=250)
     ap.add_argument("--repeats", type=int, default=1)

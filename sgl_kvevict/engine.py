@@ -110,11 +110,12 @@ def _split(job: Job, cap: int | None) -> bool:
 
 
 def _defer(jobs: list[tuple[int, Job]], cap: int) -> list[tuple[int, Job]]:
-    """The jobs that run this step: those that waited longest first, until their regions cover `cap`
-    tokens (at least one runs, so every step progresses). The rest wait; a job deferred right after
-    prefill keeps its phase for the step that runs it."""
+    """The jobs that run this step: split plans under way first (finishing them frees their memory
+    soonest), then those that waited longest, until their regions cover `cap` tokens (at least one
+    runs, so every step progresses). The rest wait; a job deferred right after prefill keeps its phase
+    for the step that runs it."""
     rt = runtime.RT
-    order = sorted(jobs, key=lambda ij: -ij[1].s.deferred)
+    order = sorted(jobs, key=lambda ij: (ij[1].s.pending is None, -ij[1].s.deferred))
     run, spent = [], 0
     for i, job in order:
         if run and spent >= cap:
