@@ -7,21 +7,26 @@ batch waits. Small streams (`none`, short prompts) decode while, in turn:
 - `heavy-none`: H heavy requests (long prompts, `none`) arrive at once: their prefill alone;
 - `heavy-<policy>`: the same heavy requests under a heavy policy (criticalkv): prefill + first compression.
 
-The stall compression adds is `heavy-<policy>` minus `heavy-none` (same prompts' lengths, same prefill).
+The stall compression adds is `heavy-<policy>` minus `heavy-none` (same prompts' lengths, same prefill),
+and, measured by the server itself, `step_seconds_max` from `/server_info`: the longest one scheduler
+step has spent compressing since the server started (`step max s`; only the heavy requests compress).
 Each server configuration runs every scenario `--repeats` times; one server per configuration, given as
 `NAME=FLAGS` (e.g. `cap=--kv-compress-step-tokens 2048`), the configurations one after the other.
 
     HF_HUB_OFFLINE=1 nice -n 10 python benchmarks/bench_stall.py --heavy 3 --heavy-tokens 2000 \
         --config "nocap=" --config "cap=--kv-compress-step-tokens 2048" --out results/stall
 
-With `--kv-compress-step-tokens` below the heavy prompts, one first compression is planned over several
-steps while its request decodes: give the heavy requests enough new tokens (`--heavy-new`) for the plan
-to commit before they finish, and a small `--chunked-prefill-size` in every configuration, so that the
-heavy prefill does not dominate the largest gap:
+The heavy prefill stalls the small streams too (SGLang runs a chunked prefill's chunks back to back), and
+on a CPU it dwarfs a compression. `--warm` takes it out: the heavy prompts are cached first (`none`, one
+token), so the measured heavy requests prefill almost nothing and, in branch scope, their first
+compression covers the whole cached prompt; the largest gap is then the compression's. With
+`--kv-compress-step-tokens` below the heavy prompts, that compression is planned over several steps while
+its request decodes: give the heavy requests enough new tokens (`--heavy-new`) for the plan to commit
+before they finish:
 
-    HF_HUB_OFFLINE=1 nice -n 10 python benchmarks/bench_stall.py --heavy 1 --heavy-tokens 4000 \
-        --heavy-new 40 --config "whole=--chunked-prefill-size 512" \
-        --config "split=--chunked-prefill-size 512 --kv-compress-step-tokens 512" --out results/stall-split
+    HF_HUB_OFFLINE=1 nice -n 10 python benchmarks/bench_stall.py --warm --heavy 1 --heavy-tokens 4000 \
+        --heavy-new 40 --config "whole=" --config "split=--kv-compress-step-tokens 256" \
+        --out results/stall-split
 
 Numbers depend on the machine's load: compare configurations measured in the same run.
 """
@@ -100,6 +105,17 @@ def scenario(url: str, tok, name: str, kv: dict | None, args: argparse.Namespace
         )
         for i in range(args.small)
     ]
+    prompts = [
+        tok.encode(log_text(tok, args.heavy_tokens, seed * 100 + j) + "\nSummarize.")
+        for j in range(args.heavy)
+    ]
+    if kv is not None and args.warm:
+        # the heavy prompts go into the cache first (`none`, one token): the measured requests then
+        # prefill almost nothing, and in branch scope their first compression covers the whole prompt
+        for p in prompts:
+            heavy(url, p, {"policy": "none"}, 1)
+        if kv.get("policy") != "none":
+            kv = {**kv, "config": {**kv.get("config", {}), "scope": "branch"}}
     gaps: list[float] = []
     started = [threading.Event() for _ in small]
     threads = [
@@ -112,10 +128,6 @@ def scenario(url: str, tok, name: str, kv: dict | None, args: argparse.Namespace
         ev.wait(600)
     metas: list[dict] = []
     if kv is not None:
-        prompts = [
-            tok.encode(log_text(tok, args.heavy_tokens, seed * 100 + j) + "\nSummarize.")
-            for j in range(args.heavy)
-        ]
         hs = [
             threading.Thread(target=lambda p=p: metas.append(heavy(url, p, kv, args.heavy_new)))
             for p in prompts
@@ -154,6 +166,11 @@ def main() -> None:
         default=8,
         help="tokens each heavy request generates (a split compression commits while it decodes)",
     )
+    ap.add_argument(
+        "--warm",
+        action="store_true",
+        help="cache the heavy prompts first, so that the largest gap is their compression, not their prefill",
+    )
     ap.add_argument("--small", type=int, default=4)
     ap.add_argument("--small-tokens", type=int, default=250)
     ap.add_argument("--repeats", type=int, default=1)
@@ -187,6 +204,10 @@ def main() -> None:
                 ]:
                     seed += 1
                     row = {"config": cname, "repeat": rep, **scenario(srv.url, tok, name, kv, args, seed)}
+                    # the longest one scheduler step spent compressing so far (only the heavy requests
+                    # of the last scenario compress): the stall compression itself adds
+                    info = srv.server_info()["internal_states"][0].get("kvevict", {})
+                    row["step_compress_max_s"] = info.get("step_seconds_max")
                     print(json.dumps(row), file=sys.stderr, flush=True)
                     rows.append(row)
                     requests.post(srv.url + "/flush_cache", timeout=60)
@@ -194,12 +215,13 @@ def main() -> None:
         json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=2) + "\n"
     )
     print(
-        f"{'config':>8} {'scenario':>16} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'>1 s':>5}  heavy compress s"
+        f"{'config':>8} {'scenario':>16} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'>1 s':>5} "
+        f"{'step max s':>10}  heavy compress s"
     )
     for r in rows:
         print(
             f"{r['config']:>8} {r['scenario']:>16} {r['p50_ms']:8.1f} {r['p99_ms']:8.1f} {r['max_ms']:8.1f} "
-            f"{r['gaps_over_1s']:5d}  {r['heavy_compress_s']}"
+            f"{r['gaps_over_1s']:5d} {r['step_compress_max_s']!s:>10}  {r['heavy_compress_s']}"
         )
 
 

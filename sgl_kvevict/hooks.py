@@ -20,6 +20,7 @@ Every hook guards itself: an exception in our code must never take the scheduler
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -118,8 +119,10 @@ def _compress_batch(batch) -> None:
         if s is not None:
             s.after_extend = False
         items.append((r, phase))
+    t0 = time.perf_counter()
     with compressor.one_thread():
         freed = engine.compress_batch(items, cap)
+    rt.totals.step_seconds_max = max(rt.totals.step_seconds_max, time.perf_counter() - t0)
     if any(freed):
         delta = torch.tensor(freed, dtype=batch.seq_lens_cpu.dtype)
         batch.seq_lens_cpu = batch.seq_lens_cpu - delta
@@ -189,7 +192,11 @@ def release_kv_cache(req, tree_cache, *args, **kwargs):
     if req.finished():
         # An aborted or disconnected request's history is not worth a last compression: nobody continues it.
         if s.active and not isinstance(req.finished_reason, FINISH_ABORT):
+            t0 = time.perf_counter()
             compressor.safe_compress(req, "finish")
+            if runtime.RT is not None:
+                tot = runtime.RT.totals
+                tot.step_seconds_max = max(tot.step_seconds_max, time.perf_counter() - t0)
         return None
     if s.offset > 0 and not kwargs.get("checkpoint", True) and not req.skip_radix_cache_insert:
         s.releasing = True

@@ -26,11 +26,13 @@ class Totals:
     policy_failures: int = 0
     compressions_deferred: int = 0  # compression checks postponed a step (--kv-compress-step-tokens spent)
     compressions_split: int = 0  # steps that planned part of a compression and left the rest for later
+    step_seconds_max: float = 0.0  # the longest a scheduler step (or a release) spent compressing: its stall
     started: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["seconds_compressing"] = round(d["seconds_compressing"], 4)
+        d["step_seconds_max"] = round(d["step_seconds_max"], 4)
         return d
 
 
