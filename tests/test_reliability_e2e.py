@@ -48,9 +48,10 @@ def small_server() -> Iterator[Server]:
             # SGLang must retract (memory pressure on purpose).
             "--schedule-conservativeness",
             "0.1",
-            # Compression work per scheduler step capped: the deferral path runs under all of the above.
+            # Compression work per scheduler step capped: deferrals, and compressions split over steps
+            # (regions over 256 tokens), run under all of the above, aborts and retractions included.
             "--kv-compress-step-tokens",
-            "1024",
+            "256",
         ]
     )
 
@@ -95,6 +96,9 @@ def read_chunks(lines, k: int) -> list[dict]:
     return out
 
 
+ENDPOINT_AFTER = 80  # chunks a stream reads before /abort_request stops it
+
+
 # ---- aborts under every policy ---------------------------------------------------------------------
 def test_aborts_under_every_policy(small_server: Server):
     """Per policy (and `none`): a stream closed by the client after a few chunks, and a running stream
@@ -121,6 +125,10 @@ def test_aborts_under_every_policy(small_server: Server):
             assert len(got) == 3, (policy, how, got)
             outcome, compressions = "closed", -1
             if how == "endpoint":
+                # Abort a request that has compressed. With the step cap, 16 first compressions of
+                # ~530 tokens at once run one per step, 3 steps each (split), pending plans first: 80
+                # decode steps cover them; the disconnects above leave after 3 chunks, plans pending.
+                got += read_chunks(lines, ENDPOINT_AFTER - 3)
                 a = requests.post(small_server.url + "/abort_request", json={"rid": rid}, timeout=60)
                 assert a.status_code == 200
                 last = (read_chunks(lines, 10**6) or got)[-1]["meta_info"]
@@ -218,7 +226,8 @@ def test_short_soak(small_server: Server):
     stats = run_soak(small_server.url, n=60, concurrency=8, seed=11, max_prompt=900)
     print(stats.line())
     assert not stats.errors, stats.errors[:5]
-    assert small_server.server_info()["internal_states"][0]["kvevict"]["compressions_deferred"] > 0
+    info = small_server.server_info()["internal_states"][0]["kvevict"]
+    assert info["compressions_deferred"] > 0 and info["compressions_split"] > 0
     assert stats.finished + stats.aborted_disconnect + stats.aborted_endpoint == 60
     assert stats.aborted_disconnect + stats.aborted_endpoint >= 2
     assert stats.matched_compressed >= 1 and stats.compressed >= 10
