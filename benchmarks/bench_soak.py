@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,6 +225,7 @@ def run_soak(
     progress_every: int = 0,
     max_prompt: int = 1200,
     max_seconds: float | None = None,
+    on_progress: Callable[[int], None] | None = None,
 ) -> Soak:
     """`n` requests, `concurrency` in flight; conversations to continue are drawn from finished ones.
     With `max_seconds`, no request is sent after that time (the ones in flight finish)."""
@@ -241,6 +243,8 @@ def run_soak(
             c.stats.requests = i + 1
             if progress_every and (i + 1) % progress_every == 0:
                 print(f"[soak] {time.time() - t0:6.0f} s  {c.stats.line()}", file=sys.stderr, flush=True)
+                if on_progress is not None:
+                    on_progress(i + 1)
         wait(running)
     c.stats.seconds = time.time() - t0
     return c.stats
@@ -262,6 +266,23 @@ def flush_until_whole(url: str, timeout: float = 120) -> dict:
             break
         time.sleep(1.0)
     return state
+
+
+def rss_by_process(pid: int) -> dict[str, float]:
+    """Resident memory of the server and each child process, MiB, by a short name (where growth is)."""
+    proc = psutil.Process(pid)
+    out: dict[str, float] = {}
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            name = "http" if p.pid == pid else " ".join(p.cmdline()[:1]).rsplit("/", 1)[-1][:24] or p.name()
+            name = p.name() if name.startswith("python") else name
+            key, i = name, 2
+            while key in out:
+                key, i = f"{name}-{i}", i + 1
+            out[key] = round(p.memory_info().rss / (1 << 20), 1)
+        except psutil.NoSuchProcess:
+            pass
+    return out
 
 
 def rss_mib(pid: int) -> float:
@@ -300,6 +321,22 @@ def main() -> None:
         warm = run_soak(srv.url, args.warmup, args.concurrency, args.seed + 1, max_prompt=args.max_prompt)
         flush_until_whole(srv.url)
         rss1 = rss_mib(srv.proc.pid)
+        samples: list[dict] = []
+
+        def sample(done: int) -> None:
+            """RSS per process and our live per-request objects, every `progress_every` requests: growth
+            that levels off is the allocators warming up, growth linear in requests is a leak."""
+            info = srv.server_info()["internal_states"][0].get("kvevict", {})
+            row = {
+                "requests": done,
+                "rss_mib": round(rss_mib(srv.proc.pid), 1),
+                "by_process": rss_by_process(srv.proc.pid),
+                "live_request_states": info.get("live_request_states"),
+                "capture_rings": info.get("capture_rings"),
+            }
+            samples.append(row)
+            print(f"[soak] {json.dumps(row)}", file=sys.stderr, flush=True)
+
         stats = run_soak(
             srv.url,
             args.requests,
@@ -308,9 +345,12 @@ def main() -> None:
             progress_every=25,
             max_prompt=args.max_prompt,
             max_seconds=args.max_seconds,
+            on_progress=sample,
         )
         state = flush_until_whole(srv.url)
         rss2 = rss_mib(srv.proc.pid)
+        idle = srv.server_info()["internal_states"][0].get("kvevict", {})
+        procs_end = rss_by_process(srv.proc.pid)
         alive = srv.alive()
         log = srv.log_path.read_text(errors="replace")
     result = {
@@ -334,6 +374,10 @@ def main() -> None:
         "rss_mib_after_warmup": round(rss1, 1),
         "rss_mib_end": round(rss2, 1),
         "rss_growth_mib_after_warmup": round(rss2 - rss1, 1),
+        "rss_by_process_end": procs_end,
+        "idle_live_request_states": idle.get("live_request_states"),
+        "idle_capture_rings": idle.get("capture_rings"),
+        "samples": samples,
         "tracebacks_in_log": log.count("Traceback"),
         "server_alive": alive,
     }

@@ -254,6 +254,9 @@ def internal_state(result, *args, **kwargs):
             **rt.totals.as_dict(),
             **pool,
             **rt.compressed_kv(),
+            # per-request objects alive now: with no request running they must be 0 (see bench_soak)
+            "live_request_states": len(st.LIVE),
+            "capture_rings": len(capture.RINGS),
         }
         rt.publish_metrics()
     return result

@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,6 +118,8 @@ class ReqState:
 
 
 _SERVER: KvConfig | None = None
+# Every live ReqState, weakly: a soak checks that none outlives its request (a leak would grow the RSS).
+LIVE: weakref.WeakValueDictionary[int, ReqState] = weakref.WeakValueDictionary()
 
 
 def _server() -> KvConfig:
@@ -142,6 +145,7 @@ def ensure(req: Any) -> ReqState:
             cfg = base
         policy = cfg.build()
         s = ReqState(cfg=cfg, policy=policy, fp=fingerprint(cfg, policy))
+        LIVE[id(s)] = s
         s.commit = getattr(req.sampling_params, "max_new_tokens", None) == 0
         setattr(req, ATTR, s)
     return s
