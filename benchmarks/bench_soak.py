@@ -313,7 +313,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     srv = Server(
         ["--max-total-tokens", str(args.max_total_tokens), "--kv-policy", "d2o", "--kv-budget", "256"],
-        env=CHECKED_ENV,
+        env={**CHECKED_ENV, "KVEVICT_COUNT_OBJECTS": "1"},
         log_path=args.out / "server.log",
     )
     with srv:
@@ -333,6 +333,7 @@ def main() -> None:
                 "by_process": rss_by_process(srv.proc.pid),
                 "live_request_states": info.get("live_request_states"),
                 "capture_rings": info.get("capture_rings"),
+                "python_objects": info.get("python_objects"),
             }
             samples.append(row)
             print(f"[soak] {json.dumps(row)}", file=sys.stderr, flush=True)
@@ -347,6 +348,7 @@ def main() -> None:
             max_seconds=args.max_seconds,
             on_progress=sample,
         )
+        rss_busy = rss_mib(srv.proc.pid)  # before the flush (and its malloc_trim)
         state = flush_until_whole(srv.url)
         rss2 = rss_mib(srv.proc.pid)
         idle = srv.server_info()["internal_states"][0].get("kvevict", {})
@@ -372,7 +374,9 @@ def main() -> None:
         "pool": state,
         "rss_mib_start": round(rss0, 1),
         "rss_mib_after_warmup": round(rss1, 1),
+        "rss_mib_end_before_flush": round(rss_busy, 1),
         "rss_mib_end": round(rss2, 1),
+        "heap_mib_trimmed": idle.get("heap_mib_trimmed"),
         "rss_growth_mib_after_warmup": round(rss2 - rss1, 1),
         "rss_by_process_end": procs_end,
         "idle_live_request_states": idle.get("live_request_states"),

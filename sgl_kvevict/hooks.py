@@ -19,7 +19,9 @@ Every hook guards itself: an exception in our code must never take the scheduler
 
 from __future__ import annotations
 
+import gc
 import logging
+import os
 import time
 from typing import Any
 
@@ -258,6 +260,8 @@ def internal_state(result, *args, **kwargs):
             "live_request_states": len(st.LIVE),
             "capture_rings": len(capture.RINGS),
         }
+        if st.DEBUG or os.environ.get("KVEVICT_COUNT_OBJECTS") == "1":  # a soak's leak check (~0.1 s)
+            result.internal_state[META_KEY]["python_objects"] = len(gc.get_objects())
         rt.publish_metrics()
     return result
 

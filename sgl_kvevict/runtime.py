@@ -26,6 +26,7 @@ class Totals:
     policy_failures: int = 0
     compressions_deferred: int = 0  # compression checks postponed a step (--kv-compress-step-tokens spent)
     compressions_split: int = 0  # steps that planned part of a compression and left the rest for later
+    heap_mib_trimmed: float = 0.0  # RSS given back to the OS by malloc_trim at /flush_cache (see trim_heap)
     step_seconds_max: float = 0.0  # the longest a scheduler step (or a release) spent compressing: its stall
     started: float = field(default_factory=time.time)
 
@@ -33,6 +34,7 @@ class Totals:
         d = dict(self.__dict__)
         d["seconds_compressing"] = round(d["seconds_compressing"], 4)
         d["step_seconds_max"] = round(d["step_seconds_max"], 4)
+        d["heap_mib_trimmed"] = round(d["heap_mib_trimmed"], 1)
         return d
 
 
@@ -110,25 +112,29 @@ class Runtime:
 RT: Runtime | None = None
 
 
-def prefault(rt: Runtime) -> float:
-    """On a CPU, make the preallocated pools resident now; returns the MiB touched.
+def trim_heap() -> float:
+    """Give the C heap's free memory back to the OS (glibc `malloc_trim`); returns the MiB the process's
+    RSS fell by, 0 where unavailable.
 
-    SGLang allocates the KV pool and the request rows with `torch.zeros`, which the CPU allocator maps
-    lazily: a page becomes resident the first time a slot on it is written. The server's RSS then grows
-    by up to the whole pool (0.86 GB for 40,000 SmolLM2 tokens) over its first thousands of requests,
-    which reads as a leak in a soak. Writing the zeros once reserves what SGLang already accounted for,
-    as a GPU allocation does, so that RSS growth after start measures real growth only."""
-    if rt.req_to_token.device.type != "cpu":
+    Compression allocates many short-lived tensors of varying sizes; glibc keeps freed blocks in its
+    arenas, so a CPU server's RSS climbs to its high-water mark and stays there even when nothing is
+    held. Called when the cache is flushed: an operator's RSS then shows what the server really holds."""
+    import ctypes
+    import ctypes.util
+
+    import psutil
+
+    name = ctypes.util.find_library("c")
+    if not name:
         return 0.0
-    bufs = [rt.k_buffer(layer) for layer in range(rt.n_layers)] + [
-        rt.v_buffer(layer) for layer in range(rt.n_layers)
-    ]
-    bufs.append(rt.req_to_token)
-    for b in bufs:
-        b.zero_()
-    mib = sum(b.numel() * b.element_size() for b in bufs) / (1 << 20)
-    logger.info("sgl-kvevict: %.0f MiB of KV pool and request rows made resident (CPU)", mib)
-    return mib
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return 0.0
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    trim(0)
+    return max(0.0, (before - proc.memory_info().rss) / (1 << 20))
 
 
 def attach(cache: Any, ctx: Any) -> None:
@@ -140,7 +146,6 @@ def attach(cache: Any, ctx: Any) -> None:
     if why:  # the launcher refuses these from config.json; this catches models it could not read
         raise RuntimeError(f"sgl-kvevict: a compressing KV policy cannot serve {why}")
     RT = Runtime(cache, ctx)
-    prefault(RT)
     from sgl_kvevict.config import server_config
 
     missing = hooks.verify_installed()

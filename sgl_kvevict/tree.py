@@ -80,6 +80,14 @@ class KvEvictRadixCache(RadixCache):
         # Logical-position offset of each request row (evicted tokens before its next token).
         self.offsets = torch.zeros(rows, dtype=torch.int64, device=self.device)
 
+    def reset(self) -> None:
+        """`/flush_cache`: the tree empties, and the C heap's free memory goes back to the OS."""
+        super().reset()
+        from sgl_kvevict import runtime
+
+        if runtime.RT is not None and runtime.RT.tree is self:
+            runtime.RT.totals.heap_mib_trimmed += runtime.trim_heap()
+
     # ---- sizes count slots ------------------------------------------------------------------------
     def inc_lock_ref(self, node: TreeNode):
         from sglang.srt.mem_cache.base_prefix_cache import IncLockRefResult
