@@ -6,18 +6,21 @@ has no GPU.)
 For each attention backend (`flashinfer`, `triton`) and each policy, it starts the real SGLang server
 (with this plugin) and checks:
 
-1. **What the plugin switched.** `GET /server_info`: are CUDA graphs and the overlap scheduler on? (The
-   plugin keeps CUDA graphs on when no request can need window queries: an attention-free policy with
-   overrides off or restricted to attention-free ones; it always switches overlap off.) Each policy runs
-   twice: with SGLang's defaults, and with `--disable-cuda-graph`.
+1. **What the plugin leaves on.** `GET /server_info`: CUDA graphs and the overlap scheduler must both
+   be on under every policy (window-query capture is graph-safe, and a compaction is ordered after the
+   previous forward on the GPU stream instead of switching overlap off). Each policy runs three times:
+   SGLang's defaults, `--disable-cuda-graph`, and `--disable-overlap-schedule`.
 2. **Token identity with nothing evicted.** Greedy outputs at budget `100%` must equal `none`'s on the
-   same backend, token for token (the step runs, positions and rows go through the hooks, nothing is
-   dropped).
-3. **Decode throughput vs `none`**, default flags (graphs and overlap as the plugin leaves them) at
-   budget `--budget`: output tokens per second over `--requests` concurrent requests.
+   same backend, token for token, in all three runs (the step runs, positions and rows go through the
+   hooks, nothing is dropped).
+3. **Overlap changes nothing.** Greedy outputs at budget `--budget` (compressing), one request at a time,
+   must be the same with overlap on and off: a compaction that raced the previous forward (reading K/V
+   or window queries it had not written yet) would show up here.
+4. **Decode throughput vs `none`**, default flags (graphs and overlap on) at budget `--budget`: output
+   tokens per second over `--requests` concurrent requests.
 
 Prints one table and writes it (with the raw numbers) to `--out` as JSON. Exit code 1 if any token
-identity check fails, 2 on bad arguments or without CUDA.
+identity or overlap check fails, 2 on bad arguments or without CUDA.
 """
 
 from __future__ import annotations
@@ -84,29 +87,42 @@ def run(args: argparse.Namespace) -> int:
             rows.append({"backend": backend, "policy": "none", "graphs": "default", **_server_flags(srv.url),
                          "identical": True, "tok_s": none_tps, "vs_none": 1.0})  # fmt: skip
         for policy in args.policies:
-            for graphs in ("default", "off"):
-                extra = ["--disable-cuda-graph"] if graphs == "off" else []
+            squeezed: dict[str, list] = {}
+            for mode, extra in (
+                ("default", []),
+                ("no-graph", ["--disable-cuda-graph"]),
+                ("no-overlap", ["--disable-overlap-schedule"]),
+            ):
                 srv_args = [*base, *extra, "--kv-policy", policy, "--kv-budget", args.budget]
                 with Server(srv_args, timeout=1800) as srv:
                     got = _generate(srv.url, ident_prompts, args.max_new_tokens, policy, "100%")
                     same = [_tokens(o) for o in got] == ref
                     failed |= not same
-                    row = {"backend": backend, "policy": policy, "graphs": graphs, **_server_flags(srv.url),
+                    row = {"backend": backend, "policy": policy, "graphs": mode, **_server_flags(srv.url),
                            "identical": same}  # fmt: skip
-                    if graphs == "default":
+                    if mode != "no-graph":  # compressing, one request at a time: overlap must not matter
+                        squeezed[mode] = [
+                            _tokens(_generate(srv.url, [p], args.max_new_tokens, policy, args.budget)[0])
+                            for p in ident_prompts
+                        ]
+                    if mode == "default":
                         t0 = time.perf_counter()
                         outs = _generate(srv.url, tput_prompts, args.max_new_tokens, policy, args.budget)
                         tps = sum(len(_tokens(o)) for o in outs) / (time.perf_counter() - t0)
                         row.update(tok_s=tps, vs_none=tps / none_tps)
+                    if mode == "no-overlap":
+                        row["overlap_same"] = squeezed["default"] == squeezed["no-overlap"]
+                        failed |= not row["overlap_same"]
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     print(f"\n{'backend':<11}{'policy':<12}{'graphs':<9}{'cuda graph':<12}{'overlap':<9}{'identical':<11}"
-          f"{'tok/s':>9}{'vs none':>9}")  # fmt: skip
+          f"{'overlap same':>13}{'tok/s':>9}{'vs none':>9}")  # fmt: skip
     for r in rows:
         tps = f"{r['tok_s']:.1f}" if "tok_s" in r else "-"
         vs = f"{r['vs_none']:.2f}" if "vs_none" in r else "-"
         print(f"{r['backend']:<11}{r['policy']:<12}{r['graphs']:<9}{str(not r['disable_cuda_graph']):<12}"
-              f"{str(not r['disable_overlap_schedule']):<9}{str(r['identical']):<11}{tps:>9}{vs:>9}")  # fmt: skip
+              f"{str(not r['disable_overlap_schedule']):<9}{str(r['identical']):<11}"
+              f"{str(r.get('overlap_same', '-')):>13}{tps:>9}{vs:>9}")  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

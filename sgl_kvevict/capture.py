@@ -1,129 +1,225 @@
-"""Window-query capture: the last W post-RoPE queries of each request, per layer.
+"""Window-query capture: the last W post-RoPE queries of each request that needs them, per layer.
 
 Attention-based scores (SnapKV, H2O, D2O, CriticalKV) need them; fused attention kernels never expose
-attention weights, so we keep the queries and score against the paged keys ourselves. Only requests
-whose policy needs them get a ring buffer; for everyone else the hook returns at once.
+attention weights, so we keep the queries and score against the paged keys ourselves.
 
-Order matters: the scorer applies a causal mask inside the window (query i of the window must not see
-the window's later keys), so `Ring.get` returns the queries in arrival order. The ring keeps one
-invariant whatever the push sizes: the query with arrival index j (0-based, per layer) lives at
-`buf[j % W]`, so the next write goes to `count % W` and the oldest kept query sits there too.
+Graph-safe by construction: one buffer `[slots + 1, layers, W, q_heads, D]` is allocated once, before
+any CUDA graph is captured, and the hook writes into it with one `index_put_` per layer whose indices
+are computed on the device from the batch's own tensors (`req_pool_indices`, `positions`, for extend
+`extend_seq_lens`/`extend_start_loc`) and a device map row -> capture slot. No Python branch depends on
+the step's data and nothing is read back, so a replayed graph performs the same writes. Rows without a
+capture slot (other policies; padded rows of a graph batch, which use row 0, a row SGLang never hands
+to a request) write to the extra dummy slot `slots`, which nobody reads.
+
+The ring invariant: the query of logical position p of a request sits at `[slot, layer, p % window]`
+(positions are logical: evicted tokens still count, see `hooks.init_new`), so the last `window`
+positions are always the ones present, whatever the mix of prefill chunks and decode steps. The host
+knows from which position a request's capture started (`Entry.start`), so "is the window full" and
+"in which order are the queries" are host arithmetic on the request's logical length.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-ROWS_ATTR = "_kvevict_capture_rows"  # per-forward-batch (rows, extend lens), set on the batch itself
+logger = logging.getLogger("sgl_kvevict")
 
 
-class Ring:
-    """Last `window` queries per layer of one request. The buffer is allocated at the first push, in the
-    query's own dtype and device (a KV cache in fp8 must not quantize the queries)."""
+@dataclass
+class Entry:
+    """A request row's place in the store: its slot, its policy's window and first captured position."""
 
-    def __init__(self, layers: int, window: int, heads: int, dim: int) -> None:
-        self.buf: torch.Tensor | None = None  # [layers, window, heads, dim]
-        self.count = [0] * layers
-        self.window = window
-        self.heads = heads
-        self.dim = dim
+    slot: int
+    window: int
+    start: int
 
-    def push(self, layer: int, q: torch.Tensor) -> None:
-        """Append `[t, heads, dim]` queries (any t), keeping the last `window`."""
-        t = int(q.shape[0])
-        if t == 0:
+
+class Store:
+    """The preallocated capture buffer and the row -> slot map (both on the queries' device)."""
+
+    def __init__(
+        self,
+        rows: int,
+        layers: int,
+        window: int,
+        heads: int,
+        dim: int,
+        slots: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        start_layer: int = 0,
+    ) -> None:
+        self.window, self.slots, self.start_layer = window, slots, start_layer
+        self.heads, self.dim, self.layers = heads, dim, layers
+        self.buf = torch.zeros(slots + 1, layers, window, heads, dim, dtype=dtype, device=device)
+        self.slot_of_row = torch.full((rows,), slots, dtype=torch.int64, device=device)
+        self.win_of_row = torch.ones(rows, dtype=torch.int64, device=device)
+        self.free = list(range(slots - 1, -1, -1))
+        self.entries: dict[int, Entry] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.numel() * self.buf.element_size()
+
+    def ensure(self, row: int, window: int, start: int) -> bool:
+        """A slot for `row`, kept across chunked-prefill chunks; False when none is free or the window
+        does not fit the buffer (the caller then leaves the request uncompressed)."""
+        e = self.entries.get(row)
+        if e is not None and e.window == window:
+            return True
+        if e is not None:
+            self.drop(row)
+        if window > self.window or not self.free or not 0 <= row < self.slot_of_row.shape[0]:
+            return False
+        e = Entry(self.free.pop(), window, start)
+        self.entries[row] = e
+        self.slot_of_row[row] = e.slot  # a host-to-device write of one element, ordered before the forward
+        self.win_of_row[row] = window
+        return True
+
+    def drop(self, row: int) -> None:
+        e = self.entries.pop(row, None)
+        if e is None:
             return
-        if self.buf is None:
-            self.buf = torch.zeros(
-                len(self.count), self.window, self.heads, self.dim, dtype=q.dtype, device=q.device
+        self.slot_of_row[row] = self.slots
+        self.win_of_row[row] = 1
+        self.free.append(e.slot)
+
+    def clear(self) -> None:
+        """Every slot free again (tests and benchmarks that reuse one store)."""
+        for row in list(self.entries):
+            self.drop(row)
+        self.free = list(range(self.slots - 1, -1, -1))
+
+    def count(self, row: int, length: int) -> int:
+        """Queries present for a request whose logical length is `length` (at most its window)."""
+        e = self.entries.get(row)
+        return 0 if e is None else max(0, min(e.window, length - e.start))
+
+    def order(self, row: int, length: int, n: int) -> list[int]:
+        """Buffer indices of the last `n` queries, oldest first (positions length-n .. length-1)."""
+        w = self.entries[row].window
+        return [(length - n + i) % w for i in range(n)]
+
+    def get(self, row: int, layer: int, length: int) -> torch.Tensor:
+        """`[heads, n, dim]`: the last n = `count` queries of one layer, oldest first."""
+        n = self.count(row, length)
+        if n == 0:
+            return torch.empty(self.heads, 0, self.dim, dtype=self.buf.dtype, device=self.buf.device)
+        idx = torch.tensor(self.order(row, length, n), dtype=torch.int64).to(
+            self.buf.device, non_blocking=True
+        )
+        return self.buf[self.entries[row].slot, layer].index_select(0, idx).transpose(0, 1)
+
+    def stacked(self, rows: list[int], lengths: list[int], w: int) -> torch.Tensor:
+        """`[R, layers, w, heads, dim]`: every row's last `w` queries of every layer, oldest first, in one
+        gather (the rows' windows must be full). Indices come from host integers."""
+        slots = torch.tensor([self.entries[r].slot for r in rows], dtype=torch.int64)
+        order = torch.tensor(
+            [self.order(r, n, w) for r, n in zip(rows, lengths, strict=True)], dtype=torch.int64
+        )
+        dev = self.buf.device
+        picked = self.buf.index_select(0, slots.to(dev, non_blocking=True))  # [R, L, W, Hq, D]
+        R, L = len(rows), self.layers  # noqa: N806
+        idx = order.to(dev, non_blocking=True).view(R, 1, w, 1, 1).expand(R, L, w, self.heads, self.dim)
+        return picked.gather(2, idx)
+
+    def put(self, row: int, layer: int, q: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write `[t, heads, dim]` queries of logical `positions` for one row (what the hook does for a
+        batch; used where no forward runs, e.g. tests on real pools)."""
+        e = self.entries[row]
+        keep = positions[-e.window :]
+        self.buf[e.slot, layer].index_copy_(
+            0, keep.to(torch.int64) % e.window, q[-e.window :].to(self.buf.dtype)
+        )
+
+    def write(self, layer: int, q: torch.Tensor, forward_batch: Any) -> None:
+        """The batch's queries of one layer into the store: one `index_put_`, device indices only."""
+        rows = forward_batch.req_pool_indices
+        pos = forward_batch.positions
+        qv = q.reshape(q.shape[0], self.heads, self.dim)
+        slot = self.slot_of_row[rows]
+        win = self.win_of_row[rows]
+        if not forward_batch.forward_mode.is_decode():
+            lens = forward_batch.extend_seq_lens
+            tok = torch.repeat_interleave(
+                torch.arange(rows.shape[0], device=rows.device), lens, output_size=qv.shape[0]
             )
-        w = self.window
-        m = min(t, w)  # only the last m of this push can survive
-        start = (self.count[layer] + t - m) % w  # slot of arrival index count + t - m
-        first = min(m, w - start)
-        tail = q[t - m :]
-        self.buf[layer, start : start + first] = tail[:first]
-        if first < m:
-            self.buf[layer, : m - first] = tail[first:]
-        self.count[layer] += t
-
-    def get(self, layer: int) -> torch.Tensor:
-        """`[heads, n, dim]`, n = min(count, window): the last n queries, oldest first."""
-        n = min(self.count[layer], self.window)
-        if self.buf is None or n == 0:
-            return torch.empty(self.heads, 0, self.dim)
-        if self.count[layer] <= self.window:
-            q = self.buf[layer, :n]
-        else:
-            pos = self.count[layer] % self.window
-            q = torch.cat([self.buf[layer, pos:], self.buf[layer, :pos]])
-        return q.transpose(0, 1)
+            slot, win = slot[tok], win[tok]
+            within = torch.arange(qv.shape[0], device=rows.device) - forward_batch.extend_start_loc[tok]
+            # only a row's last `window` tokens may land: earlier ones share their buffer index
+            slot = torch.where(within >= lens[tok] - win, slot, self.slots)
+        layer_idx = torch.full_like(slot, layer - self.start_layer)
+        self.buf.index_put_((slot, layer_idx, pos.to(torch.int64) % win), qv.to(self.buf.dtype))
 
 
-RINGS: dict[int, Ring] = {}  # by req_pool_idx
+STORE: Store | None = None
+# (window, slots) the server's requests may need, set by the plugin in the scheduler process; the store
+# itself is built at the first forward (a warm-up run, before any CUDA graph capture).
+CONF: tuple[int, int] | None = None
 
 
-def ensure(row: int, layers: int, window: int, heads: int, dim: int, *_pool_dtype_device: Any) -> None:
-    """A ring for `row` (kept across chunked-prefill chunks). Extra arguments (the KV pool's dtype and
-    device) are accepted and ignored: the buffer follows the queries themselves."""
-    r = RINGS.get(row)
-    if r is None or r.window != window or len(r.count) != layers:
-        RINGS[row] = Ring(layers, window, heads, dim)
+def ensure(row: int, window: int, start: int) -> bool:
+    return STORE is not None and STORE.ensure(row, window, start)
 
 
 def drop(row: int | None) -> None:
-    if row is not None:
-        RINGS.pop(row, None)
+    if row is not None and STORE is not None:
+        STORE.drop(row)
 
 
-def _batch_rows(forward_batch: Any) -> tuple[list[int], list[int] | None]:
-    """Rows of the batch and (extend only) each row's new-token count, computed once per forward batch.
+def live() -> int:
+    return 0 if STORE is None else len(STORE.entries)
 
-    Kept on the batch object itself: a cache keyed by `id(batch)` would hand a new batch the rows of a
-    dead one whose address CPython reused.
-    """
-    cached = getattr(forward_batch, ROWS_ATTR, None)
-    if cached is not None:
-        return cached
-    rows = forward_batch.req_pool_indices.tolist()
-    lens = None
-    if not forward_batch.forward_mode.is_decode():
-        lens = forward_batch.extend_seq_lens_cpu
-        lens = list(lens) if lens is not None else forward_batch.extend_seq_lens.tolist()
-    cached = (rows, lens)
-    setattr(forward_batch, ROWS_ATTR, cached)
-    return cached
+
+def count(row: int, length: int) -> int:
+    return 0 if STORE is None else STORE.count(row, length)
+
+
+def build(
+    rows: int, layers: int, heads: int, dim: int, dtype: torch.dtype, device: Any, start_layer: int = 0
+) -> Store | None:
+    """The store, once per process (None when `CONF` says no request captures). Called when the plugin
+    attaches to the scheduler, or by the first forward if that runs first (a CUDA graph warm-up)."""
+    global STORE
+    if STORE is not None or CONF is None:
+        return STORE
+    window, slots = CONF
+    STORE = Store(rows, layers, window, heads, dim, min(slots, max(1, rows - 1)), dtype, device, start_layer)
+    logger.info(
+        "sgl-kvevict: window-query capture buffer: %d slots x %d layers x %d queries x %d heads x %d (%.1f MiB)",
+        STORE.slots,
+        layers,
+        window,
+        heads,
+        dim,
+        STORE.nbytes / (1 << 20),
+    )
+    return STORE
 
 
 def before_attention(layer_mod, q, k, v, forward_batch, *args, **kwargs):
-    """BEFORE hook on RadixAttention.forward: copy the window queries of the requests that need them.
-
-    Decode: one query per row, in row order. Extend: the rows' new tokens are concatenated in row order,
-    `lens[i]` each; only the last `window` of each row's slice can survive, so only those are copied.
-    """
-    if not RINGS or q is None:
+    """BEFORE hook on RadixAttention.forward: every row's queries into the store (see the module)."""
+    if CONF is None or q is None:
         return None
     mode = forward_batch.forward_mode
     if not (mode.is_decode() or mode.is_extend()):
         return None
-    layer = layer_mod.layer_id
-    rows, lens = _batch_rows(forward_batch)
-    qv = q.reshape(q.shape[0], layer_mod.tp_q_head_num, layer_mod.head_dim)
-    if lens is None:
-        for i, row in enumerate(rows):
-            ring = RINGS.get(row)
-            if ring is not None:
-                ring.push(layer, qv[i : i + 1])
-        return None
-    if len(lens) != len(rows):
-        raise ValueError(f"capture: {len(rows)} rows but {len(lens)} extend lengths")
-    start = 0
-    for row, n in zip(rows, lens, strict=True):
-        ring = RINGS.get(row)
-        if ring is not None and n > 0:
-            lo = max(start, start + n - ring.window)
-            ring.push(layer, qv[lo : start + n])
-        start += n
+    store = STORE
+    if store is None:
+        pool = forward_batch.token_to_kv_pool
+        store = build(
+            int(forward_batch.req_to_token_pool.req_to_token.shape[0]),
+            int(pool.layer_num),
+            int(layer_mod.tp_q_head_num),
+            int(layer_mod.head_dim),
+            q.dtype,
+            q.device,
+            int(getattr(pool, "start_layer", 0) or 0),
+        )
+    store.write(layer_mod.layer_id, q, forward_batch)
     return None

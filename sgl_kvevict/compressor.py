@@ -368,6 +368,7 @@ def run(job: Job) -> int:
     With `job.layers` below the layer count the plan advances by that many layers and the commit
     waits for a later step (see `Pending`); the request's pending compression, if any, continues."""
     s, rt = job.s, runtime.RT
+    rt.order_after_forward()
     p = s.pending if s.pending is not None and s.pending.job is job else _begin(job)
     s.pending = None
     t0 = time.perf_counter()
@@ -418,9 +419,9 @@ def _begin(job: Job) -> Pending:
     if not s.layer_state:
         s.layer_state = [{} for _ in range(rt.n_layers)]
     queries = None
-    ring = capture.RINGS.get(req.kv.req_pool_idx) if "attn" in s.policy.needs else None
-    if ring is not None and job.layers < rt.n_layers:
-        queries = [ring.get(layer).clone() for layer in range(rt.n_layers)]
+    if "attn" in s.policy.needs and capture.STORE is not None and job.layers < rt.n_layers:
+        length = s.tokens_for(job.a + job.n)
+        queries = [capture.STORE.get(req.kv.req_pool_idx, layer, length) for layer in range(rt.n_layers)]
     states = [dict(d) for d in s.layer_state]
     return Pending(job=job, slots=slots, states=states, queries=queries, comp_slots=s.comp_slots)
 
@@ -435,8 +436,9 @@ def _view(p: Pending, layer: int) -> LayerView:
         if p.queries is not None:
             q = p.queries[layer]
         else:
-            ring = capture.RINGS.get(job.req.kv.req_pool_idx)
-            q = ring.get(layer) if ring is not None else None
+            store = capture.STORE
+            length = s.tokens_for(a + job.n)
+            q = store.get(job.req.kv.req_pool_idx, layer, length) if store is not None else None
         if q is not None and q.shape[1] > 0:
             row = rt.req_to_token[job.req.kv.req_pool_idx]
             all_slots = torch.cat([row[:a].to(torch.int64), p.slots])

@@ -30,6 +30,7 @@ DEFAULT_BUDGET = 0.5
 
 MAX_BUDGET_TOKENS = 1 << 24
 MAX_STEP_TOKENS = 1 << 24
+MAX_CAPTURE = 4096  # bound on --kv-capture-window and --kv-capture-slots (the buffer is their product)
 _BUDGET_FORMS = 'tokens (e.g. 256), a percent of the suffix (e.g. "50%"), or {"tokens": N} / {"ratio": R}'
 _AMBIGUOUS_ONE = (
     'budget 1 is ambiguous (a JSON encoder may write the ratio 1.0 as 1): write "100%" (or {"ratio": 1}) to '
@@ -247,6 +248,20 @@ class ServerSettings(BaseModel):
         "the other requests' compressions wait for the next steps; None: no cap",
     )
 
+    capture_window: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_CAPTURE,
+        description="the most window queries a request may score with (--kv-capture-window); None: no "
+        "request of this server captures queries",
+    )
+    capture_slots: int = Field(
+        128,
+        ge=1,
+        le=MAX_CAPTURE,
+        description="requests that can capture window queries at once (--kv-capture-slots)",
+    )
+
     def to_env(self) -> str:
         return self.model_dump_json()
 
@@ -321,6 +336,13 @@ def _check_operator_rules(
             raise ValueError(
                 f"custom_params.{REQUEST_KEY}.budget: {b} is below this server's minimum {floor} "
                 f"(--kv-override-min-budget)"
+            )
+    if cfg.active and settings.capture_window is not None:
+        pol = cfg.build()
+        if "attn" in pol.needs and pol.config.window > settings.capture_window:
+            raise ValueError(
+                f"custom_params.{REQUEST_KEY}.config.window: {pol.config.window} is above this server's "
+                f"window-query buffer ({settings.capture_window}; --kv-capture-window)"
             )
     if settings.quantization and cfg.active:
         pol = cfg.build()

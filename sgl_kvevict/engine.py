@@ -50,12 +50,15 @@ def _policy_key(job: Job) -> str | None:
     if job.own_start > job.a or pol.merges:
         return None
     if "attn" in pol.needs:
-        ring = capture.RINGS.get(job.req.kv.req_pool_idx)
         w = pol.config.window
-        a_n = job.a + job.n
-        if ring is None or ring.buf is None or min(ring.count) < w or len(set(ring.count)) != 1 or w > a_n:
+        if w > job.a + job.n or capture.count(job.req.kv.req_pool_idx, _length(job)) < w:
             return None
     return pol.name + json.dumps(pol.config.model_dump(mode="json"), sort_keys=True)
+
+
+def _length(job: Job) -> int:
+    """The request's logical length: the positions its captured queries are indexed by."""
+    return job.s.tokens_for(job.a + job.n)
 
 
 def compress_batch(items: list[tuple[Any, Phase]], cap: int | None = None) -> list[int]:
@@ -147,6 +150,7 @@ def _run_group(jobs: list[Job]) -> list[int]:
     """Plan (select) for the group's requests at once, then commit: compaction and frees for all."""
     t0 = time.perf_counter()
     rt = runtime.RT
+    rt.order_after_forward()
     pol = jobs[0].s.policy
     dev = rt.req_to_token.device
     L, H = rt.n_layers, rt.n_kv_heads  # noqa: N806
@@ -279,12 +283,8 @@ def _window_attention(jobs: list[Job], reg: torch.Tensor, valid: torch.Tensor) -
     # query i of the window sits at position len - w + i and sees keys up to there; padding sees nothing
     limit = (all_col - w).view(R, 1, 1, 1) + torch.arange(w).view(1, 1, w, 1)  # [R, 1, W, 1]
     masked = (torch.arange(amax).view(1, 1, 1, amax) > limit).to(dev)  # [R, 1(G), W, A]
-    # the rings' queries in arrival order: a ring past its window starts at count % w
-    order = torch.tensor(
-        [[(capture.RINGS[j.req.kv.req_pool_idx].count[0] + i) % w for i in range(w)] for j in jobs]
-    ).to(dev)  # [R, W]
-    bufs = torch.stack([capture.RINGS[j.req.kv.req_pool_idx].buf for j in jobs])  # [R, L, W, Hq, D]
-    q_all = bufs.gather(2, order.view(R, 1, w, 1, 1).expand(R, L, w, Hq, D))
+    # every request's last w queries, oldest first, in one gather out of the capture store
+    q_all = capture.STORE.stacked([j.req.kv.req_pool_idx for j in jobs], [_length(j) for j in jobs], w)
     nmax = reg.shape[1]  # `reg`: the region part of each row, a padded [R, Nmax] gather out of [R, A]
     out = torch.zeros(R, L, H, nmax, dtype=torch.float32, device=dev)
     step = max(1, MAX_LOGITS // max(1, H * g * w * amax))

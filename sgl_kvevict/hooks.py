@@ -81,15 +81,15 @@ def _after_extend_alloc(reqs: list, offs: list[int]) -> None:
         if not s.active:
             continue
         s.after_extend = True
-        if "attn" in s.policy.needs:
-            capture.ensure(
-                row,
-                rt.n_layers,
+        if "attn" in s.policy.needs and not capture.ensure(row, s.policy.config.window, r.prefix_len):
+            s.failed = True  # no capture slot: nothing to score with, so no compression at all
+            rt.totals.capture_refused += 1
+            logger.warning(
+                "kvevict: request %s runs uncompressed: no window-query capture slot (all %d in use, or window "
+                "%d above the buffer's); raise --kv-capture-slots / --kv-capture-window",
+                r.rid,
+                capture.STORE.slots if capture.STORE is not None else 0,
                 s.policy.config.window,
-                rt.n_q_heads,
-                rt.head_dim,
-                rt.k_buffer(0).dtype,
-                rt.k_buffer(0).device,
             )
 
 
@@ -258,7 +258,7 @@ def internal_state(result, *args, **kwargs):
             **rt.compressed_kv(),
             # per-request objects alive now: with no request running they must be 0 (see bench_soak)
             "live_request_states": len(st.LIVE),
-            "capture_rings": len(capture.RINGS),
+            "capture_rings": capture.live(),
         }
         if st.DEBUG or os.environ.get("KVEVICT_COUNT_OBJECTS") == "1":  # a soak's leak check (~0.1 s)
             result.internal_state[META_KEY]["python_objects"] = len(gc.get_objects())
@@ -308,6 +308,9 @@ HOOKS: list[tuple[str, Any, HookType]] = [
 
 
 def install(cfg: KvConfig) -> None:
+    settings = server_settings()
+    if settings.capture_window is not None:
+        capture.CONF = (settings.capture_window, settings.capture_slots)
     for target, fn, kind in HOOKS:
         HookRegistry.register(target, _guard(fn, kind), kind)
 

@@ -23,6 +23,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from sgl_kvevict import modelcheck, policies
 from sgl_kvevict.config import (
     ENV_VAR,
+    MAX_CAPTURE,
     MAX_STEP_TOKENS,
     REQUEST_KEY,
     SETTINGS_ENV_VAR,
@@ -36,6 +37,7 @@ from sgl_kvevict.config import (
     short,
     spelling,
 )
+from sgl_kvevict.policies.base import PolicyConfig
 
 logger = logging.getLogger("sgl_kvevict")
 BACKEND_NAME = "kvevict"
@@ -130,7 +132,31 @@ def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
         "compressed that many, other requests' compressions wait for the next steps, so several large "
         "compressions do not stall the batch in the same step (one always runs; default: no cap)",
     )
+    group.add_argument(
+        "--kv-capture-window",
+        type=_capture_arg,
+        default=None,
+        help="the most window queries any request may score with (default: the server policy's window, "
+        "at least 32); a larger per-request window is HTTP 400",
+    )
+    group.add_argument(
+        "--kv-capture-slots",
+        type=_capture_arg,
+        default=None,
+        help="requests that can capture window queries at once (default 128; one preallocated buffer of "
+        "slots x layers x window x query heads x head_dim; a request beyond it runs uncompressed)",
+    )
     return result
+
+
+def _capture_arg(text: str) -> int:
+    try:
+        val = int(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {short(text)}") from None
+    if not 1 <= val <= MAX_CAPTURE:
+        raise argparse.ArgumentTypeError(f"{short(val)} out of range: must be in [1, {MAX_CAPTURE}]")
+    return val
 
 
 def _step_tokens_arg(text: str) -> int:
@@ -171,6 +197,8 @@ def from_cli_args(cls, ns: argparse.Namespace, *args, **kwargs):
     os.environ[ENV_VAR] = cfg.to_env()
     model_cfg = _model_config(ns)
     settings = _server_settings(ns, model_cfg)
+    if cfg.active:
+        settings = _capture_settings(ns, cfg, settings)
     os.environ[SETTINGS_ENV_VAR] = settings.to_env()
     if cfg.active:
         current = getattr(ns, "radix_cache_backend", None)
@@ -227,14 +255,28 @@ def _server_settings(ns: argparse.Namespace, model_cfg: dict | None) -> ServerSe
         raise  # unreachable: _fail exits
 
 
-def capture_needed(cfg: KvConfig, settings: ServerSettings) -> str | None:
-    """What makes this server capture window queries (the reason CUDA graphs go off), or None.
+def _capture_settings(ns: argparse.Namespace, cfg: KvConfig, settings: ServerSettings) -> ServerSettings:
+    """The window-query buffer's size when some request may capture (see `capture`), else none."""
+    if capture_needed(cfg, settings) is None:
+        return settings
+    pol = cfg.build()
+    own = pol.config.window if "attn" in pol.needs else 0
+    window = getattr(ns, "kv_capture_window", None)
+    if window is None:
+        window = max(own, PolicyConfig.model_fields["window"].default)
+    elif own > window:
+        _fail(f"--kv-capture-window {window} is below the server policy's window {own}")
+    slots = getattr(ns, "kv_capture_slots", None) or settings.capture_slots
+    return settings.model_copy(update={"capture_window": window, "capture_slots": slots})
 
-    Attention-free policies (streaming, knorm, lagkv, a refiner over lagkv) never capture, so decode can
-    run in CUDA graphs: the forward reads only `req_to_token`, `seq_lens` and positions, which the
-    compression step updates outside the forward. A request override could ask for an attention-based
-    policy, so overrides count too: graphs stay on only when none can ask for one."""
-    if cfg.build().needs:
+
+def capture_needed(cfg: KvConfig, settings: ServerSettings) -> str | None:
+    """What makes this server capture window queries (so it allocates the capture buffer), or None.
+
+    Attention-free policies (streaming, knorm, lagkv, a refiner over lagkv) never capture. A request
+    override could ask for an attention-based policy, so overrides count too: the buffer is left out
+    only when none can ask for one. CUDA graphs stay on either way (the capture is graph-safe)."""
+    if "attn" in cfg.build().needs:
         return f"--kv-policy {cfg.policy}"
     if not settings.overrides.enabled:
         return None
@@ -243,7 +285,7 @@ def capture_needed(cfg: KvConfig, settings: ServerSettings) -> str | None:
         return "a per-request override (any policy may be named; restrict with --kv-override-policies)"
     for name in names:
         cls = policies.REGISTRY[name]
-        if cls.needs or issubclass(cls, policies.Refiner):
+        if "attn" in cls.needs or issubclass(cls, policies.Refiner):
             return f"an override to {name!r} (--kv-override-policies)"
     return None
 
@@ -276,20 +318,6 @@ def _restrict_features(
         why = modelcheck.refusal(model_cfg)
         if why:
             _fail(f"--kv-policy {policy} cannot serve {ns.model_path}: {why}")
-    if not getattr(ns, "disable_overlap_schedule", False):
-        ns.disable_overlap_schedule = True
-        logger.warning(
-            "sgl-kvevict: overlap scheduler switched off: compression runs while the scheduler builds the "
-            "next batch, which under overlap is while the previous forward still writes the KV it moves"
-        )
-    needs_capture = capture_needed(cfg, settings)
-    if needs_capture and not getattr(ns, "disable_cuda_graph", False):
-        ns.disable_cuda_graph = True
-        logger.warning(
-            "sgl-kvevict: CUDA graphs switched off: %s needs window queries, captured in a Python hook "
-            "that a replayed graph would skip",
-            needs_capture,
-        )
     if getattr(ns, "enable_mixed_chunk", False):
         ns.enable_mixed_chunk = False
         logger.warning(

@@ -87,7 +87,7 @@ def runtime_for(tree: Any, alloc: Any, kv: Any, q_heads: int, o_proj: dict[int, 
     `o_proj` as `[q_heads, head_dim, hidden]` per layer."""
     rt = object.__new__(Runtime)
     rt.tree, rt.req_to_token, rt.allocator, rt.kv_pool = tree, tree.req_to_token_pool.req_to_token, alloc, kv
-    rt.model, rt.metrics = None, None
+    rt.model, rt.metrics, rt.forward_stream = None, None, None
     rt.n_layers, rt.n_q_heads, rt.n_kv_heads, rt.head_dim = kv.layer_num, q_heads, kv.head_num, kv.head_dim
     rt.scale, rt.start_layer, rt.tp_size, rt.totals = 1 / math.sqrt(kv.head_dim), 0, 1, Totals()
     rt._o_proj = o_proj
@@ -130,6 +130,8 @@ class Pools:
         w_o = torch.randn(self.q_heads, head_dim, 128, generator=g)
         self.rt = runtime_for(self.tree, self.alloc, self.kv, self.q_heads, dict.fromkeys(range(layers), w_o))
         self.gen = g
+        # every row may capture, with a window of up to 64 queries (the tests' and benchmarks' largest)
+        self.store = capture.Store(max_reqs + 1, layers, 64, self.q_heads, head_dim, max_reqs, dtype, "cpu")
 
     def batch(self, n_reqs: int, n_tokens: int, policy: str, budget: Any, config: dict | None = None) -> Any:
         """A fresh decode batch of `n_reqs` requests, each holding an own region of `n_tokens` slots (the
@@ -140,7 +142,8 @@ class Pools:
         runtime.RT = self.rt
         self.alloc.clear()
         self.r2t.req_to_token.zero_()
-        capture.RINGS.clear()
+        self.store.clear()
+        capture.STORE, capture.CONF = self.store, (self.store.window, self.store.slots)
         self.tree.offsets.zero_()
         slots = self.alloc.alloc(n_reqs * n_tokens).view(n_reqs, n_tokens)
         reqs = []
@@ -168,12 +171,11 @@ class Pools:
             st.on_match(req, Region(self.tree.root_node, 0, 0, None))
             if "attn" in s.policy.needs:
                 w = s.policy.config.window
-                ring = capture.Ring(self.layers, w, self.q_heads, self.head_dim)
-                ring.buf = torch.randn(self.layers, w, self.q_heads, self.head_dim, generator=self.gen).to(
-                    self.kv.dtype
-                )
-                ring.count = [w] * self.layers
-                capture.RINGS[i] = ring
+                assert capture.ensure(i, w, 0)
+                q = torch.randn(self.layers, w, self.q_heads, self.head_dim, generator=self.gen)
+                pos = torch.arange(n_tokens - w, n_tokens)
+                for layer in range(self.layers):
+                    capture.STORE.put(i, layer, q[layer], pos)
             reqs.append(req)
         lens = torch.full((n_reqs,), n_tokens, dtype=torch.int64)
         return SimpleNamespace(

@@ -27,6 +27,7 @@ class Totals:
     compressions_deferred: int = 0  # compression checks postponed a step (--kv-compress-step-tokens spent)
     compressions_split: int = 0  # steps that planned part of a compression and left the rest for later
     heap_mib_trimmed: float = 0.0  # RSS given back to the OS by malloc_trim at /flush_cache (see trim_heap)
+    capture_refused: int = 0  # requests left uncompressed: no window-query capture slot was free
     step_seconds_max: float = 0.0  # the longest a scheduler step (or a release) spent compressing: its stall
     started: float = field(default_factory=time.time)
 
@@ -76,6 +77,7 @@ class Runtime:
         self.scale = attention_scale(self.model, self.head_dim)
         self.start_layer = int(getattr(self.kv_pool, "start_layer", 0) or 0)
         self._o_proj: dict[int, torch.Tensor] = {}
+        self.forward_stream = getattr(ctx.tp_worker.model_runner, "forward_stream", None)
         self.totals = Totals()
         self.metrics = None
         if getattr(ctx.params, "enable_metrics", False):
@@ -94,6 +96,21 @@ class Runtime:
     def publish_metrics(self) -> None:
         if self.metrics is not None:
             self.metrics.publish(self.totals, self.compressed_kv())
+
+    def order_after_forward(self) -> None:
+        """Queue what follows (a compression's reads and writes of K/V) behind every forward launched so
+        far, on the GPU, without waiting on the host.
+
+        Under the overlap scheduler the scheduler prepares step N (our compression included) while
+        forward N-1 still runs on the model runner's stream, writing the K/V and the window queries a
+        compression reads and moves; SGLang's next forward waits for the scheduler's stream, so the
+        order forward N-1 -> compression -> forward N holds. A no-op on CPU (every op is synchronous)."""
+        fs = self.forward_stream
+        if fs is None or not torch.cuda.is_available() or self.req_to_token.device.type != "cuda":
+            return
+        cur = torch.cuda.current_stream()
+        if cur != fs:
+            cur.wait_stream(fs)
 
     def k_buffer(self, layer: int) -> torch.Tensor:
         return self.kv_pool.get_key_buffer(layer + self.start_layer)
@@ -146,8 +163,18 @@ def attach(cache: Any, ctx: Any) -> None:
     if why:  # the launcher refuses these from config.json; this catches models it could not read
         raise RuntimeError(f"sgl-kvevict: a compressing KV policy cannot serve {why}")
     RT = Runtime(cache, ctx)
+    from sgl_kvevict import capture
     from sgl_kvevict.config import server_config
 
+    capture.build(
+        int(RT.req_to_token.shape[0]),
+        RT.n_layers,
+        RT.n_q_heads,
+        RT.head_dim,
+        ctx.tp_worker.model_runner.dtype,
+        RT.req_to_token.device,
+        RT.start_layer,
+    )
     missing = hooks.verify_installed()
     if missing:
         raise RuntimeError(f"sgl-kvevict: hooks failed to apply (see the log above): {missing}")

@@ -1,5 +1,7 @@
-"""Window-query capture (pure tensors): the ring returns the last W queries in arrival order for every
-push pattern, the batch hook slices each row's own queries, and the stored dtype is the query's."""
+"""Window-query capture (pure tensors): the store returns each request's last W queries oldest first for
+every mix of prefill chunks and decode steps, rows without a slot write only to the dummy slot, the
+hook reads nothing back from the device (it must replay inside a CUDA graph), and the stored dtype is
+the queries'."""
 
 from __future__ import annotations
 
@@ -10,105 +12,10 @@ import pytest
 import torch
 
 from sgl_kvevict import capture
+from sgl_kvevict.pools import SyncCounter
 
 H, D = 2, 3
-
-
-def queries(start: int, t: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """`[t, H, D]` queries whose every entry encodes its arrival index (start..start+t-1)."""
-    idx = torch.arange(start, start + t, dtype=torch.float32)
-    return idx.view(t, 1, 1).expand(t, H, D).to(dtype).clone()
-
-
-def arrival(ring: capture.Ring, layer: int) -> list[int]:
-    """The arrival indices `ring.get(layer)` holds, in the order it returns them."""
-    q = ring.get(layer)
-    assert q.shape[0] == H and q.shape[2] == D
-    return [int(x) for x in q[0, :, 0].tolist()]
-
-
-def run_pushes(window: int, sizes: list[int], layers: int = 2) -> None:
-    ring = capture.Ring(layers, window, H, D)
-    ref: list[int] = []  # naive reference: every query ever pushed
-    for size in sizes:
-        for layer in range(layers):
-            ring.push(layer, queries(len(ref), size))
-        ref.extend(range(len(ref), len(ref) + size))
-        for layer in range(layers):
-            assert arrival(ring, layer) == ref[-window:], (window, sizes, layer)
-
-
-@pytest.mark.parametrize("window", [1, 2, 4, 5, 32])
-def test_every_push_size_relative_to_window(window):
-    w = window
-    for first in sorted({1, max(1, w - 1), w, w + 1, 2 * w + 3}):
-        # a prefill of `first` tokens, then decode pushes of 1 (crossing the wrap several times)
-        run_pushes(w, [first] + [1] * (2 * w + 3))
-        for second in sorted({1, max(1, w - 1), w, w + 1, 2 * w + 3}):
-            run_pushes(w, [first, second, 1, second, first])
-
-
-def test_bug_report_case_prefill_not_multiple_of_window():
-    ring = capture.Ring(1, 4, H, D)
-    ring.push(0, queries(0, 10))
-    assert arrival(ring, 0) == [6, 7, 8, 9]
-    ring.push(0, queries(10, 1))
-    assert arrival(ring, 0) == [7, 8, 9, 10]
-
-
-def test_mixed_sequences_exhaustive_small():
-    for sizes in itertools.product([1, 3, 4, 5, 11], repeat=4):
-        run_pushes(4, list(sizes), layers=1)
-
-
-def test_layers_are_independent():
-    ring = capture.Ring(3, 4, H, D)
-    ring.push(1, queries(0, 6))
-    assert arrival(ring, 0) == [] and arrival(ring, 2) == []
-    assert arrival(ring, 1) == [2, 3, 4, 5]
-
-
-def test_empty_ring_and_empty_push():
-    ring = capture.Ring(2, 4, H, D)
-    ring.push(0, queries(0, 0))
-    assert ring.buf is None
-    assert ring.get(0).shape == (H, 0, D)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_queries_keep_their_dtype(dtype):
-    """The ring follows the queries' dtype, not the KV pool's (an fp8 pool would ruin the queries)."""
-    capture.RINGS.clear()
-    try:
-        capture.ensure(0, 2, 4, H, D, torch.float8_e4m3fn, torch.device("cpu"))
-        ring = capture.RINGS[0]
-        q = torch.randn(5, H, D, dtype=torch.float32).to(dtype)
-        ring.push(0, q)
-        assert ring.buf is not None and ring.buf.dtype == dtype
-        got = ring.get(0)
-        assert got.dtype == dtype
-        assert torch.equal(got, q[-4:].transpose(0, 1))  # bit-exact: no round trip through another dtype
-    finally:
-        capture.RINGS.clear()
-
-
-def test_ensure_keeps_the_ring_across_chunks_and_replaces_on_new_window():
-    capture.RINGS.clear()
-    try:
-        capture.ensure(7, 1, 4, H, D)
-        ring = capture.RINGS[7]
-        ring.push(0, queries(0, 3))
-        capture.ensure(7, 1, 4, H, D)  # next prefill chunk of the same request
-        assert capture.RINGS[7] is ring
-        capture.ensure(7, 1, 8, H, D)  # another window: a fresh ring
-        assert capture.RINGS[7] is not ring and capture.RINGS[7].count == [0]
-        capture.drop(7)
-        assert 7 not in capture.RINGS
-    finally:
-        capture.RINGS.clear()
-
-
-# -- the batch hook, driven with small stand-ins for SGLang's ForwardBatch and RadixAttention ---------
+ROWS, SLOTS = 8, 4
 
 
 @dataclass
@@ -130,102 +37,159 @@ class Layer:
 
 
 class Batch:
-    """Attributes the hook reads; a plain object, so the hook may set its per-batch cache on it."""
+    """The ForwardBatch fields the hook reads, as SGLang builds them (device tensors)."""
 
-    def __init__(self, rows: list[int], lens: list[int] | None) -> None:
-        self.req_pool_indices = torch.tensor(rows)
+    def __init__(self, rows: list[int], positions: list[int], lens: list[int] | None) -> None:
+        self.req_pool_indices = torch.tensor(rows, dtype=torch.int64)
+        self.positions = torch.tensor(positions, dtype=torch.int64)
         self.forward_mode = Mode(decode=lens is None)
-        self.extend_seq_lens_cpu = lens
-        self.extend_seq_lens = None if lens is None else torch.tensor(lens)
+        if lens is not None:
+            self.extend_seq_lens = torch.tensor(lens, dtype=torch.int32)
+            self.extend_start_loc = torch.cumsum(self.extend_seq_lens, 0) - self.extend_seq_lens
 
 
-def drive(batches: list[tuple[list[int], list[int] | None]], window: int, layers: int = 2) -> None:
-    """Run the hook over a batch sequence; each row's queries encode (row, arrival index)."""
-    capture.RINGS.clear()
-    ref: dict[int, list[int]] = {}
+def new_store(window: int, layers: int = 2, dtype: torch.dtype = torch.float32) -> capture.Store:
+    return capture.Store(ROWS, layers, window, H, D, SLOTS, dtype, "cpu")
+
+
+def encode(row: int, pos: int) -> float:
+    return float(row * 1000 + pos)
+
+
+def step(store: capture.Store, layers: int, items: list[tuple[int, int, int]], decode: bool) -> None:
+    """One forward: `items` = (row, first position, tokens) in batch order; queries encode (row, pos)."""
+    rows, positions, vals = [], [], []
+    for row, start, n in items:
+        rows.append(row)
+        for p in range(start, start + n):
+            positions.append(p)
+            vals.append(encode(row, p))
+    q = torch.tensor(vals).view(-1, 1).expand(-1, H * D).contiguous()
+    fb = Batch(rows, positions, None if decode else [n for _, _, n in items])
+    for layer in range(layers):
+        store.write(layer, q, fb)
+
+
+def held(store: capture.Store, row: int, layer: int, length: int) -> list[int]:
+    q = store.get(row, layer, length)
+    assert q.shape[0] == H and q.shape[2] == D
+    return [int(x) for x in q[0, :, 0].tolist()]
+
+
+def drive(window: int, chunks: list[int], decode_steps: int, start: int = 0, layers: int = 2) -> None:
+    """Row 3 prefills in `chunks` (from logical position `start`: a prefix hit) then decodes, batched with
+    row 5 (always decoding) and row 6 (no capture slot); after every forward row 3 and 5 hold the last
+    `window` of their positions, oldest first, and row 6's queries are nowhere."""
+    store = new_store(window, layers)
+    assert store.ensure(3, window, start) and store.ensure(5, window, 0)
+    store.write(0, torch.zeros(0, H * D), Batch([5], [], [0]))  # an empty extend writes nothing
+    pos3, pos5 = start, 0
+    steps: list[tuple[list[tuple[int, int, int]], bool]] = [([(3, 0, c), (6, 0, 2)], False) for c in chunks]
+    steps += [([], True)] * decode_steps
+    for items, decode in steps:
+        if decode:
+            step(store, layers, [(5, pos5, 1), (3, pos3, 1), (6, 50, 1)], True)
+            pos3 += 1
+        else:
+            row, _, c = items[0]
+            step(store, layers, [(row, pos3, c), (6, 9, 2)], False)
+            pos3 += c
+            step(store, layers, [(5, pos5, 1)], True)
+        pos5 += 1
+        for layer in range(layers):
+            assert held(store, 3, layer, pos3) == [3000 + p for p in range(max(start, pos3 - window), pos3)]
+            assert held(store, 5, layer, pos5) == [5000 + p for p in range(max(0, pos5 - window), pos5)]
+        live = store.buf[: store.slots].flatten().tolist()
+        assert not any(6000 <= x < 7000 for x in live), "a row without a slot wrote into a live slot"
+
+
+@pytest.mark.parametrize("window", [1, 2, 4, 5, 32])
+def test_prefill_sizes_relative_to_window_then_decode(window):
+    w = window
+    for first in sorted({1, max(1, w - 1), w, w + 1, 2 * w + 3}):
+        drive(w, [first], 2 * w + 3)
+        for second in sorted({1, max(1, w - 1), w, w + 1, 2 * w + 3}):
+            drive(w, [first, second, 1, second], 3)
+
+
+def test_mixed_chunks_exhaustive_small():
+    for chunks in itertools.product([1, 3, 4, 5, 11], repeat=3):
+        drive(4, list(chunks), 5, layers=1)
+
+
+def test_capture_that_starts_past_a_prefix_hit():
+    drive(4, [2, 1], 6, start=37)
+    drive(8, [3], 10, start=5)
+
+
+def test_window_smaller_than_the_buffer_and_layers_independent():
+    store = capture.Store(ROWS, 3, 8, H, D, SLOTS, torch.float32, "cpu")
+    assert store.ensure(2, 4, 0)
+    q = torch.arange(10, dtype=torch.float32).view(-1, 1).expand(-1, H * D).contiguous()
+    store.write(1, q, Batch([2], list(range(10)), [10]))
+    assert held(store, 2, 1, 10) == [6, 7, 8, 9]
+    assert held(store, 2, 0, 10) == [0, 0, 0, 0]  # layer 0 never written (zeros), layer 1 only
+
+
+def test_stacked_equals_get_for_every_row():
+    store = new_store(4, layers=3)
+    for row, start in ((1, 0), (4, 9), (7, 2)):
+        assert store.ensure(row, 4, start)
+    step(store, 3, [(1, 0, 6), (4, 9, 5), (7, 2, 4)], False)
+    step(store, 3, [(7, 6, 1), (1, 6, 1), (4, 14, 1)], True)
+    lens = {1: 7, 4: 15, 7: 7}
+    got = store.stacked([4, 1, 7], [lens[4], lens[1], lens[7]], 4)  # [R, L, W, H, D]
+    for r, row in enumerate((4, 1, 7)):
+        for layer in range(3):
+            assert torch.equal(got[r, layer], store.get(row, layer, lens[row]).transpose(0, 1))
+
+
+def test_slots_run_out_and_come_back():
+    store = new_store(4)
+    assert all(store.ensure(row, 4, 0) for row in range(1, 1 + SLOTS))
+    assert not store.ensure(6, 4, 0)  # all slots in use
+    assert not store.ensure(1 + SLOTS, 8, 0)  # a window above the buffer's
+    store.drop(2)
+    assert store.ensure(6, 4, 0) and store.slot_of_row[6] != store.slots
+    assert int(store.slot_of_row[2]) == store.slots and int(store.win_of_row[2]) == 1
+    store.ensure(6, 4, 5)  # next prefill chunk: the entry and its start are kept
+    assert store.entries[6].start == 0
+    store.ensure(6, 2, 5)  # another window: a fresh entry
+    assert store.entries[6].window == 2 and store.entries[6].start == 5
+    store.clear()
+    assert not store.entries and len(store.free) == SLOTS and int(store.slot_of_row.min()) == store.slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_queries_keep_their_dtype(dtype):
+    """The store holds the model's query dtype, not the KV pool's (an fp8 pool would ruin the queries)."""
+    store = new_store(4, layers=1, dtype=dtype)
+    assert store.ensure(1, 4, 0)
+    q = torch.randn(5, H, D, dtype=torch.float32).to(dtype)
+    store.write(0, q.reshape(5, H * D), Batch([1], list(range(5)), [5]))
+    got = store.get(1, 0, 5)
+    assert got.dtype == dtype
+    assert torch.equal(got, q[-4:].transpose(0, 1))  # bit-exact: no round trip through another dtype
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_the_hook_reads_nothing_back(decode):
+    """Graph-safe: a decode or extend write makes no host synchronisation (no `.tolist()`, `.item()`,
+    data-dependent shape), so the same kernels replay in a CUDA graph with new batch contents."""
+    store = new_store(4)
+    for row in (1, 2, 3):
+        store.ensure(row, 4, 0)
+    items = [(1, 7, 1), (2, 3, 1), (5, 0, 1)] if decode else [(1, 0, 6), (2, 0, 3), (5, 0, 2)]
+    with SyncCounter() as counter:
+        step(store, 2, items, decode)
+    assert counter.counts == {}, counter.counts
+
+
+def test_hook_without_a_store_config_does_nothing():
+    old = capture.CONF, capture.STORE
+    capture.CONF, capture.STORE = None, None
     try:
-        for rows, lens in batches:
-            for row in rows:
-                if row not in ref:  # joins: the scheduler creates its ring after allocation
-                    capture.ensure(row, layers, window, H, D)
-                    ref[row] = []
-            for row in list(ref):
-                if row not in rows and row not in capture.RINGS:
-                    del ref[row]
-            counts = lens if lens is not None else [1] * len(rows)
-            vals: list[int] = []
-            for row, n in zip(rows, counts, strict=True):
-                new = [row * 1000 + len(ref[row]) + i for i in range(n)]
-                ref[row].extend(new)
-                vals.extend(new)
-            q = torch.tensor(vals, dtype=torch.float32).view(-1, 1).expand(-1, H * D).contiguous()
-            fb = Batch(rows, lens)
-            for layer in range(layers):
-                capture.before_attention(Layer(layer), q, None, None, fb)
-            for row in rows:
-                for layer in range(layers):
-                    got = [int(x) for x in capture.RINGS[row].get(layer)[0, :, 0].tolist()]
-                    assert got == ref[row][-window:], (rows, lens, row, layer)
+        capture.before_attention(Layer(0), torch.zeros(1, H * D), None, None, Batch([1], [0], None))
+        assert capture.STORE is None
     finally:
-        capture.RINGS.clear()
-
-
-def test_chunked_prefill_then_decode():
-    w = 4
-    # one request: three prefill chunks (3, 6, 1 tokens), then decode steps
-    drive([([5], [3]), ([5], [6]), ([5], [1])] + [([5], None)] * 6, w)
-
-
-def test_changing_batch_composition():
-    w = 4
-    batches: list[tuple[list[int], list[int] | None]] = [
-        ([0, 1], [10, 3]),  # two prefills in one batch
-        ([0, 1], None),
-        ([2], [7]),  # a third request prefills alone
-        ([0, 1, 2], None),
-        ([1, 2], None),  # row 0 sits out a step (e.g. it is in another batch)
-        ([3, 0], [5, 0]),  # a new prefill batched with a zero-length entry
-        ([2, 0, 3, 1], None),  # rows in another order
-        ([2, 0, 3, 1], None),
-        ([4, 1], [1, 9]),  # an existing row extends again (e.g. chunk continuation)
-        ([1, 4, 0], None),
-    ]
-    drive(batches, w)
-
-
-def test_rows_without_a_ring_are_skipped_and_others_unaffected():
-    capture.RINGS.clear()
-    try:
-        capture.ensure(1, 1, 4, H, D)
-        q = queries(0, 8).reshape(8, H * D)
-        capture.before_attention(Layer(0), q, None, None, Batch([0, 1], [5, 3]))
-        assert 0 not in capture.RINGS
-        assert [int(x) for x in capture.RINGS[1].get(0)[0, :, 0].tolist()] == [5, 6, 7]
-    finally:
-        capture.RINGS.clear()
-
-
-def test_rows_are_cached_on_the_batch_object_not_by_address():
-    """A new batch at a dead batch's address (CPython reuses ids) must read its own rows."""
-    capture.RINGS.clear()
-    try:
-        capture.ensure(0, 1, 4, H, D)
-        capture.ensure(1, 1, 4, H, D)
-        fb = Batch([0], None)
-        addr = id(fb)
-        capture.before_attention(Layer(0), queries(0, 1).reshape(1, H * D), None, None, fb)
-        del fb
-        reused = None
-        for _ in range(1000):  # find a new batch object at the same address
-            nb = Batch([1], None)
-            if id(nb) == addr:
-                reused = nb
-                break
-            del nb
-        batch = reused if reused is not None else Batch([1], None)
-        capture.before_attention(Layer(0), queries(42, 1).reshape(1, H * D), None, None, batch)
-        assert [int(x) for x in capture.RINGS[0].get(0)[0, :, 0].tolist()] == [0]
-        assert [int(x) for x in capture.RINGS[1].get(0)[0, :, 0].tolist()] == [42]
-        assert getattr(batch, capture.ROWS_ATTR) == ([1], None)
-    finally:
-        capture.RINGS.clear()
+        capture.CONF, capture.STORE = old

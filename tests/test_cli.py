@@ -126,6 +126,22 @@ def check_in_process(monkeypatch, capsys, args: list[str], model: str = MISSING_
             ["--kv-compress-step-tokens", "integer"],
         ),
         (
+            [
+                "--kv-policy",
+                "snapkv",
+                "--kv-policy-config",
+                '{"window": 48, "recent": 64}',
+                "--kv-capture-window",
+                "32",
+            ],
+            ["--kv-capture-window 32", "window 48"],
+        ),
+        (
+            ["--kv-policy", "snapkv", "--kv-capture-slots", "1000000000"],
+            ["--kv-capture-slots", "out of range"],
+        ),
+        (["--kv-policy", "snapkv", "--kv-capture-window", "0"], ["--kv-capture-window", "out of range"]),
+        (
             ["--kv-policy", "lagkv", "--kv-override-min-budget", "0.5,0.25"],
             ["--kv-override-min-budget", "two ratio"],
         ),
@@ -250,13 +266,47 @@ def test_supported_model_configs_pass_the_check():
         ("graphkv", {"enabled": False}, True),
     ],
 )
-def test_cuda_graphs_stay_on_only_without_capture(policy: str, overrides: dict, capture: bool) -> None:
+def test_capture_buffer_only_when_a_request_may_capture(policy: str, overrides: dict, capture: bool) -> None:
     from sgl_kvevict.config import KvConfig, OverridePolicy, ServerSettings
     from sgl_kvevict.plugin import capture_needed
 
     cfg = KvConfig.model_validate({"policy": policy, "budget": 0.5})
     settings = ServerSettings(overrides=OverridePolicy(**overrides))
     assert (capture_needed(cfg, settings) is not None) == capture
+
+
+@pytest.mark.parametrize(
+    ("args", "window", "slots"),
+    [
+        (["--kv-policy", "lagkv", "--kv-disable-request-override"], None, 128),
+        (["--kv-policy", "lagkv"], 32, 128),  # an override may name snapkv (default window 32)
+        (["--kv-policy", "snapkv", "--kv-policy-config", '{"window": 48, "recent": 64}'], 48, 128),
+        (["--kv-policy", "h2o", "--kv-capture-window", "64", "--kv-capture-slots", "8"], 64, 8),
+    ],
+)
+def test_capture_buffer_size_is_published(monkeypatch, capsys, args, window, slots):
+    """The window-query buffer's size reaches every process through the settings (see `capture`)."""
+    import os
+
+    from sgl_kvevict.config import SETTINGS_ENV_VAR, ServerSettings
+
+    code, err = check_in_process(monkeypatch, capsys, args)
+    assert code == 0, err
+    settings = ServerSettings.model_validate_json(os.environ[SETTINGS_ENV_VAR])
+    assert (settings.capture_window, settings.capture_slots) == (window, slots)
+
+
+def test_override_window_above_the_capture_buffer_is_refused():
+    from sgl_kvevict.config import KvConfig, ServerSettings, request_override
+
+    base = KvConfig.model_validate({"policy": "snapkv", "budget": 0.5})
+    settings = ServerSettings(capture_window=32)
+    ok = {"kvevict": {"config": {"window": 32}}}
+    assert request_override(ok, base, settings).build().config.window == 32
+    with pytest.raises(ValueError, match="--kv-capture-window"):
+        request_override({"kvevict": {"config": {"window": 64, "recent": 64}}}, base, settings)
+    # an attention-free override is not concerned
+    assert request_override({"kvevict": {"policy": "lagkv"}}, base, settings).policy == "lagkv"
 
 
 def test_gpu_check_refuses_without_cuda(capsys) -> None:

@@ -59,12 +59,13 @@ class Rank:
             self.tree, self.alloc, self.kv, h * GROUP, {lay: w_o[qs].contiguous() for lay in range(L)}
         )
         self.rt = rt
-        self.rings: dict[int, capture.Ring] = {}
+        self.store = capture.Store(
+            self.r2t.req_to_token.shape[0], L, 8, h * GROUP, D, 4, torch.float32, "cpu"
+        )
 
     def activate(self) -> None:
         runtime.RT = self.rt
-        capture.RINGS.clear()
-        capture.RINGS.update(self.rings)
+        capture.STORE = self.store
 
 
 def _kvq(pos: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -106,11 +107,10 @@ def _append(rank: Rank, req: SimpleNamespace, pos: int) -> None:
     for layer in range(L):
         rank.kv.get_key_buffer(layer)[slot] = k[layer, rank.heads].unsqueeze(0)
         rank.kv.get_value_buffer(layer)[slot] = v[layer, rank.heads].unsqueeze(0)
-    ring = rank.rings.get(kv.req_pool_idx)
-    if ring is not None:
+    if kv.req_pool_idx in rank.store.entries:
         qs = slice(rank.heads.start * GROUP, rank.heads.stop * GROUP)
         for layer in range(L):
-            ring.push(layer, q[layer, qs].unsqueeze(0))
+            rank.store.put(kv.req_pool_idx, layer, q[layer, qs].unsqueeze(0), torch.tensor([pos]))
     kv.kv_committed_len += 1
     kv.kv_allocated_len = kv.kv_committed_len
 
@@ -126,10 +126,7 @@ def _start(rank: Rank, policy: str, config: dict, share_prompt: bool) -> SimpleN
     s = st.ensure(req)
     st.on_match(req, Region(rank.tree.root_node, 0, 0, None))
     if "attn" in s.policy.needs:
-        rank.rings[0] = capture.Ring(
-            L, s.policy.config.window, (rank.heads.stop - rank.heads.start) * GROUP, D
-        )
-        capture.RINGS[0] = rank.rings[0]
+        assert rank.store.ensure(0, s.policy.config.window, 0)
     for pos in range(PROMPT):
         _append(rank, req, pos)
     if share_prompt:
