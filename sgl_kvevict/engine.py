@@ -29,14 +29,15 @@ from typing import Any
 
 import torch
 
-from sgl_kvevict import capture, compressor, runtime
+from sgl_kvevict import capture, compressor, engine_lagkv, runtime
 from sgl_kvevict import state as st
 from sgl_kvevict.compressor import Job
 from sgl_kvevict.policies.base import Phase
 
 logger = logging.getLogger("sgl_kvevict")
 
-BATCHED = ("streaming", "knorm", "h2o", "snapkv")  # policies with a selection written over the batch
+# policies with a selection written over the batch (LagKV's in `engine_lagkv`)
+BATCHED = ("streaming", "knorm", "h2o", "snapkv", "lagkv")
 # Bound on one chunk of window-attention logits (fp32 elements): requests are scored in chunks below it.
 MAX_LOGITS = 1 << 26
 
@@ -156,8 +157,17 @@ def _run_group(jobs: list[Job]) -> list[int]:
     L, H = rt.n_layers, rt.n_kv_heads  # noqa: N806
     R = len(jobs)  # noqa: N806
     ns = [j.n for j in jobs]
-    b = [min(j.budget, max(0, j.n - j.n_sink - j.n_recent)) for j in jobs]
-    ks = [j.n_sink + bb + j.n_recent for j, bb in zip(jobs, b, strict=True)]
+    lag_counts = None
+    if pol.name == "lagkv":  # kept counts from partitions and the chunk recursion, still host-only
+        lag_counts = [engine_lagkv.counts(j) for j in jobs]
+        ks = [c.k for c in lag_counts]
+        tails = [min(c.raw, c.k) for c in lag_counts]
+        if any(k >= n for k, n in zip(ks, ns, strict=True)):
+            raise RuntimeError("lagkv: a request of the group keeps its whole region")
+    else:
+        b = [min(j.budget, max(0, j.n - j.n_sink - j.n_recent)) for j in jobs]
+        ks = [j.n_sink + bb + j.n_recent for j, bb in zip(jobs, b, strict=True)]
+        tails = [min(j.n_recent, k) for j, k in zip(jobs, ks, strict=True)]
     if all(k >= j.n for k, j in zip(ks, jobs, strict=True)):
         return [0] * R
     nmax, kmax = max(ns), max(ks)
@@ -173,7 +183,9 @@ def _run_group(jobs: list[Job]) -> list[int]:
     valid = (pad_pos < n_col).to(dev)  # [R, Nmax]
 
     carried_scores = None
-    if pol.name == "streaming":
+    if lag_counts is not None:
+        keep = engine_lagkv.select(jobs, lag_counts, slots_pad)  # [R, L, H, Kmax]
+    elif pol.name == "streaming":
         # the newest b candidates of every head: sinks, then the contiguous run [n - (k - sinks), n)
         pos = torch.arange(kmax, dtype=torch.int64).unsqueeze(0)
         shift = torch.tensor([j.n - k for j, k in zip(jobs, ks, strict=True)], dtype=torch.int64).view(-1, 1)
@@ -192,8 +204,9 @@ def _run_group(jobs: list[Job]) -> list[int]:
         ranked = ranked.masked_fill(fixed.view(R, 1, 1, nmax), float("inf"))
         keep = ranked.topk(kmax, dim=-1).indices  # [R, L, H, Kmax]: fixed first, then the best candidates
     # entries past a request's own k go last, then every head's kept indices in position order
-    past = (torch.arange(kmax).unsqueeze(0) >= torch.tensor(ks).view(-1, 1)).to(dev)  # [R, Kmax]
-    keep = keep.masked_fill(past.view(R, 1, 1, kmax), nmax).sort(dim=-1).values
+    if lag_counts is None:  # (LagKV's come sorted and padded)
+        past = (torch.arange(kmax).unsqueeze(0) >= torch.tensor(ks).view(-1, 1)).to(dev)  # [R, Kmax]
+        keep = keep.masked_fill(past.view(R, 1, 1, kmax), nmax).sort(dim=-1).values
 
     # commit: nothing below can fail on valid indices; a failure above left everything as it was
     sel = _host_index(ks, kmax, dev)  # [sum k] valid (request, i) pairs of the padded kept layout
@@ -228,7 +241,7 @@ def _run_group(jobs: list[Job]) -> list[int]:
         kr = keep[r, :, :, :k] if st.DEBUG else None
         kv = j.req.kv
         kv.kv_committed_len = kv.kv_allocated_len = j.a + k
-        offs.append(compressor._account(j, k, min(j.n_recent, k), kr, dt))
+        offs.append(compressor._account(j, k, tails[r], kr, dt))
     rt.tree.offsets[torch.tensor(rows, dtype=torch.int64).to(rt.tree.offsets.device)] = torch.tensor(
         offs, dtype=rt.tree.offsets.dtype
     ).to(rt.tree.offsets.device)

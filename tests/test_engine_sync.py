@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_kvevict import compressor, engine, hooks
+from sgl_kvevict import compressor, engine, engine_lagkv, hooks
 from sgl_kvevict import state as st
 from sgl_kvevict.pools import Pools, SyncCounter
 
@@ -30,7 +30,6 @@ TIES = {"snapkv-max"}
 # Policies whose step still syncs, and why (their per-policy costs are another part of the same work).
 STILL_SYNCING = {
     "d2o": "merge kernel reads the merged count back (`int(merged.sum())`) for its statistics",
-    "lagkv": "per-request path; its chunk recursion is a host loop over tensor shapes, not yet batched",
     "graphkv": "per-request path (refiner over a base policy)",
     "criticalkv": "per-request path (refiner over a base policy)",
 }
@@ -114,7 +113,7 @@ def test_batched_step_has_no_host_sync(key: str) -> None:
 def test_still_syncing_policies_are_listed(name: str) -> None:
     """The list above stays honest: a policy named there really takes the per-request path."""
     pools = Pools(layers=LAYERS, max_reqs=2, max_len=TOKENS + 8)
-    b = pools.batch(2, TOKENS, name, 48, {"window": 8, **({"lag": 16} if name == "lagkv" else {})})
+    b = pools.batch(2, TOKENS, name, 48, {"window": 8})
     jobs = [compressor.prepare(r, "decode") for r in b.reqs]
     assert all(j is not None for j in jobs)
     assert all(engine._policy_key(j) is None for j in jobs)
@@ -135,3 +134,104 @@ def test_sync_counter_sees_syncs() -> None:
         "aten::index(bool mask)": 1,
         "aten::repeat_interleave": 1,
     }
+
+
+# LagKV: (config, budget, lengths of the requests, growth between the two steps, compacted part preset
+# per request). Lengths differ so the requests score different numbers of partitions; the second step
+# runs on the compacted part the first one left (and re-cuts it under the cap).
+LAG = {
+    # default lag 128: 2, 1, 1 and 0 partitions; the last one compresses only in the second step
+    "default": ({}, 200, [420, 370, 320, 270], 40, None),
+    # lag 16, budget 24: partitions, then the chunk recursion binds (56 -> 32 -> 16 tokens)
+    "cap": ({"lag": 16}, 24, [160, 151, 142, 117, 98, 80], 40, None),
+    # budget 5: the recursion ends under L and the final cut binds; a ratio budget: per-request budgets
+    "cut": ({"lag": 16, "sinks": 4}, 5, [160, 143, 129, 101, 77, 64], 24, None),
+    "ratio": ({"lag": 16, "ratio": 0.25, "sinks": 4, "recent": 4}, 0.08, [160, 150, 131, 120, 90, 70], 40, None),
+    "nocap": ({"lag": 16, "cap_to_budget": False}, 24, [160, 151, 142, 117, 98, 80], 40, None),
+    "v0": ({"lag": 16, "score_v_ratio": 0.0}, 5, [160, 143, 129, 101, 77, 64], 24, None),
+    # a compacted part preset: the whole region (no raw tail: judged against itself), a raw tail shorter
+    # than L (no recursion, straight to the final cut), and one long enough for rounds
+    "compacted": ({"lag": 16, "recent": 0}, 6, [120, 110, 100, 90], 20, [120, 100, 40, 0]),
+}
+
+
+# What each scenario must exercise in its first step (so a scenario cannot silently stop testing it).
+LAG_COVERS = {
+    "default": lambda cs: {c.pc for c in cs} >= {1, 2} and not any(c.rounds for c in cs),
+    "cap": lambda cs: any(len(c.rounds) > 1 for c in cs) and any(not c.rounds for c in cs),
+    "cut": lambda cs: all(c.cut > 0 for c in cs) and len({len(c.rounds) for c in cs}) > 2,
+    "ratio": lambda cs: len({c.cut for c in cs if c.cut > 0}) > 1,
+    "nocap": lambda cs: all(not c.rounds and c.cut < 0 for c in cs) and any(c.c > 24 for c in cs),
+    "v0": lambda cs: any(c.cut > 0 for c in cs) and any(c.rounds for c in cs),
+    "compacted": lambda cs: (
+        any(c.raw == 0 and c.cut > 0 for c in cs)
+        and any(0 < c.raw < 16 and c.cut > 0 and not c.rounds for c in cs)
+    ),
+}
+
+
+def _lag_batch(pools: Pools, key: str):
+    cfg, budget, lens, _, comp = LAG[key]
+    b = pools.batch(len(lens), max(lens), "lagkv", budget, cfg)
+    for i, r in enumerate(b.reqs):
+        extra = max(lens) - lens[i]
+        if extra:  # ragged: give the tail slots back
+            tail = pools.r2t.req_to_token[i, lens[i] : max(lens)].long()
+            pools.alloc.free(tail)
+        r.kv.kv_committed_len = r.kv.kv_allocated_len = lens[i]
+        if comp is not None:
+            st.get(r).comp_slots = comp[i]
+    return b
+
+
+@pytest.mark.parametrize("key", list(LAG))
+def test_batched_lagkv_equals_per_request(key: str, caplog: pytest.LogCaptureFixture) -> None:
+    """LagKV's batched selection (partitions, chunk recursion, final cut) against `compressor.run`, two
+    steps on ragged requests: same kept tokens, K/V, rows, free slots and offsets."""
+    grow = LAG[key][3]
+    out = []
+    for batched in (False, True):
+        pools = Pools(layers=LAYERS, max_reqs=6, max_len=600, seed=5)
+        b = _lag_batch(pools, key)
+        steps = []
+        for step in range(2):
+            if batched:
+                jobs = [j for j in (compressor.prepare(r, "decode") for r in b.reqs) if j is not None]
+                assert all(engine._policy_key(j) is not None for j in jobs)
+                if step == 0:
+                    assert LAG_COVERS[key]([engine_lagkv.counts(j) for j in jobs])
+                hooks._compress_batch(b)
+                assert "batched compression failed" not in caplog.text  # no per-request fallback
+            else:
+                for r in b.reqs:
+                    compressor.safe_compress(r, "decode")
+            steps.append([st.get(r).compressions for r in b.reqs])
+            for i, r in enumerate(b.reqs):
+                kv = r.kv
+                new = pools.alloc.alloc(grow)
+                pools.r2t.req_to_token[i, kv.kv_committed_len : kv.kv_committed_len + grow] = new.to(
+                    torch.int32
+                )
+                kv.kv_committed_len = kv.kv_allocated_len = kv.kv_committed_len + grow
+        assert not any(st.get(r).failed for r in b.reqs)
+        out.append((_state(pools, b), steps))
+    (ref, ref_steps), (got, got_steps) = out
+    assert ref_steps == got_steps
+    assert sum(ref_steps[1]) > sum(ref_steps[0]) > 0, "both steps must compress something"
+    assert ref["free"] == got["free"] and ref["offsets"] == got["offsets"]
+    for a, b in zip(ref["rows"], got["rows"], strict=True):
+        assert a[:4] == b[:4]
+        for x, y in zip(a[4] + a[5], b[4] + b[5], strict=True):
+            assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("key", list(LAG))
+def test_batched_lagkv_has_no_host_sync(key: str) -> None:
+    pools = Pools(layers=LAYERS, max_reqs=6, max_len=600)
+    b = _lag_batch(pools, key)
+    items = [(r, "decode") for r in b.reqs]
+    want = [compressor.prepare(r, "decode") is not None for r in b.reqs]
+    with SyncCounter() as sc:
+        freed = engine.compress_batch(items)
+    assert [f > 0 for f in freed] == want and any(want)
+    assert sc.counts == {}, f"host syncs in the batched lagkv step: {sc.counts}"
