@@ -146,7 +146,13 @@ LAG = {
     "cap": ({"lag": 16}, 24, [160, 151, 142, 117, 98, 80], 40, None),
     # budget 5: the recursion ends under L and the final cut binds; a ratio budget: per-request budgets
     "cut": ({"lag": 16, "sinks": 4}, 5, [160, 143, 129, 101, 77, 64], 24, None),
-    "ratio": ({"lag": 16, "ratio": 0.25, "sinks": 4, "recent": 4}, 0.08, [160, 150, 131, 120, 90, 70], 40, None),
+    "ratio": (
+        {"lag": 16, "ratio": 0.25, "sinks": 4, "recent": 4},
+        0.08,
+        [160, 150, 131, 120, 90, 70],
+        40,
+        None,
+    ),
     "nocap": ({"lag": 16, "cap_to_budget": False}, 24, [160, 151, 142, 117, 98, 80], 40, None),
     "v0": ({"lag": 16, "score_v_ratio": 0.0}, 5, [160, 143, 129, 101, 77, 64], 24, None),
     # a compacted part preset: the whole region (no raw tail: judged against itself), a raw tail shorter
