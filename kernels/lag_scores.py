@@ -22,7 +22,13 @@ def lag_scores_ref(buf: torch.Tensor, slots: torch.Tensor, lag: int) -> torch.Te
     assert lag > 0 and n % lag == 0 and n // lag >= 2, "slots must hold P >= 2 whole partitions"
     p = n // lag
     h, d = buf.shape[1], buf.shape[2]
-    x = region(buf, slots).float().view(p, lag, h, d).permute(2, 0, 1, 3).contiguous()  # [H, P, lag, D]
+    return lag_scores_heads(region(buf, slots).float().view(p, lag, h, d).permute(2, 0, 1, 3).contiguous())
+
+
+def lag_scores_heads(x: torch.Tensor) -> torch.Tensor:
+    """The reference's math on a dense float32 `[H, P, lag, D]` (P >= 2): `[H, P-1, lag]`. Separate so
+    that the batched engine, which gathers its blocks in this layout already, runs the very same ops."""
+    d = x.shape[-1]
     ref = x[:, 1:]
     mn = ref.amin(dim=2, keepdim=True)
     rng = ref.amax(dim=2, keepdim=True).sub_(mn).add_(EPS)

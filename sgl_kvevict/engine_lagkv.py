@@ -115,35 +115,36 @@ def _to(x: torch.Tensor, dev: torch.device) -> torch.Tensor:
     return x.to(dev, non_blocking=True)
 
 
-def _gather(layers: range, kind: str, rows: torch.Tensor) -> torch.Tensor:
-    """`[M, len(layers) * H, D]` K or V rows of the given layers. `rows`: `[L or 1, M, H]` flat
-    (slot * H + head) pool rows, per layer (or shared by every layer)."""
-    rt = runtime.RT
-    parts = []
-    for layer in layers:
-        buf = rt.k_buffer(layer) if kind == "k" else rt.v_buffer(layer)
-        flat = buf.view(-1, buf.shape[-1])
-        r = rows[layer if rows.shape[0] > 1 else 0]
-        parts.append(flat.index_select(0, r.reshape(-1)).view(*r.shape, buf.shape[-1]))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-
-
 def _block_scores(rows: torch.Tensor, lag: int, vr: float) -> torch.Tensor:
-    """`[L, H, B - 1, lag]` LagKV scores (K + vr * V) of B consecutive blocks of `lag` rows, each judged
-    by the next: `kernels.lag_scores` with layers and heads as its heads, layers chunked by `MAX_GATHER`."""
+    """`[L, H, B - 1, lag]` LagKV scores (K + vr * V) of B consecutive blocks of `lag` tokens, each judged
+    by the next. `rows`: `[L or 1, H, B * lag]` flat (slot * H + head) pool rows, per layer or shared.
+    The rows are gathered straight into the layout the score's math reads (`[layers * heads, B, lag,
+    D]`), layers chunked by `MAX_GATHER`; the math is `kernels.lag_scores`' own, row for row."""
     from sgl_kvevict.kernels import lag_scores
+    from sgl_kvevict.kernels.dispatch import use_triton
+    from sgl_kvevict.kernels.lag_scores import lag_scores_heads
 
     rt = runtime.RT
     L, H, D = rt.n_layers, rt.n_kv_heads, rt.head_dim  # noqa: N806
-    m = rows.shape[1]
-    ar = torch.arange(m, device=rows.device)
+    m = rows.shape[-1]
     step = max(1, MAX_GATHER // max(1, m * H * D))
     out = []
     for l0 in range(0, L, step):
         layers = range(l0, min(L, l0 + step))
-        s = lag_scores(_gather(layers, "k", rows), ar, lag)
-        if vr:
-            s = s + vr * lag_scores(_gather(layers, "v", rows), ar, lag)
+        s = None
+        for kind, w in (("k", 1.0), ("v", vr)):
+            if not w:
+                continue
+            bufs = [rt.k_buffer(x) if kind == "k" else rt.v_buffer(x) for x in layers]
+            x = torch.empty(len(layers), H * m, D, dtype=bufs[0].dtype, device=rows.device)
+            for i, (layer, buf) in enumerate(zip(layers, bufs, strict=True)):
+                r = rows[layer if rows.shape[0] > 1 else 0].reshape(-1)
+                torch.index_select(buf.view(-1, D), 0, r, out=x[i])
+            if use_triton(x):  # the kernel reads [tokens, heads, D] with any strides
+                one = lag_scores(x.view(-1, m, D).transpose(0, 1), torch.arange(m, device=x.device), lag)
+            else:
+                one = lag_scores_heads(x.float().view(-1, m // lag, lag, D))
+            s = one if s is None else s + w * one
         out.append(s.view(len(layers), H, m // lag - 1, lag))
     return out[0] if len(out) == 1 else torch.cat(out)
 
@@ -261,7 +262,7 @@ def select(jobs: list[Job], cs: list[Counts], slots_pad: torch.Tensor) -> torch.
         blocks = [p + 1 for p in pcs]
         pos = _ragged([r * nmax + cs[r].t0 for r in part], [b * lag for b in blocks])
         rows = _rows(sflat, _to(pos, dev).view(1, 1, -1), heads)  # [1, H, M]
-        s = _block_scores(rows.transpose(1, 2), lag, vr)  # [L, H, B - 1, lag]
+        s = _block_scores(rows, lag, vr)  # [L, H, B - 1, lag]
         scored = _ragged(_starts(blocks), pcs)  # block b is judged by block b + 1 of the same request
         top = s.index_select(2, _to(scored, dev)).topk(kk, dim=-1).indices.sort(dim=-1).values
         shift = _repeat([cs[r].t0 for r in part], pcs) + _ragged([0] * len(pcs), pcs) * lag
@@ -284,7 +285,7 @@ def select(jobs: list[Job], cs: list[Counts], slots_pad: torch.Tensor) -> torch.
             seg_n += [qs[a] * lag, lag]
         pos = src.index_select(2, _to(_ragged(seg_s, seg_n), dev))  # [L, H, M] region positions
         pos = pos + _to(_repeat([r * nmax for r in act], [(q + 1) * lag for q in qs]), dev)
-        s = _block_scores(_rows(sflat, pos, heads).transpose(1, 2), lag, vr)  # [L, H, B - 1, lag]
+        s = _block_scores(_rows(sflat, pos, heads), lag, vr)  # [L, H, B - 1, lag]
         scored = _ragged(_starts([q + 1 for q in qs]), qs)
         top = s.index_select(2, _to(scored, dev)).topk(kk, dim=-1).indices.sort(dim=-1).values
         shift = _repeat(rem, qs) + _ragged([0] * len(qs), qs) * lag  # offsets into the compressed part
