@@ -7,13 +7,15 @@ then runs the tensor work once for all of them wherever it can:
 - *batched* (the common path): the region is the request's own (no tree-owned slot in it), the policy
   does not merge, and its selection is one of those written here over `[requests, layers, heads,
   tokens]` (`streaming`, `knorm`, `h2o`, `snapkv`: equal budgets across layers and heads make one
-  top-k over all of them exact). Requests of different lengths are padded to the longest; every ragged
-  index is built on the host from host-known lengths, so the step never reads a device value: no host
+  top-k over all of them exact; `lagkv`: its partitions, chunk recursion and final cut for all
+  requests and layers at once, `engine_lagkv`). Requests of different lengths are padded to the
+  longest; every ragged index is built on the host from host-known lengths (for LagKV, every count of
+  its recursion too), so the step never reads a device value: no host
   synchronisation (`tests/test_engine_sync.py` counts them). Compaction moves each request's kept
   tokens into the first `k` slots of its region, one gather and one write per layer and buffer for all
   requests together, and the rest of the slots go back to the allocator in one call.
-- *per request* (`compressor.run`): everything else (merging policies, LagKV's partitions, the
-  refiners, a region that starts in the tree, a capture window not yet full).
+- *per request* (`compressor.run`): everything else (merging policies, the refiners, GraphKV over
+  LagKV included, a region that starts in the tree, a capture window not yet full).
 
 Plan / agree / commit is kept: the batched plan writes nothing; tensor-parallel ranks agree on its
 success (one all-reduce for the batch); if it fails anywhere, every request of the batch goes through
