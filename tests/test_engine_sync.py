@@ -7,6 +7,11 @@ at every compression; `SyncCounter` counts what would stall on CUDA while runnin
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -241,3 +246,15 @@ def test_batched_lagkv_has_no_host_sync(key: str) -> None:
         freed = engine.compress_batch(items)
     assert [f > 0 for f in freed] == want and any(want)
     assert sc.counts == {}, f"host syncs in the batched lagkv step: {sc.counts}"
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="this is the subprocess")
+def test_batched_lagkv_equals_per_request_on_triton() -> None:
+    """The GPU path of the batched scores (the Triton kernel over the gathered, strided blocks) against the
+    per-request one (the kernel over the pool), in the Triton interpreter: the scenario with rounds."""
+    env = dict(os.environ, TRITON_INTERPRET="1", SGL_KVEVICT_TRITON="1")
+    k = "lagkv_equals_per_request and cap and not nocap and not triton"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", k]
+    res = subprocess.run(cmd, env=env, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
+    assert "1 passed" in res.stdout.splitlines()[-1], res.stdout[-2000:]
