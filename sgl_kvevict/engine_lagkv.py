@@ -10,9 +10,9 @@ number of rounds and every length are computed on the host up front; `Counts`).
 Stages, each over all requests (ragged layouts are flat or padded, their indices built on the host):
 
 1. *partitions*: every request's `pc + 1` partitions from `t0` laid end to end as blocks; each block
-   scored against the next (`kernels.lag_scores` over `[tokens, layers * heads, D]`, so the same kernel
-   as the per-request path on CPU and GPU alike; the pairs across two requests are scored and
-   dropped), top `k` per scored partition.
+   scored against the next, layers and heads as the score's heads (`kernels.lag_scores`' own math on
+   CPU, its Triton kernel on GPU, as on the per-request path; the pairs across two requests are scored
+   and dropped), top `k` per scored partition.
 2. *chunk recursion* (`cap_to_budget`), one batched pass per round over the requests still in it: the
    compressed part's chunks (per head, so gathered per (slot, head) row) and the reference block.
 3. *final cut*: `lag_score_dense` over the compressed part padded to the longest (`-inf` before the

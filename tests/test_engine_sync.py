@@ -199,6 +199,20 @@ def _lag_batch(pools: Pools, key: str):
 def test_batched_lagkv_equals_per_request(key: str, caplog: pytest.LogCaptureFixture) -> None:
     """LagKV's batched selection (partitions, chunk recursion, final cut) against `compressor.run`, two
     steps on ragged requests: same kept tokens, K/V, rows, free slots and offsets."""
+    _compare_lag(key, caplog)
+
+
+@pytest.mark.parametrize("key", ["cut", "compacted"])
+def test_batched_lagkv_layer_chunks(key: str, caplog: pytest.LogCaptureFixture, monkeypatch) -> None:
+    """The same with the gathers bounded to one layer at a time (what long regions and large batches
+    get): the scores of each layer chunk land in the right place."""
+    from sgl_kvevict import engine_lagkv as el
+
+    monkeypatch.setattr(el, "MAX_GATHER", 1)
+    _compare_lag(key, caplog)
+
+
+def _compare_lag(key: str, caplog: pytest.LogCaptureFixture) -> None:
     grow = LAG[key][3]
     out = []
     for batched in (False, True):
