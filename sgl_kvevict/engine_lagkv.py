@@ -32,8 +32,17 @@ import torch
 from sgl_kvevict import runtime
 from sgl_kvevict.compressor import Job
 
-# Bound on the gathered K (or V) elements scored at once: the layers are scored in chunks below it.
+# Bound on the gathered K (or V) elements scored at once: the layers are scored in chunks below it. On a
+# CPU, chunks that stay in cache are faster (measured on bench_engine's lagkv at batch 8 and 32: about
+# 1.5-2x less time per request at 1 << 20 than at 1 << 23); on a GPU, fewer and larger launches.
 MAX_GATHER = 1 << 23
+MAX_GATHER_CPU = 1 << 20
+
+
+def _layer_step(per_layer: int, dev: torch.device) -> int:
+    """Layers per chunk when one layer gathers `per_layer` elements (at least one)."""
+    bound = MAX_GATHER if dev.type == "cuda" else MAX_GATHER_CPU
+    return max(1, bound // max(1, per_layer))
 
 
 @dataclass
@@ -119,7 +128,7 @@ def _block_scores(rows: torch.Tensor, lag: int, vr: float) -> torch.Tensor:
     """`[L, H, B - 1, lag]` LagKV scores (K + vr * V) of B consecutive blocks of `lag` tokens, each judged
     by the next. `rows`: `[L or 1, H, B * lag]` flat (slot * H + head) pool rows, per layer or shared.
     The rows are gathered straight into the layout the score's math reads (`[layers * heads, B, lag,
-    D]`), layers chunked by `MAX_GATHER`; the math is `kernels.lag_scores`' own, row for row."""
+    D]`), layers chunked by `_layer_step`; the math is `kernels.lag_scores`' own, row for row."""
     from sgl_kvevict.kernels import lag_scores
     from sgl_kvevict.kernels.dispatch import use_triton
     from sgl_kvevict.kernels.lag_scores import lag_scores_heads
@@ -127,7 +136,7 @@ def _block_scores(rows: torch.Tensor, lag: int, vr: float) -> torch.Tensor:
     rt = runtime.RT
     L, H, D = rt.n_layers, rt.n_kv_heads, rt.head_dim  # noqa: N806
     m = rows.shape[-1]
-    step = max(1, MAX_GATHER // max(1, m * H * D))
+    step = _layer_step(m * H * D, rows.device)
     out = []
     for l0 in range(0, L, step):
         layers = range(l0, min(L, l0 + step))
@@ -200,7 +209,7 @@ def _cut(
     zrows = _rows(sflat, zpos + row0, heads)  # [L, H, F, W]
     rrows = _rows(sflat, rpos + row0, heads)  # [L, H, F, Wr]
     rm = _to(rmask, dev)
-    step = max(1, MAX_GATHER // max(1, H * F * max(w, wr) * D))
+    step = _layer_step(H * F * max(w, wr) * D, dev)
     stds: dict[str, list[torch.Tensor]] = {"k": [], "v": []}
     for l0 in range(0, L, step):
         layers = range(l0, min(L, l0 + step))

@@ -209,6 +209,7 @@ def test_batched_lagkv_layer_chunks(key: str, caplog: pytest.LogCaptureFixture, 
     from sgl_kvevict import engine_lagkv as el
 
     monkeypatch.setattr(el, "MAX_GATHER", 1)
+    monkeypatch.setattr(el, "MAX_GATHER_CPU", 1)
     _compare_lag(key, caplog)
 
 
