@@ -9,7 +9,12 @@ layers) goes through the scheduler's compression hook once (`hooks._compress_bat
   `aten::_local_scalar_dense` = `.item()`/`int(t)`/`bool(t)`, data-dependent shapes, `.tolist()`);
 - wall time of the step, divided by the requests it compressed (best of `--reps`).
 
-`HF_HUB_OFFLINE=1 nice -n 10 python benchmarks/bench_engine.py --out results/engine/after.txt`
+With `--capture`, it also measures the window-query capture of one decode forward (the hook on every
+layer's `RadixAttention.forward`, `capture.Store.write`) at the same batch sizes: top-level aten ops,
+host syncs and wall time for all layers. The capture used to push per request and layer (B x layers
+pushes per forward); the store writes once per layer, whatever the batch.
+
+`HF_HUB_OFFLINE=1 nice -n 10 python benchmarks/bench_engine.py --capture --out results/engine/after.txt`
 """
 
 from __future__ import annotations
@@ -18,11 +23,12 @@ import argparse
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from sgl_kvevict import hooks
+from sgl_kvevict import capture, hooks
 from sgl_kvevict import state as st
 from sgl_kvevict.pools import Pools, SyncCounter
 
@@ -85,6 +91,36 @@ def measure(pools: Pools, policy: str, batch: int, n: int, budget, reps: int) ->
     }
 
 
+def measure_capture(batch: int, layers: int, reps: int) -> dict:
+    """One decode forward's capture writes (every layer) for `batch` capturing requests."""
+    hq, d, w = 8, 64, 32
+    store = capture.Store(batch + 1, layers, w, hq, d, batch, torch.bfloat16, "cpu")
+    for row in range(1, batch + 1):
+        store.ensure(row, w, 0)
+    fb = SimpleNamespace(
+        req_pool_indices=torch.arange(1, batch + 1),
+        positions=torch.randint(0, 4096, (batch,)),
+        forward_mode=SimpleNamespace(is_decode=lambda: True, is_extend=lambda: False),
+    )
+    q = torch.randn(batch, hq * d, dtype=torch.bfloat16)
+
+    def forward() -> None:
+        for layer in range(layers):
+            store.write(layer, q, fb)
+
+    forward()
+    walls = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        forward()
+        walls.append(time.perf_counter() - t0)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        forward()
+    with SyncCounter() as sc:
+        forward()
+    return {"ops": _top_level_aten(prof), "syncs": sc.total, "ms": min(walls) * 1e3}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policies", default=",".join(POLICIES))
@@ -93,6 +129,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=512, help="region tokens per request")
     ap.add_argument("--budget", type=int, default=256, help="token budget (beyond sinks and recent)")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--capture", action="store_true", help="also measure the window-query capture")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     names = args.policies.split(",")
@@ -124,6 +161,15 @@ def main() -> int:
                 f"{p:<11} {bsz:>5} {r['compressed']:>5} {r['ops']:>7} {r['ops'] / bsz:>8.1f} {r['syncs']:>6} "
                 f"{r['ms_step']:>9.1f} {r['ms_per_req']:>8.2f} {r['ms_per_req'] / base:>6.2f}  {r['sync_kinds']}"
             )
+            print(line, flush=True)
+            lines.append(line)
+    if args.capture:
+        head = f"# capture: one decode forward, {args.layers} layers, 8 query heads x 64, window 32, bf16"
+        lines += [head, f"{'batch':>5} {'ops':>7} {'syncs':>6} {'ms':>8} {'pushes before':>14}"]
+        print("\n".join(lines[-2:]), flush=True)
+        for bsz in batches:
+            r = measure_capture(bsz, args.layers, args.reps)
+            line = f"{bsz:>5} {r['ops']:>7} {r['syncs']:>6} {r['ms']:>8.2f} {bsz * args.layers:>14}"
             print(line, flush=True)
             lines.append(line)
     if args.out:

@@ -202,6 +202,16 @@ def build(
     return STORE
 
 
+def _pools(forward_batch: Any) -> tuple[Any, Any]:
+    """SGLang's request and KV pools during a forward (the attention backend holds them in 0.5.23)."""
+    from sglang.srt.model_executor import forward_context as fc
+
+    if fc.has_forward_context():
+        backend = fc.get_attn_backend()
+        return backend.req_to_token_pool, backend.token_to_kv_pool
+    return forward_batch.req_to_token_pool, forward_batch.token_to_kv_pool
+
+
 def before_attention(layer_mod, q, k, v, forward_batch, *args, **kwargs):
     """BEFORE hook on RadixAttention.forward: every row's queries into the store (see the module)."""
     if CONF is None or q is None:
@@ -211,9 +221,9 @@ def before_attention(layer_mod, q, k, v, forward_batch, *args, **kwargs):
         return None
     store = STORE
     if store is None:
-        pool = forward_batch.token_to_kv_pool
+        r2t, pool = _pools(forward_batch)
         store = build(
-            int(forward_batch.req_to_token_pool.req_to_token.shape[0]),
+            int(r2t.req_to_token.shape[0]),
             int(pool.layer_num),
             int(layer_mod.tp_q_head_num),
             int(layer_mod.head_dim),

@@ -356,6 +356,26 @@ def prepare(req: Any, phase: Phase) -> Job | None:
     return Job(req, s, phase, a, n, n_sink, n_recent, budget, kv.cache_protected_len)
 
 
+def due(req: Any) -> bool:
+    """Whether the request's next compression check may compress (host counts only, no side effect):
+    a prefill just ran, a split plan is under way, or the policy's decode trigger fires at its length.
+    The overlap scheduler processes a step's results before preparing the next one when this holds
+    (see `hooks.get_next_batch_to_run`)."""
+    s = st.get(req)
+    if s is None or not s.active or runtime.RT is None:
+        return False
+    if s.after_extend or s.pending is not None:
+        return True
+    cfg = s.policy.config
+    n = req.kv.kv_committed_len - s.anchor_kv
+    if n <= 0:
+        return False
+    n_sink = max(0, min(cfg.sinks - s.anchor_tokens, n))
+    n_recent = max(0, min(cfg.recent, n - n_sink))
+    budget = s.cfg.resolve_budget(n + s.own_evicted, n_sink + n_recent)
+    return s.policy.should_compress(n, n_sink, n_recent, s.comp_slots, budget, "decode")
+
+
 def compress(req: Any, phase: Phase) -> int:
     """Run one compression step if the policy's trigger fires. Returns the slots freed (0 if none)."""
     job = prepare(req, phase)

@@ -13,6 +13,10 @@ Each hook is one of the places where SGLang assumes "one KV slot per token", whi
 - `release_kv_cache` (BEFORE): a last compression when the turn ends, so the stored history is small.
 - `Req.owned_kv_len`, `_release_overallocated_kv_indices` (AROUND): slot counts for compressed requests.
 - `RadixAttention.forward` (BEFORE): capture the last W queries for attention-based policies.
+- `Scheduler.get_next_batch_to_run`, `process_batch_result` (AROUND): under the overlap scheduler, a
+  step in which a compression is due processes the previous step's results first (overlap off for that
+  step only); a finished request gives back the slot of its in-flight last token before its last
+  compression. Both make overlap on and off compress the same.
 - meta_info and `/server_info` reporting.
 Every hook guards itself: an exception in our code must never take the scheduler down.
 """
@@ -194,6 +198,7 @@ def release_kv_cache(req, tree_cache, *args, **kwargs):
     if req.finished():
         # An aborted or disconnected request's history is not worth a last compression: nobody continues it.
         if s.active and not isinstance(req.finished_reason, FINISH_ABORT):
+            _drop_in_flight_token(req, s)
             t0 = time.perf_counter()
             compressor.safe_compress(req, "finish")
             if runtime.RT is not None:
@@ -204,6 +209,66 @@ def release_kv_cache(req, tree_cache, *args, **kwargs):
         s.releasing = True
         return (req, tree_cache, *args), {**kwargs, "checkpoint": True}
     return None
+
+
+def _drop_in_flight_token(req: Any, s: st.ReqState) -> None:
+    """Under the overlap scheduler a request is found finished only after its next step was prepared:
+    it already holds a slot for its last output token (whose K/V that step computes). Without overlap
+    that slot never exists. Give it back before the last compression, so the compressed history, and
+    what a next turn reuses, are the same with overlap on or off."""
+    rt = runtime.RT
+    kv = req.kv
+    if rt is None or not req.output_ids or kv.kv_allocated_len != kv.kv_committed_len:
+        return
+    keep = s.slots_for(len(req.origin_input_ids) + len(req.output_ids) - 1)
+    if not kv.cache_protected_len <= keep < kv.kv_committed_len:
+        return
+    row = kv.req_pool_idx
+    rt.allocator.free(rt.req_to_token[row, keep : kv.kv_committed_len].to(torch.int64))
+    kv.kv_committed_len = kv.kv_allocated_len = keep
+
+
+class Drained:
+    """Stands in the overlap scheduler's result queue for a step whose results were processed early:
+    SGLang's loop pops one entry per step, and reads the queued batch's requests (none here)."""
+
+    reqs: tuple = ()
+
+    def is_empty(self) -> bool:
+        return True
+
+    def batch_size(self) -> int:
+        return 0
+
+
+DRAINED = Drained()
+
+
+def get_next_batch_to_run(original, scheduler, *args, **kwargs):
+    """Overlap off for exactly the steps that compress: when a request of the step whose results are
+    still pending is due to compress (`compressor.due`), process those results first, as the
+    non-overlapped loop does, then prepare the next step. Its compression then sees the same requests
+    (finished ones gone) and the same tree (a prefill's prompt inserted, so a shared prefix stays
+    uncompressed and reusable) as without overlap; every other step keeps overlapping."""
+    q = getattr(scheduler, "result_queue", None)
+    if q and runtime.RT is not None and q[0][0] is not DRAINED:
+        try:
+            drain = any(compressor.due(r) for r in q[0][0].reqs)
+        except Exception:
+            logger.exception("kvevict: compression check before an overlapped step failed")
+            drain = False
+        if drain:
+            batch, result = q.popleft()
+            scheduler.process_batch_result(batch, result)
+            q.appendleft((DRAINED, None))
+            runtime.RT.totals.overlap_drained_steps += 1
+    return original(scheduler, *args, **kwargs)
+
+
+def process_batch_result(original, scheduler, batch, *args, **kwargs):
+    if batch is DRAINED:  # processed already, before this step was prepared
+        return None
+    return original(scheduler, batch, *args, **kwargs)
 
 
 def owned_kv_len(original, req, *args, **kwargs):
@@ -294,6 +359,8 @@ HOOKS: list[tuple[str, Any, HookType]] = [
     (f"{_SB}.Req.owned_kv_len", owned_kv_len, HookType.AROUND),
     ("sglang.srt.mem_cache.common._release_overallocated_kv_indices", release_overallocated, HookType.AROUND),
     ("sglang.srt.layers.radix_attention.RadixAttention.forward", capture.before_attention, HookType.BEFORE),
+    ("sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run", get_next_batch_to_run, HookType.AROUND),
+    ("sglang.srt.managers.scheduler.Scheduler.process_batch_result", process_batch_result, HookType.AROUND),
     (
         "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer.is_request_level_customized_info_key",
         request_level_key,

@@ -27,6 +27,9 @@ class Totals:
     compressions_deferred: int = 0  # compression checks postponed a step (--kv-compress-step-tokens spent)
     compressions_split: int = 0  # steps that planned part of a compression and left the rest for later
     heap_mib_trimmed: float = 0.0  # RSS given back to the OS by malloc_trim at /flush_cache (see trim_heap)
+    overlap_drained_steps: int = (
+        0  # overlapped steps whose previous results were processed first (a compression was due)
+    )
     capture_refused: int = 0  # requests left uncompressed: no window-query capture slot was free
     step_seconds_max: float = 0.0  # the longest a scheduler step (or a release) spent compressing: its stall
     started: float = field(default_factory=time.time)

@@ -193,3 +193,28 @@ def test_hook_without_a_store_config_does_nothing():
         assert capture.STORE is None
     finally:
         capture.CONF, capture.STORE = old
+
+
+def test_first_forward_builds_the_store_from_sglangs_pools():
+    """With CUDA graphs the model runner captures (after a warm-up forward) before the plugin attaches
+    to the scheduler: the first forward must build the store from SGLang's own pools."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    r2t = ReqToTokenPool(6, 64, "cpu", False)
+    kv = MHATokenToKVPool(128, 1, torch.float32, 1, D, 3, "cpu", False)
+    old = capture.CONF, capture.STORE
+    capture.CONF, capture.STORE = (4, 2), None
+    try:
+        backend = SimpleNamespace(req_to_token_pool=r2t, token_to_kv_pool=kv)
+        with forward_context(ForwardContext(attn_backend=backend)):
+            q = torch.ones(1, H * D, dtype=torch.bfloat16)
+            capture.before_attention(Layer(2), q, None, None, Batch([1], [0], None))
+        store = capture.STORE
+        assert store is not None and store.buf.shape == (3, 3, 4, H, D) and store.buf.dtype == torch.bfloat16
+        assert store.slot_of_row.shape[0] == r2t.req_to_token.shape[0]
+        assert float(store.buf[store.slots].abs().sum()) > 0  # the warm-up's write went to the dummy slot
+    finally:
+        capture.CONF, capture.STORE = old
