@@ -47,12 +47,12 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from sgl_kvevict import kernels, policies
 from sgl_kvevict.compressor import THREADS, select_layers
 from sgl_kvevict.config import KvConfig
+from sgl_kvevict.model import default_model_path
 from sgl_kvevict.policies import LayerView, Policy
 from sgl_kvevict.policies import graphkv as graph_mod
 from sgl_kvevict.policies.lagkv import LagKVPolicy
 
 streamed_neighbors = graph_mod.source_neighbors
-MODEL = "/root/.cache/sgl-kvevict/models/SmolLM2-135M-Instruct-v1"
 SIZES = (512, 2048, 8192)
 W = 32
 PREFILL_CHUNK = 1024
@@ -136,8 +136,9 @@ class Model:
 
 def prefill(max_n: int) -> Model:
     """Chunked prefill of `max_n` tokens, keeping each layer's q_proj output for the window queries."""
-    tok = AutoTokenizer.from_pretrained(MODEL)
-    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=DTYPE, attn_implementation="sdpa").eval()
+    path = default_model_path()  # follows SGL_KVEVICT_CACHE, converted once if needed
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPE, attn_implementation="sdpa").eval()
     ids = tok(corpus(), return_tensors="pt").input_ids[0]
     if ids.numel() < max_n + 1:
         raise SystemExit(f"corpus has {ids.numel()} tokens, need {max_n + 1}")
