@@ -168,9 +168,10 @@ class CriticalKVPolicy(Refiner):
         a = self.base.score(view).float()
         sig = None
         if view.vo is not None:
-            vo, _ = slot_vo_norms(view)
+            vo, computed = slot_vo_norms(view)
         else:
-            vo, sig, _ = cached_vo_norms(view)
+            vo, sig, computed = cached_vo_norms(view)
+        view.stats["criticalkv_vo_computed"] = float(computed)  # norms this step computed (not reused)
         cand = view.candidates()
         b = min(max(0, budget), max(0, cand.stop - cand.start))
         eps = self.config.eps * (score_scale(self.base) if self.config.eps_on == "attention" else 1.0)
