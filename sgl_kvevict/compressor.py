@@ -124,7 +124,9 @@ class Pending:
 
 
 def _plan_layer(p: Pending, v: LayerView, stage: bool) -> None:
-    """Step 1 (and the staging of step 2) for one layer: nothing in the pool or the row is written."""
+    """Step 1 (and the staging of step 2) for one layer: nothing in the pool or the row is written.
+    Only missing per-slot norms the policy computed are stored: they describe values that stay as they
+    are whether or not the plan commits, so storing them early is safe and saves computing them again."""
     s, slots, rt = p.job.s, p.slots, runtime.RT
     kp = s.policy.select(v, p.job.budget)
     if v.vo is not None and slotstats.STATS is not None:  # norms the policy filled in: computed once
