@@ -36,6 +36,7 @@ logger = logging.getLogger("sgl_kvevict")
 STATS: torch.Tensor | None = None  # [layers, pool slots, KV heads] float32; NaN = not written or stale
 _W: list[torch.Tensor] = []  # per layer: the o_proj slices the hook multiplies by (fp32 on CPU)
 _START = 0  # the KV pool's first layer id (layer_id - _START indexes STATS)
+_DTYPE: torch.dtype | None = None  # the pool's value dtype: norms are of the row as stored
 
 
 def needed(cfg: Any, settings: Any) -> bool:
@@ -63,7 +64,7 @@ def needed(cfg: Any, settings: Any) -> bool:
 
 def setup(rt: Any) -> torch.Tensor:
     """Allocate the buffer for `rt`'s pool (once, at start) and cache the o_proj slices the hook uses."""
-    global STATS, _W, _START
+    global STATS, _W, _START, _DTYPE
     v0 = rt.v_buffer(0)
     STATS = torch.full((rt.n_layers, v0.shape[0], rt.n_kv_heads), float("nan"), device=v0.device)
     # the torch reference casts W_O to fp32 at every call: do it once here (the Triton kernel reads it as is)
@@ -71,7 +72,7 @@ def setup(rt: Any) -> torch.Tensor:
         rt.o_proj(layer) if kernels.use_triton(v0) else rt.o_proj(layer).float()
         for layer in range(rt.n_layers)
     ]
-    _START = rt.start_layer
+    _START, _DTYPE = rt.start_layer, v0.dtype
     logger.info(
         "sgl-kvevict: per-slot ||v W_O||_1 statistic on (%d layers x %d slots x %d KV heads, %.1f MiB)",
         rt.n_layers,
@@ -102,16 +103,14 @@ def before_attention(layer_mod, q, k, v, forward_batch, *args, **kwargs):
     compression would recompute). `v` None (a layer that reuses another layer's KV) writes nothing."""
     if STATS is None or v is None:
         return None
-    mode = forward_batch.forward_mode
-    if not (mode.is_decode() or mode.is_extend()):
-        return None
-    layer = layer_mod.layer_id - _START
-    pool = forward_batch.token_to_kv_pool
-    rows = v.reshape(v.shape[0], STATS.shape[2], -1)
-    dtype = getattr(pool, "dtype", rows.dtype)
-    if rows.dtype != dtype:
-        rows = rows.to(dtype)
     try:
+        mode = forward_batch.forward_mode
+        if not (mode.is_decode() or mode.is_extend()):
+            return None
+        layer = layer_mod.layer_id - _START
+        rows = v.reshape(v.shape[0], STATS.shape[2], -1)
+        if _DTYPE is not None and rows.dtype != _DTYPE:
+            rows = rows.to(_DTYPE)
         record(STATS, layer, rows, forward_batch.out_cache_loc, _W[layer])
     except Exception:
         # a missed write would leave the slot's previous occupant's norm: turn the statistic off instead

@@ -42,7 +42,7 @@ def _no_stats_after() -> Iterator[None]:
 
 def _forward_write(rank: Rank, slots: torch.Tensor, values: list[torch.Tensor], mode: ForwardMode) -> None:
     """What the forward pass does per layer for the statistic: the BEFORE hook on the values it writes."""
-    batch = SimpleNamespace(forward_mode=mode, out_cache_loc=slots, token_to_kv_pool=rank.kv)
+    batch = SimpleNamespace(forward_mode=mode, out_cache_loc=slots)  # the ForwardBatch fields it reads
     for layer in range(L):
         v = values[layer]
         slotstats.before_attention(SimpleNamespace(layer_id=layer), None, None, v.flatten(1), batch)
@@ -201,8 +201,11 @@ def test_hook_has_no_host_sync_and_skips_other_modes() -> None:
         assert torch.equal(stats[layer, slots], kernels.vo_norms_rows(vals[layer], rank.rt.o_proj(layer)).t())
     _forward_write(rank, torch.tensor([7]), [torch.randn(1, 4, 16) for _ in range(L)], ForwardMode.IDLE)
     assert bool(torch.isnan(stats[:, 7]).all())
-    slotstats.reset()  # no buffer: the hook is a no-op
-    _forward_write(rank, slots, vals, ForwardMode.DECODE)
+    # a write that fails (here: more values than slots) switches the statistic off rather than leaving
+    # those slots with their previous occupants' norms
+    _forward_write(rank, torch.tensor([1, 2]), vals, ForwardMode.DECODE)
+    assert slotstats.STATS is None
+    _forward_write(rank, slots, vals, ForwardMode.DECODE)  # no buffer: the hook is a no-op
 
 
 def test_buffer_only_when_a_request_can_use_it() -> None:
