@@ -26,6 +26,11 @@ one decode thread, since on a loaded 2-core machine the default can be many time
     HF_HUB_OFFLINE=1 python benchmarks/bench_policies.py --decode-threads 1 --out results/bench_policies.md --append
 GraphKV and CriticalKV beside their earlier implementations (dense graph, recomputed norms), one run:
     HF_HUB_OFFLINE=1 python benchmarks/bench_policies.py --sizes 8192 --policies snapkv graphkv criticalkv --side-by-side --decode-threads 1
+CriticalKV with the per-slot ||v W_O||_1 statistic (`sgl_kvevict.slotstats`, what the server runs):
+    HF_HUB_OFFLINE=1 python benchmarks/bench_policies.py --sizes 8192 --policies snapkv criticalkv --slot-stats --decode-threads 1
+`criticalkv-slotstats` reads the norms the forward pass wrote (precomputed here, outside the timed step,
+as the server's hook computes them when it writes each value) and moves them with compaction; the
+second table is what that hook adds to a forward pass, per token, beside the decode step.
 """
 
 from __future__ import annotations
@@ -44,15 +49,15 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from sgl_kvevict import kernels, policies
+from sgl_kvevict import kernels, policies, slotstats
 from sgl_kvevict.compressor import THREADS, select_layers
 from sgl_kvevict.config import KvConfig
+from sgl_kvevict.model import default_model_path
 from sgl_kvevict.policies import LayerView, Policy
 from sgl_kvevict.policies import graphkv as graph_mod
 from sgl_kvevict.policies.lagkv import LagKVPolicy
 
 streamed_neighbors = graph_mod.source_neighbors
-MODEL = "/root/.cache/sgl-kvevict/models/SmolLM2-135M-Instruct-v1"
 SIZES = (512, 2048, 8192)
 W = 32
 PREFILL_CHUNK = 1024
@@ -136,8 +141,9 @@ class Model:
 
 def prefill(max_n: int) -> Model:
     """Chunked prefill of `max_n` tokens, keeping each layer's q_proj output for the window queries."""
-    tok = AutoTokenizer.from_pretrained(MODEL)
-    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=DTYPE, attn_implementation="sdpa").eval()
+    path = default_model_path()  # follows SGL_KVEVICT_CACHE, converted once if needed
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPE, attn_implementation="sdpa").eval()
     ids = tok(corpus(), return_tensors="pt").input_ids[0]
     if ids.numel() < max_n + 1:
         raise SystemExit(f"corpus has {ids.numel()} tokens, need {max_n + 1}")
@@ -205,11 +211,13 @@ def compression_step(
     budget: int,
     states: list[dict] | None = None,
     n_compacted: int = 0,
+    stats: torch.Tensor | None = None,
 ) -> int:
     """One step on a private region, as `compressor.compress` runs it; returns the kept count.
 
     `states`: the per-layer policy state a previous compression left (the runner's `layer_state`);
-    it is updated as the runner does (carried scores of the kept tokens)."""
+    it is updated as the runner does (carried scores of the kept tokens). `stats`: the per-slot
+    ||v W_O||_1 buffer `[layers, pool, Hkv]`, read, written back and compacted as the runner does."""
     n = int(slots.numel())
     cfg = policy.config
     n_sink = max(0, min(cfg.sinks, n))
@@ -229,12 +237,17 @@ def compression_step(
             if "attn" in needs
             else None,
             o_proj=o_proj[layer] if "o_proj" in needs else None,
+            vo=slotstats.read(stats, layer, slots) if stats is not None and "o_proj" in needs else None,
             state=states[layer] if states is not None else {},
         )
         for layer, r in enumerate(regs)
     ]
     keeps = select_layers(policy, views, budget)
     keep = torch.stack(keeps).to(torch.int64)
+    if stats is not None:
+        for v in views:
+            if v.vo is not None:
+                slotstats.write_back(stats, v.layer, slots, v.vo)
     for v, kp in zip(views, keeps, strict=True):  # as the runner: scores carried to the next step
         scored = v.state.pop("scored", None)
         if scored is not None:
@@ -243,6 +256,8 @@ def compression_step(
         for v, kp in zip(views, keeps, strict=True):
             policy.merge(v, kp)
     kernels.compact([r.k_buffer for r in regs], [r.v_buffer for r in regs], slots, keep)
+    if stats is not None:
+        slotstats.compact(stats, slots, keep)
     return int(keep.shape[2])
 
 
@@ -255,19 +270,22 @@ def time_step(
     repeats: int,
     states: list[dict] | None = None,
     n_compacted: int = 0,
+    stats: torch.Tensor | None = None,
 ) -> tuple[float, float, int, int]:
     """Medians of wall and CPU ms of `compression_step` on fresh copies of the pool (it compacts in place)
-    and of `states`; the kept count; the peak transient memory of one more step (bytes)."""
+    and of `states` (and `stats`); the kept count; the peak transient memory of one more step (bytes)."""
     work: list[Region] = []
     st: list[list[dict] | None] = [None]
+    sb: list[torch.Tensor | None] = [None]
     kept: list[int] = []
 
     def reset() -> None:
         work[:] = [Region(r.k_buffer.clone(), r.v_buffer.clone(), r.q) for r in regs]
         st[0] = [dict(d) for d in states] if states is not None else None
+        sb[0] = stats.clone() if stats is not None else None
 
     def step() -> None:
-        kept.append(compression_step(policy, work, slots, o_proj, budget, st[0], n_compacted))
+        kept.append(compression_step(policy, work, slots, o_proj, budget, st[0], n_compacted, sb[0]))
 
     wall, cpu = wall_cpu_ms(step, repeats, reset)
     reset()
@@ -276,7 +294,13 @@ def time_step(
 
 
 def steady_state(
-    policy: Policy, regs: list[Region], slots: torch.Tensor, o_proj: list[torch.Tensor], n: int, period: int
+    policy: Policy,
+    regs: list[Region],
+    slots: torch.Tensor,
+    o_proj: list[torch.Tensor],
+    n: int,
+    period: int,
+    stats: torch.Tensor | None = None,
 ) -> tuple[list[dict], int, int] | None:
     """A decode-time step's input: the region's first n - period tokens were kept by the previous
     compression (its per-layer state is returned), `period` tokens arrived since; the budget keeps all
@@ -290,8 +314,37 @@ def steady_state(
         return None
     states: list[dict] = [{} for _ in regs]
     prev = [Region(r.k_buffer.clone(), r.v_buffer.clone(), r.q) for r in regs]
-    compression_step(policy, prev, slots[:n_prev], o_proj, n_prev, states)  # keeps all n_prev tokens
+    # keeps all n_prev tokens (on a copy of `stats`, which it would otherwise compact)
+    sc = stats.clone() if stats is not None else None
+    compression_step(policy, prev, slots[:n_prev], o_proj, n_prev, states, stats=sc)
     return states, budget, n_prev
+
+
+def written_stats(regs: list[Region], slots: torch.Tensor, o_proj: list[torch.Tensor]) -> torch.Tensor:
+    """`[layers, pool, Hkv]` per-slot ||v W_O||_1 as the forward pass leaves it (NaN elsewhere): what
+    `slotstats.before_attention` writes for each value, computed here once, outside the timed step."""
+    pool, h = regs[0].v_buffer.shape[0], regs[0].v_buffer.shape[1]
+    stats = torch.full((len(regs), pool, h), float("nan"))
+    for layer, r in enumerate(regs):
+        stats[layer, slots] = kernels.vo_norms_rows(r.v_buffer[slots], o_proj[layer].float()).t()
+    return stats
+
+
+def hook_ms(regs: list[Region], o_proj: list[torch.Tensor], tokens: int, repeats: int) -> tuple[float, float]:
+    """Median wall and CPU ms of the statistic's forward-pass work for `tokens` new tokens on every layer
+    (`slotstats.record`: norms of the values and one index copy per layer), as the hook runs it."""
+    w = [x.float() for x in o_proj]  # the hook's cached fp32 slices (`slotstats.setup` on CPU)
+    pool, h, d = regs[0].v_buffer.shape
+    stats = torch.full((len(regs), pool, h), float("nan"))
+    gen = torch.Generator().manual_seed(1)
+    loc = torch.randperm(pool, generator=gen)[:tokens]
+    vals = [r.v_buffer[loc].clone() for r in regs]
+
+    def step() -> None:
+        for layer in range(len(regs)):
+            slotstats.record(stats, layer, vals[layer], loc, w[layer])
+
+    return wall_cpu_ms(step, repeats)
 
 
 def trigger_period(policy: Policy) -> tuple[int, str]:
@@ -333,6 +386,12 @@ def main() -> None:
     parser.add_argument("--append", action="store_true", help="append to --out instead of overwriting it")
     parser.add_argument("--no-steady", action="store_true", help="skip the decode-time (second) compression")
     parser.add_argument(
+        "--slot-stats",
+        action="store_true",
+        help="also time criticalkv reading the per-slot ||v W_O||_1 the forward wrote ('criticalkv-slotstats', "
+        "the server's path) and the forward-pass cost of writing it",
+    )
+    parser.add_argument(
         "--side-by-side",
         action="store_true",
         help="also time the earlier implementations in the same run: graphkv's dense neighbour search "
@@ -367,6 +426,8 @@ def main() -> None:
     for base, old in (("graphkv", "graphkv-dense"), ("criticalkv", "criticalkv-recompute")):
         if args.side_by_side and base in names:
             names.insert(names.index(base) + 1, old)
+    if args.slot_stats and "criticalkv" in names:
+        names.insert(names.index("criticalkv") + 1, "criticalkv-slotstats")
     for label in names:
         name = label.split("-")[0]
         graph_mod.source_neighbors = (
@@ -380,19 +441,22 @@ def main() -> None:
             cfg = policy.config
             n_sink = min(cfg.sinks, n)
             dw, dc = dec[n]
+            stats = written_stats(regs, slots, o_proj) if label == "criticalkv-slotstats" else None
             if label == "criticalkv-recompute":  # its first step is criticalkv's: nothing cached yet
                 pass
             elif not policy.should_compress(n, n_sink, min(cfg.recent, n - n_sink), 0, budget, "prefill"):
                 log(f"{label} N={n}: trigger does not fire; skipped")
             else:
-                ms, cpu, kept, peak = time_step(policy, regs, slots, o_proj, budget, args.repeats)
+                ms, cpu, kept, peak = time_step(
+                    policy, regs, slots, o_proj, budget, args.repeats, stats=stats
+                )
                 rows.append(("first", label, n, kept, ms, cpu, peak / 2**20, ms / dw, cpu / dc, period_txt))
                 log(
                     f"{label} N={n} first: {ms:.1f} ms ({cpu:.1f} CPU), kept {kept}/{n}, peak {peak / 2**20:.1f} MiB"
                 )
             if args.no_steady:
                 continue
-            st = steady_state(policy, regs, slots, o_proj, n, period)
+            st = steady_state(policy, regs, slots, o_proj, n, period, stats)
             if st is None:
                 log(f"{label} N={n}: no decode-time step with {period} new tokens; skipped")
                 continue
@@ -400,13 +464,21 @@ def main() -> None:
             if label == "criticalkv-recompute":
                 states = [{k: v for k, v in d.items() if not k.startswith("vo")} for d in states]
             ms, cpu, kept, peak = time_step(
-                policy, regs, slots, o_proj, sbudget, args.repeats, states, n_prev
+                policy, regs, slots, o_proj, sbudget, args.repeats, states, n_prev, stats
             )
             rows.append(("decode", label, n, kept, ms, cpu, peak / 2**20, ms / dw, cpu / dc, period_txt))
             log(
                 f"{label} N={n} decode-time: {ms:.1f} ms ({cpu:.1f} CPU), kept {kept}/{n}, peak {peak / 2**20:.1f} MiB"
             )
 
+    hook_rows: list[tuple[int, int, float, float]] = []
+    if args.slot_stats:
+        torch.set_num_threads(decode_threads)  # it runs inside the forward pass, on the decode's threads
+        regs = data[sizes[-1]][0]
+        for t in (1, PREFILL_CHUNK):
+            hw, hc = hook_ms(regs, o_proj, t, max(5, args.decode_repeats))
+            hook_rows.append((sizes[-1], t, hw, hc))
+            log(f"slot statistic in the forward: {t} tokens x 30 layers: {hw:.2f} ms wall, {hc:.2f} ms CPU")
     load_after = os.getloadavg()
     command = " ".join(["HF_HUB_OFFLINE=1 python benchmarks/bench_policies.py", *sys.argv[1:]])
     lines = [
@@ -448,6 +520,19 @@ def main() -> None:
     lines.append("|---:|---:|---:|")
     for n in sizes:
         lines.append(f"| {n} | {dec[n][0]:.2f} | {dec[n][1]:.2f} |")
+    if hook_rows:
+        lines.append("")
+        lines.append(
+            "Per-slot ||v W_O||_1 written in the forward pass (`slotstats.record` on 30 layers: the norms of "
+            "the new values and one index copy per layer; decode threads), beside the decode step at N:"
+        )
+        lines.append("")
+        lines.append(
+            "| new tokens in the forward | ms (wall) | CPU ms | CPU ms per token | per token, in decode steps (CPU) |"
+        )
+        lines.append("|---:|---:|---:|---:|---:|")
+        for n, t, hw, hc in hook_rows:
+            lines.append(f"| {t} | {hw:.2f} | {hc:.2f} | {hc / t:.3f} | {hc / t / dec[n][1]:.4f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out is not None:

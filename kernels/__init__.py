@@ -30,6 +30,7 @@ API (implemented in the modules below; this list is the contract the policies an
     all heads) and "evicted" (evicted tokens over all heads). The paper reading is in d2o_merge.py.
 - vo_norms(v_buffer, slots, o_proj) -> [Hkv, N] float32
     o_proj: [Hq, D, hidden]; || v_{h_kv} @ o_proj[h_q] ||_1 per token and query head, mean over the group.
+    `vo_norms_rows(v, o_proj)`: the same for `[T, Hkv, D]` rows not in the pool (`-> [Hkv, T]`).
 
 Every op also exists as `<op>_ref` (torch, fp32 accumulation, bf16 or fp32 buffers) and `<op>_triton`.
 The re-exported functions shadow their modules' names here: reach a module (e.g. to tune a chunk size)
@@ -40,7 +41,7 @@ from .compact import compact, compact_ref, compact_triton
 from .d2o_merge import d2o_merge, d2o_merge_ref, d2o_merge_triton
 from .dispatch import use_triton
 from .lag_scores import lag_scores, lag_scores_ref, lag_scores_triton
-from .vo_norms import vo_norms, vo_norms_ref, vo_norms_triton
+from .vo_norms import vo_norms, vo_norms_ref, vo_norms_rows, vo_norms_triton
 from .window_attention import window_attention, window_attention_ref, window_attention_triton
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "use_triton",
     "vo_norms",
     "vo_norms_ref",
+    "vo_norms_rows",
     "vo_norms_triton",
     "window_attention",
     "window_attention_ref",

@@ -6,6 +6,8 @@ heads of each KV head, matching kvpress' GQA handling. Output `[Hkv, N]` float32
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -16,20 +18,31 @@ from .dispatch import next_pow2, use_triton
 _MAX_PROD = 1 << 20  # elements of one [Hq, chunk, hidden] product block in the reference
 
 
-def vo_norms_ref(v_buffer: torch.Tensor, slots: torch.Tensor, o_proj: torch.Tensor) -> torch.Tensor:
-    """Torch reference, chunked over tokens. v_buffer: [pool, Hkv, D]; o_proj: [Hq, D, hidden]."""
+def _ref_chunks(
+    rows: Callable[[int, int], torch.Tensor], n: int, hkv: int, o_proj: torch.Tensor, device: torch.device
+) -> torch.Tensor:
+    """`[Hkv, n]` from `rows(start, stop)` -> `[c, Hkv, D]` value rows. Each token's norm is computed from
+    its own row only, so the norms a forward writes per slot (`vo_norms_rows`, often one token) and the
+    ones a compression recomputes from the pool (`vo_norms`) agree. Bit for bit when values and W_O are
+    16-bit (bf16/fp16: their products are exact in fp32, so BLAS's kernel choice for a small chunk, FMA or
+    not, does not matter; tested); for fp32 ones to fp32 rounding (small chunks take other kernels)."""
     hq, d, hidden = o_proj.shape
-    hkv = v_buffer.shape[1]
     g = hq // hkv
-    n = slots.numel()
     w = o_proj.float().reshape(hkv, g, d, hidden)
-    out = torch.empty(hkv, n, dtype=torch.float32, device=v_buffer.device)
+    out = torch.empty(hkv, n, dtype=torch.float32, device=device)
     step = max(1, _MAX_PROD // (hq * hidden))
     for n0 in range(0, n, step):
-        v = region(v_buffer, slots[n0 : n0 + step]).float().transpose(0, 1)  # [Hkv, c, D]
+        v = rows(n0, min(n, n0 + step)).float().transpose(0, 1)  # [Hkv, c, D]
         prod = torch.matmul(v[:, None], w)  # [Hkv, G, c, hidden]
         out[:, n0 : n0 + step] = prod.abs_().sum(dim=-1).mean(dim=1)
     return out
+
+
+def vo_norms_ref(v_buffer: torch.Tensor, slots: torch.Tensor, o_proj: torch.Tensor) -> torch.Tensor:
+    """Torch reference, chunked over tokens. v_buffer: [pool, Hkv, D]; o_proj: [Hq, D, hidden]."""
+    return _ref_chunks(
+        lambda a, b: region(v_buffer, slots[a:b]), slots.numel(), v_buffer.shape[1], o_proj, v_buffer.device
+    )
 
 
 @triton.jit
@@ -92,3 +105,13 @@ def vo_norms(v_buffer: torch.Tensor, slots: torch.Tensor, o_proj: torch.Tensor) 
     if use_triton(v_buffer):
         return vo_norms_triton(v_buffer, slots, o_proj)
     return vo_norms_ref(v_buffer, slots, o_proj)
+
+
+def vo_norms_rows(v: torch.Tensor, o_proj: torch.Tensor) -> torch.Tensor:
+    """`[Hkv, T]` norms of value rows not yet in the pool (`v`: `[T, Hkv, D]`, e.g. the rows a forward is
+    about to write): the same computation as `vo_norms` over slots holding these rows. No host read and
+    shapes fixed by T, so it can run inside a CUDA graph (`sgl_kvevict.slotstats`)."""
+    t = v.shape[0]
+    if use_triton(v):
+        return vo_norms_triton(v, torch.arange(t, device=v.device), o_proj)
+    return _ref_chunks(lambda a, b: v[a:b], t, v.shape[1], o_proj, v.device)

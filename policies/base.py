@@ -115,6 +115,9 @@ class LayerView:
     n_compacted: int
     attn: torch.Tensor | None = None  # [Hkv, N] window attention (see kernels.window_attention)
     o_proj: torch.Tensor | None = None  # [Hq, D, hidden] per-query-head slices of W_O
+    # [Hkv, N] float32 ||v W_O||_1 per region token, written when its value was (the server's per-slot
+    # statistic); NaN where stale or never written. A policy may fill NaNs in place: the runner stores them.
+    vo: torch.Tensor | None = None
     state: dict[str, Any] = field(default_factory=dict)  # per (request, layer), kept by the runner
     stats: dict[str, float] = field(default_factory=dict)  # per-layer statistics a policy reports
 

@@ -23,15 +23,19 @@ Readings chosen: alpha = 0.5 (paper text and code; Alg. 1's header says 0.25) = 
   CriticalKVPress and the authors' DefensiveKV: group-averaged scores times group-averaged norms). Kept
   as the only reading; not measured against the per-head form.
 
-||v W_O||_1 is O(n x Hq x D x hidden) per compression if recomputed (`kernels.vo_norms`), so it is
-cached per request and layer in `view.state` (like the carried scores): the kept tokens' norms, in kept
-order (the region's first tokens after compaction), with a signature of each value row's bits. A later
-compression reuses a norm when the row at that place still has the same signature and computes the
-rest (new tokens; rows D2O's merge rewrote; anything after a shifted region), so it reads O(n) numbers
-and O(n x D) value bits instead of O(n x hidden) products, with the same selection as recomputing.
-A first compression (nothing cached) still computes every norm; a statistic written per slot when K/V
-is written (one norm per token, query-head group and layer, moved with its row by compaction) would
-make it O(n) too, at about one extra o_proj per token in the forward pass.
+||v W_O||_1 is O(n x Hq x D x hidden) per compression if recomputed (`kernels.vo_norms`). In the server
+it is a per-slot statistic written when the value is written (`sgl_kvevict.slotstats`: one norm per
+token, KV head and layer, computed in the forward pass and moved with its row by every compaction), handed
+to the policy as `view.vo`: every compression, the first included, reads O(n) numbers. Rows whose
+statistic is stale (D2O's merge rewrote the value) or was never written are NaN there and computed here
+(`slot_vo_norms`); the runner stores them back.
+
+Without `view.vo` (no per-slot buffer: the policy used on its own, benchmarks), the norms are cached per
+request and layer in `view.state` (like the carried scores): the kept tokens' norms, in kept order (the
+region's first tokens after compaction), with a signature of each value row's bits. A later compression
+reuses a norm when the row at that place still has the same signature and computes the rest (new
+tokens; rows D2O's merge rewrote; anything after a shifted region); a first compression computes every
+norm. Both paths give the same norms, hence the same selection, as recomputing.
 
 The wrapper uses the base's score, trigger and merge (d2o), not its select. Shared fields (sinks,
 recent, interval, window) are set on criticalkv and passed to the base.
@@ -126,6 +130,19 @@ def cached_vo_norms(view: LayerView) -> tuple[torch.Tensor, torch.Tensor, int]:
     return norms, sig, int(idx.numel())
 
 
+def slot_vo_norms(view: LayerView) -> tuple[torch.Tensor, int]:
+    """`(view.vo with its NaN rows computed in place, rows computed)`: the per-slot statistic, and
+    `kernels.vo_norms` for the rows where it is stale or was never written (one host read, the count)."""
+    from sgl_kvevict.kernels import vo_norms
+
+    assert view.vo is not None and view.o_proj is not None
+    vo = view.vo
+    idx = torch.isnan(vo).any(0).nonzero().squeeze(1)
+    if idx.numel() > 0:
+        vo[:, idx] = vo_norms(view.v_buffer, view.slots[idx], view.o_proj).to(vo.device, vo.dtype)
+    return vo, int(idx.numel())
+
+
 def score_scale(base: Policy) -> float:
     """How many attention probabilities one unit of the base's score is (h2o/d2o sum the window)."""
     return float(base.config.window) if isinstance(base, H2OPolicy) else 1.0
@@ -149,7 +166,12 @@ class CriticalKVPolicy(Refiner):
         if view.o_proj is None:
             raise ValueError("criticalkv needs view.o_proj")
         a = self.base.score(view).float()
-        vo, sig, _ = cached_vo_norms(view)
+        sig = None
+        if view.vo is not None:
+            vo, computed = slot_vo_norms(view)
+        else:
+            vo, sig, computed = cached_vo_norms(view)
+        view.stats["criticalkv_vo_computed"] = float(computed)  # norms this step computed (not reused)
         cand = view.candidates()
         b = min(max(0, budget), max(0, cand.stop - cand.start))
         eps = self.config.eps * (score_scale(self.base) if self.config.eps_on == "attention" else 1.0)
@@ -159,6 +181,10 @@ class CriticalKVPolicy(Refiner):
             top1 = a[:, cand].topk(b1, dim=-1).indices + cand.start
             s2.scatter_(1, top1, float("inf"))
         keep = topk_keep(s2, view, b)
+        if sig is None:  # the per-slot statistic moves with its rows: nothing to carry
+            view.state.pop("vo", None)
+            view.state.pop("vo_sig", None)
+            return keep
         # the kept tokens' norms, in the order compaction leaves them, for the next compression
         kp = keep.to(sig.device)
         view.state["vo"] = vo.gather(1, kp.to(vo.device))

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from sgl_kvevict import capture, kernels, runtime
+from sgl_kvevict import capture, kernels, runtime, slotstats
 from sgl_kvevict import state as st
 from sgl_kvevict.policies import LayerView, Policy
 from sgl_kvevict.policies.base import Phase
@@ -70,6 +70,7 @@ class Plan:
     tail: int  # kept indices that are the region's last tokens for every head
     dense_k: list[torch.Tensor] | None = None  # staged and compacted region K/V, `[k, Hkv, D]` each
     dense_v: list[torch.Tensor] | None = None
+    stale: torch.Tensor | None = None  # [L, Hkv, k] kept rows whose value the merge rewrote
 
     @property
     def n(self) -> int:
@@ -106,6 +107,7 @@ class Pending:
     views: list[LayerView] = field(default_factory=list)
     dense_k: list[torch.Tensor] = field(default_factory=list)
     dense_v: list[torch.Tensor] = field(default_factory=list)
+    stale: list[torch.Tensor] = field(default_factory=list)  # [Hkv, k] per merged layer (per-slot stats on)
     seconds: float = 0.0
     comp_slots: int = 0  # the request's compacted boundary when it started
 
@@ -122,9 +124,13 @@ class Pending:
 
 
 def _plan_layer(p: Pending, v: LayerView, stage: bool) -> None:
-    """Step 1 (and the staging of step 2) for one layer: nothing in the pool or the row is written."""
+    """Step 1 (and the staging of step 2) for one layer: nothing in the pool or the row is written.
+    Only missing per-slot norms the policy computed are stored: they describe values that stay as they
+    are whether or not the plan commits, so storing them early is safe and saves computing them again."""
     s, slots, rt = p.job.s, p.slots, runtime.RT
     kp = s.policy.select(v, p.job.budget)
+    if v.vo is not None and slotstats.STATS is not None:  # norms the policy filled in: computed once
+        slotstats.write_back(slotstats.STATS, v.layer, slots, v.vo)
     n = int(slots.numel())
     lay = v.layer
     if p.keeps and int(kp.shape[1]) != int(p.keeps[0].shape[1]):
@@ -150,6 +156,10 @@ def _plan_layer(p: Pending, v: LayerView, stage: bool) -> None:
         kernels.compact([dk], [dv], idx, keep.unsqueeze(0))
         p.dense_k.append(dk[:k])
         p.dense_v.append(dv[:k])
+        if slotstats.STATS is not None:  # the rows whose value the merge changed: their statistic is stale
+            heads = torch.arange(keep.shape[0], device=slots.device).unsqueeze(-1)
+            before = rt.v_buffer(lay)[slots[keep], heads]  # [Hkv, k, D]
+            p.stale.append((dv[:k].transpose(0, 1) != before).any(-1))
 
 
 def _plan(p: Pending) -> Plan | None:
@@ -165,6 +175,8 @@ def _plan(p: Pending) -> Plan | None:
     plan = Plan(slots=p.slots, keep=keep, views=p.views, tail=tail)
     if p.dense_k:
         plan.dense_k, plan.dense_v = p.dense_k, p.dense_v
+    if p.stale:
+        plan.stale = torch.stack(p.stale)
     return plan
 
 
@@ -245,10 +257,15 @@ def _commit(req: Any, s: st.ReqState, plan: Plan, own_start: int) -> bool:
     after = row[a + plan.n : end].clone()
     k_bufs = [rt.k_buffer(layer) for layer in range(rt.n_layers)]
     v_bufs = [rt.v_buffer(layer) for layer in range(rt.n_layers)]
+    stats = slotstats.STATS
     if own_start <= a:  # the whole region is the request's own: compact in place
         if plan.dense_k is None:
             kernels.compact(k_bufs, v_bufs, plan.slots, plan.keep)
+            if stats is not None:
+                slotstats.compact(stats, plan.slots, plan.keep)
         else:
+            if stats is not None:
+                slotstats.write(stats, plan.slots[:k], _staged_stats(stats, plan))
             for kb, vb, dk, dv in zip(k_bufs, v_bufs, plan.dense_k, plan.dense_v, strict=True):
                 kb[plan.slots[:k]] = dk
                 vb[plan.slots[:k]] = dv
@@ -259,6 +276,8 @@ def _commit(req: Any, s: st.ReqState, plan: Plan, own_start: int) -> bool:
         if target is None:
             return False
         new, spare = target[:k], target[k:]
+        if stats is not None:
+            slotstats.write(stats, new, _staged_stats(stats, plan))
         for kb, vb, dk, dv in zip(k_bufs, v_bufs, plan.dense_k, plan.dense_v, strict=True):
             kb[new] = dk
             vb[new] = dv
@@ -270,6 +289,15 @@ def _commit(req: Any, s: st.ReqState, plan: Plan, own_start: int) -> bool:
     row[a + k : a + k + after.numel()] = after
     kv.kv_committed_len = kv.kv_allocated_len = a + k + after.numel()
     return True
+
+
+def _staged_stats(stats: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """`[L, Hkv, k]` per-slot statistic of the staged rows, in kept order: the kept rows' own, NaN
+    (recomputed when next needed) where the merge rewrote the value."""
+    vals = slotstats.gather(stats, plan.slots, plan.keep)
+    if plan.stale is not None:
+        vals = vals.masked_fill(plan.stale.to(vals.device), float("nan"))
+    return vals
 
 
 def _branch_point_moved(req: Any, s: st.ReqState) -> None:
@@ -473,6 +501,9 @@ def _view(p: Pending, layer: int) -> LayerView:
         n_compacted=s.comp_slots,
         attn=attn,
         o_proj=rt.o_proj(layer) if "o_proj" in needs else None,
+        vo=slotstats.read(slotstats.STATS, layer, p.slots)
+        if "o_proj" in needs and slotstats.STATS is not None
+        else None,
         state=p.states[layer],
     )
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from sgl_kvevict import capture, compressor, engine_lagkv, runtime
+from sgl_kvevict import capture, compressor, engine_lagkv, runtime, slotstats
 from sgl_kvevict import state as st
 from sgl_kvevict.compressor import Job
 from sgl_kvevict.policies.base import Phase
@@ -222,6 +222,8 @@ def _run_group(jobs: list[Job]) -> list[int]:
         for buf in (rt.k_buffer(layer), rt.v_buffer(layer)):
             flat = buf.view(-1, buf.shape[-1])
             flat.index_copy_(0, dst_rows, flat.index_select(0, src_rows[layer]))  # gather, then write
+    if slotstats.STATS is not None:  # the per-slot statistic moves with its row, all layers in one op
+        slotstats.move_rows(slotstats.STATS, src_rows, dst_rows)
     evicted = slots_pad.reshape(-1).index_select(0, _tail_index(ks, ns, nmax, dev))
     rt.allocator.free(evicted)
 

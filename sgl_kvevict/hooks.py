@@ -12,7 +12,8 @@ Each hook is one of the places where SGLang assumes "one KV slot per token", whi
 - `ForwardBatch.init_new` (AFTER): positions become logical: slot position + evicted tokens.
 - `release_kv_cache` (BEFORE): a last compression when the turn ends, so the stored history is small.
 - `Req.owned_kv_len`, `_release_overallocated_kv_indices` (AROUND): slot counts for compressed requests.
-- `RadixAttention.forward` (BEFORE): capture the last W queries for attention-based policies.
+- `RadixAttention.forward` (BEFORE, two hooks): capture the last W queries for attention-based policies;
+  write the per-slot ||v W_O||_1 statistic of the values being written (`slotstats`, CriticalKV).
 - `Scheduler.get_next_batch_to_run`, `process_batch_result` (AROUND): under the overlap scheduler, a
   step in which a compression is due processes the previous step's results first (overlap off for that
   step only); a finished request gives back the slot of its in-flight last token before its last
@@ -33,7 +34,7 @@ import torch
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sgl_kvevict import capture, compressor, engine, runtime
+from sgl_kvevict import capture, compressor, engine, runtime, slotstats
 from sgl_kvevict import state as st
 from sgl_kvevict.config import KvConfig, server_settings
 
@@ -359,6 +360,7 @@ HOOKS: list[tuple[str, Any, HookType]] = [
     (f"{_SB}.Req.owned_kv_len", owned_kv_len, HookType.AROUND),
     ("sglang.srt.mem_cache.common._release_overallocated_kv_indices", release_overallocated, HookType.AROUND),
     ("sglang.srt.layers.radix_attention.RadixAttention.forward", capture.before_attention, HookType.BEFORE),
+    ("sglang.srt.layers.radix_attention.RadixAttention.forward", slotstats.before_attention, HookType.BEFORE),
     ("sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run", get_next_batch_to_run, HookType.AROUND),
     ("sglang.srt.managers.scheduler.Scheduler.process_batch_result", process_batch_result, HookType.AROUND),
     (

@@ -182,6 +182,12 @@ def attach(cache: Any, ctx: Any) -> None:
     if missing:
         raise RuntimeError(f"sgl-kvevict: hooks failed to apply (see the log above): {missing}")
     cfg = server_config()
+    from sgl_kvevict import slotstats
+    from sgl_kvevict.config import server_settings
+
+    slotstats.reset()
+    if slotstats.needed(cfg, server_settings()):
+        slotstats.setup(RT)
     logger.info(
         "sgl-kvevict: KV policy %r active (budget %s, config %s); compressing radix cache on %d layers x %d KV heads; "
         "attention scale %.6g",

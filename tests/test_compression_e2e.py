@@ -108,6 +108,10 @@ def test_six_policies_at_once_hold_their_budget(kv_server: Server):
         assert info["kv_tokens"] - info["prefix_kv_tokens"] <= bound, (name, info)  # the shared prefix aside
         assert info["logical_tokens"] == len(prompts[name]) + 199
         assert len(out["output_ids"]) == 200 and not_collapsed(out["output_ids"]), (name, out["text"])
+    # CriticalKV read every ||v W_O||_1 from the per-slot statistic the forward wrote (slotstats): its
+    # last compression computed none (recomputing would have computed at least the newest tokens')
+    computed = kvinfo(results["criticalkv"])["layer_criticalkv_vo_computed"]
+    assert len(computed) == 30 and sum(computed) == 0, computed
     kv_server.flush()
     state = kv_server.server_info()["internal_states"][0]["kvevict"]
     assert state["available_tokens"] == state["max_total_tokens"]

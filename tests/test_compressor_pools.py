@@ -42,18 +42,18 @@ POLICIES = [
 class Rank:
     """One rank's pools, tree and runtime, holding KV heads `heads` of the full model."""
 
-    def __init__(self, heads: slice) -> None:
+    def __init__(self, heads: slice, dtype: torch.dtype = torch.float32) -> None:
         self.heads = heads
         h = heads.stop - heads.start
         self.r2t = ReqToTokenPool(4, 512, "cpu", False)
-        self.kv = MHATokenToKVPool(POOL, 1, torch.float32, h, D, L, "cpu", False)
-        self.alloc = TokenToKVPoolAllocator(POOL, torch.float32, "cpu", self.kv, False)
+        self.kv = MHATokenToKVPool(POOL, 1, dtype, h, D, L, "cpu", False)
+        self.alloc = TokenToKVPoolAllocator(POOL, dtype, "cpu", self.kv, False)
         params = CacheInitParams(
             disable=False, req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.alloc, page_size=1
         )
         self.tree = KvEvictRadixCache(params, self.r2t.req_to_token.shape[0])
         w = torch.Generator().manual_seed(7)
-        w_o = torch.randn(HKV * GROUP, D, 32, generator=w)  # [Hq, D, hidden] of the whole model
+        w_o = torch.randn(HKV * GROUP, D, 32, generator=w).to(dtype)  # [Hq, D, hidden] of the whole model
         qs = slice(heads.start * GROUP, heads.stop * GROUP)
         rt = runtime_for(
             self.tree, self.alloc, self.kv, h * GROUP, {lay: w_o[qs].contiguous() for lay in range(L)}
@@ -105,8 +105,8 @@ def _append(rank: Rank, req: SimpleNamespace, pos: int) -> None:
     rank.r2t.req_to_token[kv.req_pool_idx, kv.kv_committed_len] = slot[0].to(torch.int32)
     k, v, q = _kvq(pos)
     for layer in range(L):
-        rank.kv.get_key_buffer(layer)[slot] = k[layer, rank.heads].unsqueeze(0)
-        rank.kv.get_value_buffer(layer)[slot] = v[layer, rank.heads].unsqueeze(0)
+        rank.kv.get_key_buffer(layer)[slot] = k[layer, rank.heads].unsqueeze(0).to(rank.kv.dtype)
+        rank.kv.get_value_buffer(layer)[slot] = v[layer, rank.heads].unsqueeze(0).to(rank.kv.dtype)
     if kv.req_pool_idx in rank.store.entries:
         qs = slice(rank.heads.start * GROUP, rank.heads.stop * GROUP)
         for layer in range(L):

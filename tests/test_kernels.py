@@ -285,6 +285,19 @@ def test_vo_norms_ref_naive(monkeypatch, dtype, hq, hkv, chunked):
     torch.testing.assert_close(got, _naive_vo(vb.cpu(), slots.cpu(), o_proj), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("hq,hkv", GQA)
+@pytest.mark.parametrize("chunk", [1, 2, 5, 300])
+def test_vo_norms_rows_equal_pool_norms_bitwise_bf16(hq, hkv, chunk):
+    """The rows a forward writes, in chunks of any size (one decode token, a prefill chunk), get the very
+    norms `vo_norms` recomputes from the pool later: 16-bit values and weights make every product exact."""
+    vb, slots = _pool(300, hkv, 64, torch.bfloat16, seed=42)
+    vb, slots = vb.cpu(), slots.cpu()
+    o_proj = torch.randn(hq, 64, 96, generator=torch.Generator().manual_seed(43)).to(torch.bfloat16)
+    want = K.vo_norms_ref(vb, slots, o_proj)
+    got = torch.cat([K.vo_norms_rows(vb[slots[i : i + chunk]], o_proj) for i in range(0, 300, chunk)], 1)
+    assert torch.equal(got, want)
+
+
 def test_dispatch_cpu_uses_ref(monkeypatch):
     monkeypatch.delenv("SGL_KVEVICT_TRITON", raising=False)
     assert not K.use_triton(torch.zeros(1))
@@ -472,3 +485,14 @@ def test_triton_vo_norms(n, hq, hkv, dtype):
     got = K.vo_norms(vb, slots, o_proj)  # dispatches to Triton here
     want = K.vo_norms_ref(vb, slots, o_proj)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@triton_only
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_triton_vo_norms_rows(n, dtype):
+    """The forward's rows through the Triton kernel (what the hook runs on a GPU) vs the pool's norms."""
+    vb, slots = _pool(n, 3, 40, dtype, seed=500 + n)
+    o_proj = torch.randn(9, 40, 100, generator=torch.Generator().manual_seed(n)).to(dtype).to(DEVICE)
+    got = K.vo_norms_rows(vb[slots].contiguous(), o_proj)  # dispatches to Triton here
+    torch.testing.assert_close(got, K.vo_norms(vb, slots, o_proj), rtol=1e-5, atol=1e-5)
