@@ -46,13 +46,15 @@ def no_overlap_server() -> Iterator[Server]:
     )
 
 
-def _run(srv: Server, kv: dict) -> list[tuple[list[int], int, int]]:
-    """One long prompt, then a two-turn session: (output ids, evicted, compressions) per request."""
+def _run(srv: Server, kv: dict, seed: int) -> list[tuple[list[int], int, int]]:
+    """One long prompt, then a two-turn session: (output ids, evicted, compressions) per request. Each
+    policy gets its own texts (`seed`): a prompt another policy's request left in the tree would be a
+    shared prefix, never compressed."""
     out = []
-    ids = chat_ids([{"role": "user", "content": long_text(500, seed=11) + "\nWhich step failed first?"}])
+    ids = chat_ids([{"role": "user", "content": long_text(500, seed=seed) + "\nWhich step failed first?"}])
     first = srv.generate(input_ids=ids, max_new_tokens=40, kv=kv)
     msgs = [
-        {"role": "user", "content": long_text(300, seed=12) + "\nSummarise."},
+        {"role": "user", "content": long_text(300, seed=seed + 1) + "\nSummarise."},
     ]
     turns = []
     for follow in ("And the second half?", "Name one error code."):
@@ -74,7 +76,8 @@ def test_overlap_is_on_under_a_policy(kv_server: Server):
 
 @pytest.mark.parametrize("kv", POLICIES, ids=[p["policy"] for p in POLICIES])
 def test_overlap_on_equals_off(kv_server: Server, no_overlap_server: Server, kv: dict):
-    on = _run(kv_server, kv)
-    off = _run(no_overlap_server, kv)
+    seed = 100 + 10 * [p["policy"] for p in POLICIES].index(kv["policy"])
+    on = _run(kv_server, kv, seed)
+    off = _run(no_overlap_server, kv, seed)
     assert any(evicted > 0 for _, evicted, _ in on), "nothing was evicted: the check would be empty"
     assert on == off
