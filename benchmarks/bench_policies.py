@@ -47,12 +47,13 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from sgl_kvevict import kernels, policies
 from sgl_kvevict.compressor import THREADS, select_layers
 from sgl_kvevict.config import KvConfig
+from sgl_kvevict.model import default_model_path
 from sgl_kvevict.policies import LayerView, Policy
 from sgl_kvevict.policies import graphkv as graph_mod
 from sgl_kvevict.policies.lagkv import LagKVPolicy
 
 streamed_neighbors = graph_mod.source_neighbors
-MODEL = "/root/.cache/sgl-kvevict/models/SmolLM2-135M-Instruct-v1"
+MODEL = str(default_model_path())  # honours SGL_KVEVICT_CACHE, as fidelity.py does
 SIZES = (512, 2048, 8192)
 W = 32
 PREFILL_CHUNK = 1024
