@@ -116,7 +116,9 @@ class LayerView:
     attn: torch.Tensor | None = None  # [Hkv, N] window attention (see kernels.window_attention)
     o_proj: torch.Tensor | None = None  # [Hq, D, hidden] per-query-head slices of W_O
     state: dict[str, Any] = field(default_factory=dict)  # per (request, layer), kept by the runner
-    stats: dict[str, float] = field(default_factory=dict)  # per-layer statistics a policy reports
+    # per-layer statistics a policy reports: floats, or 0-dim device tensors that the runner reads only
+    # where they are reported (a read inside the step would be a host sync)
+    stats: dict[str, float | torch.Tensor] = field(default_factory=dict)
 
     @property
     def n(self) -> int:

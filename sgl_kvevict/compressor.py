@@ -399,11 +399,13 @@ def run(job: Job) -> int:
         return 0
     s.layer_state = p.states
     k = plan.k
-    for v in plan.views:  # bookkeeping
+    for v in plan.views:  # bookkeeping: device statistics stay tensors, read where reported (`stats`)
         for name, val in v.stats.items():
-            s.layer_stats.setdefault(name, [0.0] * rt.n_layers)[v.layer] = float(val)
-        s.merged += int(v.stats.get("d2o_merged", 0))
-        rt.totals.tokens_merged += int(v.stats.get("d2o_merged", 0))
+            s.layer_stats.setdefault(name, [0.0] * rt.n_layers)[v.layer] = val
+        merged = v.stats.get("d2o_merged")
+        if merged is not None:
+            s.merged_count.add(merged)
+            rt.totals.merged.add(merged)
     dt = p.seconds + time.perf_counter() - t0
     rt.tree.offsets[req.kv.req_pool_idx] = _account(job, k, plan.tail, plan.keep, dt, after=d)
     return job.n - k
@@ -562,6 +564,6 @@ def stats(req: Any) -> dict[str, Any] | None:
         out["prefix_digest"] = s.prefix_digest
         out["prefix_digest_end"] = s.prefix_digest_end
         out["kept_timeline"] = s.timeline
-    for name, vals in s.layer_stats.items():
-        out[f"layer_{name}"] = [round(x, 5) for x in vals]
+    for name, vals in s.layer_stats.items():  # device statistics are read here, once per report
+        out[f"layer_{name}"] = [round(float(x), 5) for x in vals]
     return out

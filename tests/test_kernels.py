@@ -329,8 +329,6 @@ _INDEX_PTRS = {
     "ev_ptr",
     "c_ptr",
     "order_ptr",
-    "th_ptr",
-    "tj_ptr",
     "start_ptr",
     "cnt_ptr",
 }
