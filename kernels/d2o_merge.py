@@ -40,6 +40,7 @@ NORM_EPS = 1e-12
 # Elements of one `[H, evicted chunk, kept chunk]` fp32 similarity block (8 MiB): the match never holds
 # more, whatever the region length. Read at call time (tests shrink it to force chunking).
 _MAX_SIMS = 1 << 21
+_GROUP = 64  # columns per group in `_row_max`
 
 
 def _evicted(keep: torch.Tensor, n: int) -> torch.Tensor:
@@ -91,6 +92,29 @@ def _rows(flat: torch.Tensor, idx: torch.Tensor, hkv: int) -> torch.Tensor:
     return flat.index_select(0, (idx * hkv + heads).reshape(-1)).view(hkv, idx.shape[1], flat.shape[1])
 
 
+def _row_max(sims: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sims.max(dim=-1)` (values, first index of the max) in about a quarter of its CPU time.
+
+    torch's max-with-indices is a scalar loop on CPU, while `amax` is vectorised: the row's maximum
+    per group of `_GROUP` columns (amax), the first group holding the row's maximum (a max over
+    b / _GROUP), then the first column of that group equal to it. Ties resolve as in one `max`: the
+    earliest column. Columns past the last whole group are compared on their own."""
+    n = sims.shape[-1]
+    g = n // _GROUP
+    if g < 2:
+        return sims.max(dim=-1)
+    groups = sims[..., : g * _GROUP].unflatten(-1, (g, _GROUP))
+    best, grp = groups.amax(dim=-1).max(dim=-1)
+    sub = groups.gather(-2, grp[..., None, None].expand(*grp.shape, 1, _GROUP)).squeeze(-2)
+    arg = (sub == best[..., None]).to(torch.uint8).argmax(dim=-1) + grp * _GROUP
+    if g * _GROUP < n:
+        tail, ti = sims[..., g * _GROUP :].max(dim=-1)
+        better = tail > best
+        best = torch.where(better, tail, best)
+        arg = torch.where(better, ti + g * _GROUP, arg)
+    return best, arg
+
+
 def _match_ref(
     kn: torch.Tensor, evicted: torch.Tensor, keep: torch.Tensor, max_sims: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,9 +135,9 @@ def _match_ref(
     c = torch.empty(hkv, n_ev, dtype=torch.int64, device=kn.device)
     for e0 in range(0, n_ev, ce):
         ke = _rows(flat, evicted[:, e0 : e0 + ce], hkv)  # [H, ce, D]
-        best, arg = torch.bmm(ke, kc_t[0]).max(dim=-1)
+        best, arg = _row_max(torch.bmm(ke, kc_t[0]))
         for i, kc in enumerate(kc_t[1:], start=1):
-            m, a = torch.bmm(ke, kc).max(dim=-1)
+            m, a = _row_max(torch.bmm(ke, kc))
             better = m > best
             best = torch.where(better, m, best)
             arg = torch.where(better, a + i * cb, arg)
