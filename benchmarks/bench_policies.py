@@ -26,6 +26,8 @@ one decode thread, since on a loaded 2-core machine the default can be many time
     HF_HUB_OFFLINE=1 python benchmarks/bench_policies.py --decode-threads 1 --out results/bench_policies.md --append
 GraphKV and CriticalKV beside their earlier implementations (dense graph, recomputed norms), one run:
     HF_HUB_OFFLINE=1 python benchmarks/bench_policies.py --sizes 8192 --policies snapkv graphkv criticalkv --side-by-side --decode-threads 1
+D2O beside its merge before the cost work (host syncs, max-with-indices per block):
+    HF_HUB_OFFLINE=1 python benchmarks/bench_policies.py --sizes 2048 8192 --policies d2o snapkv --side-by-side --decode-threads 1
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import _d2o_previous  # benchmarks/_d2o_previous.py (scripts run with benchmarks/ on sys.path)
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -53,6 +56,7 @@ from sgl_kvevict.policies import graphkv as graph_mod
 from sgl_kvevict.policies.lagkv import LagKVPolicy
 
 streamed_neighbors = graph_mod.source_neighbors
+current_d2o_merge = kernels.d2o_merge
 MODEL = str(default_model_path())  # honours SGL_KVEVICT_CACHE, as fidelity.py does
 SIZES = (512, 2048, 8192)
 W = 32
@@ -337,7 +341,8 @@ def main() -> None:
         "--side-by-side",
         action="store_true",
         help="also time the earlier implementations in the same run: graphkv's dense neighbour search "
-        "('graphkv-dense') and criticalkv recomputing every norm at a decode-time step ('criticalkv-recompute')",
+        "('graphkv-dense'), criticalkv recomputing every norm at a decode-time step ('criticalkv-recompute') "
+        "and d2o's merge before its cost work ('d2o-previous', benchmarks/_d2o_previous.py)",
     )
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -365,7 +370,11 @@ def main() -> None:
     torch.set_num_threads(compress_threads)
     rows: list[tuple[str, str, int, int, float, float, float, float, float, str]] = []
     names = list(args.policies)
-    for base, old in (("graphkv", "graphkv-dense"), ("criticalkv", "criticalkv-recompute")):
+    for base, old in (
+        ("graphkv", "graphkv-dense"),
+        ("criticalkv", "criticalkv-recompute"),
+        ("d2o", "d2o-previous"),
+    ):
         if args.side_by_side and base in names:
             names.insert(names.index(base) + 1, old)
     for label in names:
@@ -373,6 +382,8 @@ def main() -> None:
         graph_mod.source_neighbors = (
             graph_mod.source_neighbors_dense if label == "graphkv-dense" else streamed_neighbors
         )
+        # the policy looks the merge up on `sgl_kvevict.kernels` at each call
+        kernels.d2o_merge = _d2o_previous.d2o_merge_ref if label == "d2o-previous" else current_d2o_merge
         policy = policies.build(name)
         period, period_txt = trigger_period(policy)
         for n in sizes:
