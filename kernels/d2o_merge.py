@@ -130,7 +130,7 @@ def _match_ref(
     flat = kn.view(-1, kn.shape[2])
     cb = max(1, min(b, bound // hkv))
     ce = max(1, min(n_ev, bound // (hkv * cb)))
-    kc_t = [_rows(flat, keep[:, c0 : c0 + cb], hkv).transpose(1, 2).contiguous() for c0 in range(0, b, cb)]
+    kc_t = [_rows(flat, keep[:, c0 : c0 + cb], hkv).transpose(1, 2) for c0 in range(0, b, cb)]
     u = torch.empty(hkv, n_ev, dtype=torch.float32, device=kn.device)
     c = torch.empty(hkv, n_ev, dtype=torch.int64, device=kn.device)
     for e0 in range(0, n_ev, ce):

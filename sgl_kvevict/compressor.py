@@ -564,6 +564,16 @@ def stats(req: Any) -> dict[str, Any] | None:
         out["prefix_digest"] = s.prefix_digest
         out["prefix_digest_end"] = s.prefix_digest_end
         out["kept_timeline"] = s.timeline
-    for name, vals in s.layer_stats.items():  # device statistics are read here, once per report
-        out[f"layer_{name}"] = [round(float(x), 5) for x in vals]
+    for name, vals in s.layer_stats.items():  # device statistics are read here: one read per statistic
+        out[f"layer_{name}"] = [round(x, 5) for x in _host_floats(vals)]
     return out
+
+
+def _host_floats(vals: list[float | torch.Tensor]) -> list[float]:
+    """Per-layer statistics as floats; the 0-dim device tensors among them copied in one transfer."""
+    if not any(isinstance(x, torch.Tensor) for x in vals):
+        return [float(x) for x in vals]
+    dev = next(x.device for x in vals if isinstance(x, torch.Tensor))
+    return torch.stack(
+        [torch.as_tensor(x, dtype=torch.float32, device=dev).reshape(()) for x in vals]
+    ).tolist()
