@@ -37,9 +37,9 @@ from ._pool import head_rows, region, write_head_rows
 from .dispatch import next_pow2, use_triton
 
 NORM_EPS = 1e-12
-# Elements of one `[H, evicted chunk, kept chunk]` fp32 similarity block (8 MiB): the match never holds
+# Elements of one `[H, evicted chunk, kept chunk]` fp32 similarity block (4 MiB): the match never holds
 # more, whatever the region length. Read at call time (tests shrink it to force chunking).
-_MAX_SIMS = 1 << 21
+_MAX_SIMS = 1 << 20
 _GROUP = 64  # columns per group in `_row_max`
 
 
@@ -133,11 +133,19 @@ def _match_ref(
     kc_t = [_rows(flat, keep[:, c0 : c0 + cb], hkv).transpose(1, 2) for c0 in range(0, b, cb)]
     u = torch.empty(hkv, n_ev, dtype=torch.float32, device=kn.device)
     c = torch.empty(hkv, n_ev, dtype=torch.int64, device=kn.device)
+    # one block buffer for the whole match: a fresh multi-MiB tensor per block costs page faults
+    # (an mmap each, above glibc's threshold) on the CPU and allocator traffic elsewhere
+    buf = torch.empty(hkv * ce * cb, dtype=torch.float32, device=kn.device)
+
+    def sims(ke: torch.Tensor, kc: torch.Tensor) -> torch.Tensor:
+        out = buf[: ke.shape[0] * ke.shape[1] * kc.shape[2]].view(ke.shape[0], ke.shape[1], kc.shape[2])
+        return torch.bmm(ke, kc, out=out)
+
     for e0 in range(0, n_ev, ce):
         ke = _rows(flat, evicted[:, e0 : e0 + ce], hkv)  # [H, ce, D]
-        best, arg = _row_max(torch.bmm(ke, kc_t[0]))
+        best, arg = _row_max(sims(ke, kc_t[0]))
         for i, kc in enumerate(kc_t[1:], start=1):
-            m, a = _row_max(torch.bmm(ke, kc))
+            m, a = _row_max(sims(ke, kc))
             better = m > best
             best = torch.where(better, m, best)
             arg = torch.where(better, a + i * cb, arg)
