@@ -27,7 +27,7 @@ API (implemented in the modules below; this list is the contract the policies an
     per head; evicted with u >= tau' merge into c: Z_c = e + sum exp(u_e), k_c <- (e*k_c + sum exp(u_e) k_e)/Z_c,
     same weights for v. Written back into the kept slots (before compaction). tau: [Hkv] tensor, float or
     None (ignored when init); with nothing evicted it is returned unchanged (zeros for None). If `stats` (a dict) is given, it receives "merged" (evicted tokens merged, over
-    all heads) and "evicted" (evicted tokens over all heads). The paper reading is in d2o_merge.py.
+    all heads, a 0-dim device tensor: no host sync in the op) and "evicted" (an int, over all heads). The paper reading is in d2o_merge.py.
 - vo_norms(v_buffer, slots, o_proj) -> [Hkv, N] float32
     o_proj: [Hq, D, hidden]; || v_{h_kv} @ o_proj[h_q] ||_1 per token and query head, mean over the group.
     `vo_norms_rows(v, o_proj)`: the same for `[T, Hkv, D]` rows not in the pool (`-> [Hkv, T]`).

@@ -15,7 +15,13 @@ Reading of the paper used here (where its equations leave a choice, the choice i
 - Unmerged evicted tokens are simply dropped later by compaction.
 
 Zero-norm keys get cosine 0 with everything (norm clamped at 1e-12, as F.normalize does). The match is
-chunked over both evicted and kept tokens (bounded memory at any length); ties go to the earliest kept.
+one batched matmul over the heads per chunk of evicted tokens, never a block above `_MAX_SIMS`
+elements (the kept tokens are chunked too only when one evicted row alone would exceed it); ties go to
+the earliest kept.
+
+No host synchronisation anywhere (a GPU would stall the scheduler on each): the evicted set is built
+from host counts, the merge works per evicted token instead of per data-dependent receiver, and the
+merged count is returned as a device tensor that only its reporter reads.
 """
 
 from __future__ import annotations
@@ -31,7 +37,24 @@ from ._pool import head_rows, region, write_head_rows
 from .dispatch import next_pow2, use_triton
 
 NORM_EPS = 1e-12
-_MAX_SIMS = 1 << 20  # elements of one [H, evicted chunk, kept chunk] similarity block in the reference
+# Elements of one `[H, evicted chunk, kept chunk]` fp32 similarity block (4 MiB): the match never holds
+# more, whatever the region length. Read at call time (tests shrink it to force chunking).
+_MAX_SIMS = 1 << 20
+_GROUP = 64  # columns per group in `_row_max`
+
+
+def _evicted(keep: torch.Tensor, n: int) -> torch.Tensor:
+    """`[Hkv, n - b]` evicted region indices per head (the complement of `keep`, ascending).
+
+    Built without a host sync: each evicted index lands at its rank among the evicted (a cumulative
+    count), kept ones in a spill column that is cut off; every shape comes from host counts."""
+    hkv, b = keep.shape
+    kept = torch.zeros(hkv, n, dtype=torch.bool, device=keep.device).scatter_(1, keep, True)
+    rank = torch.cumsum(~kept, dim=1) - 1
+    pos = torch.where(kept, torch.full_like(rank, n - b), rank)
+    out = torch.empty(hkv, n - b + 1, dtype=torch.int64, device=keep.device)
+    out.scatter_(1, pos, torch.arange(n, device=keep.device).expand(hkv, n))
+    return out[:, : n - b]
 
 
 def _prepare(
@@ -45,11 +68,7 @@ def _prepare(
         tau_t = torch.zeros(hkv, dtype=torch.float32, device=slots.device)
     else:
         tau_t = torch.as_tensor(tau, dtype=torch.float32, device=slots.device).expand(hkv).clone()
-    evicted_mask = torch.ones(hkv, n, dtype=torch.bool, device=slots.device)
-    evicted_mask.scatter_(1, keep, False)
-    idx = torch.arange(n, device=slots.device).expand(hkv, n)
-    evicted = idx[evicted_mask].view(hkv, n - keep.shape[1])
-    return keep, evicted, tau_t
+    return keep, _evicted(keep, n), tau_t
 
 
 def _threshold(u: torch.Tensor, tau: torch.Tensor, beta: float, init: bool, reduce: str) -> torch.Tensor:
@@ -67,37 +86,116 @@ def _threshold(u: torch.Tensor, tau: torch.Tensor, beta: float, init: bool, redu
     return beta * u.amax(dim=1) + (1.0 - beta) * tau
 
 
-def _match_ref(
-    kn: torch.Tensor, evicted: torch.Tensor, keep: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Best cosine u `[H, E]` and its kept index c `[H, E]` from unit keys kn `[H, N, D]`.
+def _rows(flat: torch.Tensor, idx: torch.Tensor, hkv: int) -> torch.Tensor:
+    """Rows of a region's `[N * Hkv, D]` view for region indices `idx` `[Hkv, m]` -> `[Hkv, m, D]`."""
+    heads = torch.arange(hkv, device=idx.device)[:, None]
+    return flat.index_select(0, (idx * hkv + heads).reshape(-1)).view(hkv, idx.shape[1], flat.shape[1])
 
-    Chunked over evicted *and* kept tokens with a running max: no similarity block exceeds `_MAX_SIMS`
-    elements, whatever the region length (a full [E, b] matrix per head is O(N^2) memory at 32K)."""
-    hkv, n_ev, b = kn.shape[0], evicted.shape[1], keep.shape[1]
-    heads = torch.arange(hkv, device=kn.device)[:, None]
-    side = max(1, math.isqrt(_MAX_SIMS // hkv))
-    ce, cb = min(n_ev, side), min(b, side)
+
+def _row_max(sims: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sims.max(dim=-1)` (values, first index of the max) in about a quarter of its CPU time.
+
+    torch's max-with-indices is a scalar loop on CPU, while `amax` is vectorised: the row's maximum
+    per group of `_GROUP` columns (amax), the first group holding the row's maximum (a max over
+    b / _GROUP), then the first column of that group equal to it. Ties resolve as in one `max`: the
+    earliest column. Columns past the last whole group are compared on their own."""
+    n = sims.shape[-1]
+    g = n // _GROUP
+    if g < 2:
+        return sims.max(dim=-1)
+    groups = sims[..., : g * _GROUP].unflatten(-1, (g, _GROUP))
+    best, grp = groups.amax(dim=-1).max(dim=-1)
+    sub = groups.gather(-2, grp[..., None, None].expand(*grp.shape, 1, _GROUP)).squeeze(-2)
+    arg = (sub == best[..., None]).to(torch.uint8).argmax(dim=-1) + grp * _GROUP
+    if g * _GROUP < n:
+        tail, ti = sims[..., g * _GROUP :].max(dim=-1)
+        better = tail > best
+        best = torch.where(better, tail, best)
+        arg = torch.where(better, ti + g * _GROUP, arg)
+    return best, arg
+
+
+def _match_ref(
+    kn: torch.Tensor, evicted: torch.Tensor, keep: torch.Tensor, max_sims: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Best cosine u `[H, E]` and its kept index c `[H, E]` from unit keys kn `[N, H, D]` (contiguous).
+
+    One batched matmul over the heads per block of evicted tokens against every kept token; no block
+    exceeds `max_sims` elements (`_MAX_SIMS` by default): the evicted tokens go in chunks of
+    max_sims / (H * b), and only when one evicted row against every kept token is over the bound are
+    the kept tokens chunked too, with a running max (ties keep the earlier kept token, as one
+    unchunked argmax does). A full `[H, E, b]` matrix is O(N^2) memory at long contexts."""
+    bound = _MAX_SIMS if max_sims is None else max_sims
+    hkv, n_ev, b = kn.shape[1], evicted.shape[1], keep.shape[1]
+    flat = kn.view(-1, kn.shape[2])
+    cb = max(1, min(b, bound // hkv))
+    ce = max(1, min(n_ev, bound // (hkv * cb)))
+    kc_t = [_rows(flat, keep[:, c0 : c0 + cb], hkv).transpose(1, 2) for c0 in range(0, b, cb)]
     u = torch.empty(hkv, n_ev, dtype=torch.float32, device=kn.device)
     c = torch.empty(hkv, n_ev, dtype=torch.int64, device=kn.device)
+    # one block buffer for the whole match: a fresh multi-MiB tensor per block costs page faults
+    # (an mmap each, above glibc's threshold) on the CPU and allocator traffic elsewhere
+    buf = torch.empty(hkv * ce * cb, dtype=torch.float32, device=kn.device)
+
+    def sims(ke: torch.Tensor, kc: torch.Tensor) -> torch.Tensor:
+        out = buf[: ke.shape[0] * ke.shape[1] * kc.shape[2]].view(ke.shape[0], ke.shape[1], kc.shape[2])
+        return torch.bmm(ke, kc, out=out)
+
     for e0 in range(0, n_ev, ce):
-        ke = kn[heads, evicted[:, e0 : e0 + ce]]  # [H, ce, D]
-        best = torch.full(ke.shape[:2], float("-inf"), device=kn.device)
-        arg = torch.zeros(ke.shape[:2], dtype=torch.int64, device=kn.device)
-        for c0 in range(0, b, cb):
-            kc = kn[heads, keep[:, c0 : c0 + cb]]  # [H, cb, D]
-            m, a = torch.matmul(ke, kc.transpose(1, 2)).max(dim=-1)
-            better = m > best  # ties keep the earlier kept token, as one unchunked argmax would
+        ke = _rows(flat, evicted[:, e0 : e0 + ce], hkv)  # [H, ce, D]
+        best, arg = _row_max(sims(ke, kc_t[0]))
+        for i, kc in enumerate(kc_t[1:], start=1):
+            m, a = _row_max(sims(ke, kc))
+            better = m > best
             best = torch.where(better, m, best)
-            arg = torch.where(better, a + c0, arg)
+            arg = torch.where(better, a + i * cb, arg)
         u[:, e0 : e0 + ce], c[:, e0 : e0 + ce] = best, arg
     return u, c
 
 
 def _report(stats: dict[str, Any] | None, merged: torch.Tensor, n_evicted: int) -> None:
+    """`merged` stays a device tensor (0-dim int64): reading it is the reporter's sync, not the step's."""
     if stats is not None:
-        stats["merged"] = int(merged.sum())
+        stats["merged"] = merged.sum()
         stats["evicted"] = n_evicted
+
+
+def _apply_ref(
+    bufs: tuple[torch.Tensor, ...],
+    slots: torch.Tensor,
+    keep: torch.Tensor,
+    evicted: torch.Tensor,
+    u: torch.Tensor,
+    c: torch.Tensor,
+    merge: torch.Tensor,
+) -> None:
+    """Weighted merge into the kept rows, in place, with every shape known on the host.
+
+    Work is indexed by evicted token (H * E rows), never by the data-dependent set of receivers: each
+    evicted token's target gets one accumulator row (that of the first evicted token with the same
+    target, a scatter-min), weights of unmerged tokens are 0, and every evicted token's target row is
+    written back: receivers with their merged value (duplicates write the same value), the others with
+    their own value unchanged (a bf16 row round-trips exactly through fp32)."""
+    hkv, n_ev = u.shape
+    b = keep.shape[1]
+    dev = u.device
+    heads = torch.arange(hkv, device=dev)[:, None].expand(hkv, n_ev).reshape(-1)
+    target = (heads * b + c.reshape(-1)).contiguous()  # flat (head, kept index) per evicted token
+    pos = torch.arange(hkv * n_ev, device=dev)
+    first = torch.full((hkv * b,), hkv * n_ev, dtype=torch.int64, device=dev)
+    acc = first.scatter_reduce_(0, target, pos, reduce="amin").index_select(0, target)
+    w = torch.where(merge, u.exp(), torch.zeros_like(u)).reshape(-1)
+    z = torch.full((hkv * n_ev,), math.e, dtype=torch.float32, device=dev).index_add_(0, acc, w)
+    got = torch.zeros(hkv * n_ev, dtype=torch.int64, device=dev).index_add_(0, acc, merge.reshape(-1).long())
+    recv = (got > 0).index_select(0, acc)[:, None]
+    zt = z.index_select(0, acc)[:, None]
+    dst = slots[keep.reshape(-1).index_select(0, target)]
+    src = slots[evicted.reshape(-1)]
+    for buf in bufs:
+        own = head_rows(buf, dst, heads).float()  # [H * E, D] each evicted token's target row
+        num = own * math.e
+        num.index_add_(0, acc, head_rows(buf, src, heads).float().mul_(w[:, None]))
+        write_head_rows(buf, dst, heads, torch.where(recv, num.index_select(0, acc).div_(zt), own))
 
 
 def d2o_merge_ref(
@@ -111,34 +209,22 @@ def d2o_merge_ref(
     stats: dict[str, Any] | None = None,
     reduce: str = "max",
 ) -> torch.Tensor:
-    """Torch reference. Returns the new tau [Hkv]; `stats` (if given) gets 'merged' and 'evicted' counts."""
+    """Torch reference. Returns the new tau [Hkv]; `stats` (if given) gets 'merged' (a device tensor)
+    and 'evicted' (an int). No host sync: safe to run between decode steps on a GPU."""
     hkv = k_buffer.shape[1]
     keep, evicted, tau_t = _prepare(slots, keep, tau, hkv)
     b, n_ev = keep.shape[1], evicted.shape[1]
     if n_ev == 0 or b == 0:
-        _report(stats, torch.zeros(1), 0)
+        _report(stats, torch.zeros(1, dtype=torch.int64, device=slots.device), 0)
         return tau_t
-    k = region(k_buffer, slots).float().transpose(0, 1)  # [H, N, D]
+    k = region(k_buffer, slots).float()  # [N, H, D]
     kn = k.div_(k.norm(dim=-1, keepdim=True).clamp_min_(NORM_EPS))
     u, c = _match_ref(kn, evicted, keep)
+    del k, kn
     tau_new = _threshold(u, tau_t, beta, init, reduce)
     merge = u >= tau_new[:, None]
     _report(stats, merge, hkv * n_ev)
-    if not bool(merge.any()):
-        return tau_new
-    # only the merged evicted tokens and their targets are touched (decode evicts a handful)
-    mh, me = merge.nonzero(as_tuple=True)
-    targets, inv = torch.unique(mh * b + c[mh, me], return_inverse=True)  # flat (head, kept index)
-    hh, jj = targets // b, targets % b
-    dst = slots[keep[hh, jj]]
-    src = slots[evicted[mh, me]]
-    w = u[mh, me].exp()
-    z = torch.full((targets.numel(), 1), math.e, dtype=torch.float32, device=k.device)
-    z.index_add_(0, inv, w[:, None])
-    for buf in (k_buffer, v_buffer):
-        num = head_rows(buf, dst, hh).float().mul_(math.e)
-        num.index_add_(0, inv, head_rows(buf, src, mh).float().mul_(w[:, None]))
-        write_head_rows(buf, dst, hh, num.div_(z))
+    _apply_ref((k_buffer, v_buffer), slots, keep, evicted, u, c, merge)
     return tau_new
 
 
@@ -189,22 +275,24 @@ def _d2o_match_kernel(
 
 @triton.jit
 def _d2o_apply_kernel(
-    k_ptr, v_ptr, slots_ptr, keep_ptr, ev_ptr, u_ptr, order_ptr, th_ptr, tj_ptr, start_ptr, cnt_ptr,
+    k_ptr, v_ptr, slots_ptr, keep_ptr, ev_ptr, u_ptr, order_ptr, start_ptr, cnt_ptr,
     B, E, D, s_s, s_h, euler,
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Per receiving kept token: weighted sum of itself and its merged evicted tokens, written in place.
+    """Per kept (head, index): weighted sum of itself and its merged evicted tokens, written in place.
 
-    The evicted tokens of each target are a contiguous run of `order` (CSR), so no atomics are needed and
-    the result does not depend on scheduling.
+    One program per kept token of every head (a grid the host knows, so nothing is read back to size
+    it); a kept token that receives nothing writes nothing. The evicted tokens of each target are a
+    contiguous run of `order` (CSR), so no atomics are needed and the result does not depend on
+    scheduling.
     """
     t = tl.program_id(0)
-    h = tl.load(th_ptr + t)
-    j = tl.load(tj_ptr + t)
-    start = tl.load(start_ptr + t)
-    cnt = tl.load(cnt_ptr + t)
+    h = t // B
+    j = t % B
+    start = tl.load(start_ptr + h * (B + 1) + j)
+    cnt = tl.load(cnt_ptr + h * (B + 1) + j)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
+    mask_d = (offs_d < D) & (cnt > 0)
     dst = tl.load(slots_ptr + tl.load(keep_ptr + h * B + j))
     row = dst * s_s + h * s_h + offs_d
     acc_k = tl.load(k_ptr + row, mask=mask_d, other=0.0).to(tl.float32) * euler
@@ -232,7 +320,9 @@ def d2o_merge_triton(
     stats: dict[str, Any] | None = None,
     reduce: str = "max",
 ) -> torch.Tensor:
-    """Triton version: matching kernel, tiny torch glue (threshold, CSR by target), merging kernel."""
+    """Triton version: matching kernel, tiny torch glue (threshold, CSR by target), merging kernel.
+
+    No host sync: the merging grid is every kept token of every head, sized from host counts."""
     hkv, d = k_buffer.shape[1], k_buffer.shape[2]
     assert k_buffer.stride() == v_buffer.stride() and k_buffer.stride(2) == 1
     slots = slots.contiguous()
@@ -241,7 +331,7 @@ def d2o_merge_triton(
     evicted = evicted.contiguous()
     b, n_ev = keep.shape[1], evicted.shape[1]
     if n_ev == 0 or b == 0:
-        _report(stats, torch.zeros(1), 0)
+        _report(stats, torch.zeros(1, dtype=torch.int64, device=slots.device), 0)
         return tau_t
     dev = k_buffer.device
     u = torch.empty(hkv, n_ev, dtype=torch.float32, device=dev)
@@ -255,17 +345,13 @@ def d2o_merge_triton(
     tau_new = _threshold(u, tau_t, beta, init, reduce)
     merge = u >= tau_new[:, None]
     _report(stats, merge, hkv * n_ev)
-    if not bool(merge.any()):
-        return tau_new
     # CSR by target: sort each head's evicted by target index (non-merged go last with key b)
     key = torch.where(merge, c, torch.full_like(c, b))
     order = key.argsort(dim=1, stable=True).contiguous()
     count = torch.zeros(hkv, b + 1, dtype=torch.int64, device=dev).scatter_add_(1, key, torch.ones_like(key))
     start = count.cumsum(dim=1) - count
-    th, tj = (count[:, :b] > 0).nonzero(as_tuple=True)
-    _d2o_apply_kernel[(th.numel(),)](
-        k_buffer, v_buffer, slots, keep, evicted, u, order, th.contiguous(), tj.contiguous(),
-        start[th, tj].contiguous(), count[th, tj].contiguous(), b, n_ev, d,
+    _d2o_apply_kernel[(hkv * b,)](
+        k_buffer, v_buffer, slots, keep, evicted, u, order, start.contiguous(), count, b, n_ev, d,
         k_buffer.stride(0), k_buffer.stride(1), math.e,
         BLOCK_D=next_pow2(d),
     )  # fmt: skip

@@ -119,7 +119,9 @@ class LayerView:
     # statistic); NaN where stale or never written. A policy may fill NaNs in place: the runner stores them.
     vo: torch.Tensor | None = None
     state: dict[str, Any] = field(default_factory=dict)  # per (request, layer), kept by the runner
-    stats: dict[str, float] = field(default_factory=dict)  # per-layer statistics a policy reports
+    # per-layer statistics a policy reports: floats, or 0-dim device tensors that the runner reads only
+    # where they are reported (a read inside the step would be a host sync)
+    stats: dict[str, float | torch.Tensor] = field(default_factory=dict)
 
     @property
     def n(self) -> int:

@@ -36,7 +36,9 @@ would need a per-layer slot map, which SGLang's attention kernels do not take. S
 only *reported*:
 `view.stats["d2o_sigma2"]` (head-averaged variance of the window column sums, attn * window, over the
 region) and `view.stats["d2o_inv_var"]` = 1 / sigma2, the softmax logit; alpha_l is
-L_layers * softmax over layers of `d2o_inv_var`.
+L_layers * softmax over layers of `d2o_inv_var`. Like `d2o_merged` (evicted tokens merged), they are
+0-dim device tensors: the step never reads them back (a host sync would stall a GPU scheduler), the
+runner's report does (`compressor.stats`).
 
 Readings chosen where the paper is silent (reconstructed): keys-only cosine similarity; the updated
 threshold is compared; merged tokens keep their own slot's carried score (h2o's `carry`);
@@ -45,7 +47,7 @@ threshold is compared; merged tokens keep their own slot's carried score (h2o's 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
@@ -111,11 +113,12 @@ class D2OPolicy(H2OPolicy):
 
     @staticmethod
     def _report_density(view: LayerView, colsum: torch.Tensor) -> None:
+        """Device tensors (0-dim): the runner reads them only where they are reported, not in the step."""
         if colsum.shape[1] < 2:
             return
-        sigma2 = float(colsum.var(dim=-1).mean())
+        sigma2 = colsum.var(dim=-1).mean()
         view.stats["d2o_sigma2"] = sigma2
-        view.stats["d2o_inv_var"] = 1.0 / max(sigma2, 1e-30)
+        view.stats["d2o_inv_var"] = 1.0 / sigma2.clamp_min(1e-30)
 
     def merge(self, view: LayerView, keep: torch.Tensor) -> None:
         if not self.config.merge:
@@ -123,7 +126,7 @@ class D2OPolicy(H2OPolicy):
         from sgl_kvevict.kernels import d2o_merge
 
         tau = view.state.get("tau")
-        counts: dict[str, int] = {}
+        counts: dict[str, Any] = {}
         view.state["tau"] = d2o_merge(
             view.k_buffer,
             view.v_buffer,
@@ -135,4 +138,4 @@ class D2OPolicy(H2OPolicy):
             counts,
             self.config.threshold,
         )
-        view.stats["d2o_merged"] = float(counts.get("merged", 0))
+        view.stats["d2o_merged"] = counts["merged"]  # a device tensor: no host sync in the step

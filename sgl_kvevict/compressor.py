@@ -448,11 +448,13 @@ def run(job: Job) -> int:
         return 0
     s.layer_state = p.states
     k = plan.k
-    for v in plan.views:  # bookkeeping
+    for v in plan.views:  # bookkeeping: device statistics stay tensors, read where reported (`stats`)
         for name, val in v.stats.items():
-            s.layer_stats.setdefault(name, [0.0] * rt.n_layers)[v.layer] = float(val)
-        s.merged += int(v.stats.get("d2o_merged", 0))
-        rt.totals.tokens_merged += int(v.stats.get("d2o_merged", 0))
+            s.layer_stats.setdefault(name, [0.0] * rt.n_layers)[v.layer] = val
+        merged = v.stats.get("d2o_merged")
+        if merged is not None:
+            s.merged_count.add(merged)
+            rt.totals.merged.add(merged)
     dt = p.seconds + time.perf_counter() - t0
     rt.tree.offsets[req.kv.req_pool_idx] = _account(job, k, plan.tail, plan.keep, dt, after=d)
     return job.n - k
@@ -615,6 +617,16 @@ def stats(req: Any) -> dict[str, Any] | None:
         out["prefix_digest"] = s.prefix_digest
         out["prefix_digest_end"] = s.prefix_digest_end
         out["kept_timeline"] = s.timeline
-    for name, vals in s.layer_stats.items():
-        out[f"layer_{name}"] = [round(x, 5) for x in vals]
+    for name, vals in s.layer_stats.items():  # device statistics are read here: one read per statistic
+        out[f"layer_{name}"] = [round(x, 5) for x in _host_floats(vals)]
     return out
+
+
+def _host_floats(vals: list[float | torch.Tensor]) -> list[float]:
+    """Per-layer statistics as floats; the 0-dim device tensors among them copied in one transfer."""
+    if not any(isinstance(x, torch.Tensor) for x in vals):
+        return [float(x) for x in vals]
+    dev = next(x.device for x in vals if isinstance(x, torch.Tensor))
+    return torch.stack(
+        [torch.as_tensor(x, dtype=torch.float32, device=dev).reshape(()) for x in vals]
+    ).tolist()

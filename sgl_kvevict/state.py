@@ -31,6 +31,7 @@ import torch
 
 from sgl_kvevict.config import KvConfig, request_override, server_config
 from sgl_kvevict.policies import Policy
+from sgl_kvevict.runtime import LazyCount
 
 logger = logging.getLogger("sgl_kvevict")
 ATTR = "_kvevict"
@@ -68,11 +69,12 @@ class ReqState:
     ran: bool = False  # KV was allocated since the last match (a later match is a re-admission)
     commit: bool = False  # generates nothing: a prefix commit (SGLang's frontend before `fork`), kept whole
     compressions: int = 0
-    merged: int = 0
+    merged_count: LazyCount = field(default_factory=LazyCount)  # D2O's merges; read as `merged`
     seconds: float = 0.0
     layer_state: list[dict] = field(default_factory=list)
     carry_stack: torch.Tensor | None = None  # [L, H, k]: the carried scores the layers' entries view
-    layer_stats: dict[str, list[float]] = field(default_factory=dict)
+    # per layer: floats or 0-dim device tensors (read where reported, `compressor.stats`)
+    layer_stats: dict[str, list[float | torch.Tensor]] = field(default_factory=dict)
     prefix_digest: str = ""
     digest_kv: int = 0  # slots the digests cover: the shared prefix at admission
     prefix_digest_end: str = ""
@@ -81,6 +83,11 @@ class ReqState:
     dbg_pos: torch.Tensor | None = None
     dbg_tokens: int = 0
     timeline: list[dict] = field(default_factory=list)
+
+    @property
+    def merged(self) -> int:
+        """Evicted tokens merged into kept ones (D2O), read here (a host sync), not in the step."""
+        return self.merged_count.value()
 
     @property
     def offset(self) -> int:

@@ -34,7 +34,6 @@ CONFIGS = {
 TIES = {"snapkv-max"}
 # Policies whose step still syncs, and why (their per-policy costs are another part of the same work).
 STILL_SYNCING = {
-    "d2o": "merge kernel reads the merged count back (`int(merged.sum())`) for its statistics",
     "graphkv": "per-request path (refiner over a base policy)",
     "criticalkv": "per-request path (refiner over a base policy)",
 }
@@ -112,6 +111,41 @@ def test_batched_step_has_no_host_sync(key: str) -> None:
         freed = engine.compress_batch([(r, "decode") for r in b.reqs])
     assert all(f > 0 for f in freed), "every request compressed"
     assert sc.counts == {}, f"host syncs in the batched step: {sc.counts}"
+
+
+# D2O still takes the per-request path (it merges), but that path no longer syncs either.
+D2O_CONFIGS = {
+    "d2o": {"window": 8},
+    "d2o-accumulated-mean": {"window": 8, "scores": "accumulated", "threshold": "mean"},
+}
+
+
+@pytest.mark.parametrize("key", list(D2O_CONFIGS))
+def test_d2o_step_has_no_host_sync(key: str) -> None:
+    """D2O's score, select, merge and the runner's bookkeeping around it: no host sync, at the first
+    compression (threshold initialised) and at a decode-time one (EMA), while tokens really merge. The
+    merged count and the density statistics are read only afterwards, where they are reported."""
+    pools = Pools(layers=LAYERS, max_reqs=4, max_len=TOKENS + 48)
+    b = pools.batch(4, TOKENS, "d2o", 48, D2O_CONFIGS[key])
+    b.reqs[0].kv.kv_committed_len = b.reqs[0].kv.kv_allocated_len = TOKENS - 20  # ragged
+    assert all(engine._policy_key(compressor.prepare(r, "decode")) is None for r in b.reqs)
+    for step in range(2):
+        with SyncCounter() as sc:
+            freed = engine.compress_batch([(r, "decode") for r in b.reqs])
+        assert all(f > 0 for f in freed), f"step {step}: every request compressed"
+        assert sc.counts == {}, f"step {step}: host syncs in D2O's step: {sc.counts}"
+        for i, r in enumerate(b.reqs):  # grow every request past the trigger again
+            kv = r.kv
+            new = pools.alloc.alloc(40)
+            pools.r2t.req_to_token[i, kv.kv_committed_len : kv.kv_committed_len + 40] = new.to(torch.int32)
+            kv.kv_committed_len = kv.kv_allocated_len = kv.kv_committed_len + 40
+    for r in b.reqs:
+        s = st.get(r)
+        assert s.compressions == 2 and all("tau" in d for d in s.layer_state)
+        report = compressor.stats(r)
+        assert report["merged"] == s.merged > 0
+        assert len(report["layer_d2o_sigma2"]) == LAYERS and all(x > 0 for x in report["layer_d2o_sigma2"])
+    assert pools.rt.totals.tokens_merged == sum(st.get(r).merged for r in b.reqs)
 
 
 @pytest.mark.parametrize("name", sorted(STILL_SYNCING))

@@ -171,18 +171,19 @@ def test_d2o_match_is_chunked(monkeypatch) -> None:
     want_k, want_v = kb.clone(), vb.clone()
     want_tau = d2o_mod.d2o_merge_ref(want_k, want_v, slots, keep, None, BETA, True)
     sizes: list[int] = []
-    real = torch.matmul
+    real = torch.bmm  # the match is one batched matmul over the heads per block
 
-    def counting(a, b_):
-        out = real(a, b_)
+    def counting(a, b_, **kw):
+        out = real(a, b_, **kw)
         sizes.append(out.numel())
         return out
 
     monkeypatch.setattr(d2o_mod, "_MAX_SIMS", 3 * 40 * 40)
-    monkeypatch.setattr(torch, "matmul", counting)
+    monkeypatch.setattr(torch, "bmm", counting)
     got_tau = d2o_mod.d2o_merge_ref(kb, vb, slots, keep, None, BETA, True)
-    monkeypatch.setattr(torch, "matmul", real)
+    monkeypatch.setattr(torch, "bmm", real)
     assert len(sizes) > 4 and max(sizes) <= 3 * 40 * 40
+    assert sum(sizes) == h * (n - b) * b  # every (evicted, kept) pair once
     torch.testing.assert_close(got_tau, want_tau)
     torch.testing.assert_close(kb, want_k)
     torch.testing.assert_close(vb, want_v)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sgl_kvevict import kernels as K
 
@@ -259,6 +260,91 @@ def test_d2o_merge_nothing_evicted():
     assert torch.equal(tau, torch.full((2,), 0.25)) and stats["merged"] == 0 and torch.equal(kb, before)
 
 
+class _BmmSizes(TorchDispatchMode):
+    """Records the element count of every `bmm` output: the similarity blocks the match builds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func._schema.name == "aten::bmm":
+            self.sizes.append(out.numel())
+        return out
+
+
+def _dense_match(kn: torch.Tensor, evicted: torch.Tensor, keep: torch.Tensor):
+    """The full `[H, E, b]` cosine matrix at once, then max (first index on ties)."""
+    heads = torch.arange(kn.shape[1])[:, None]
+    ke, kc = kn[evicted, heads], kn[keep, heads]  # [H, E, D], [H, b, D]
+    return torch.einsum("hed,hbd->heb", ke, kc).max(dim=-1)
+
+
+@pytest.mark.parametrize("bound", [21, 97, 3 * 40 * 13, 1 << 20])
+def test_d2o_match_chunked_equals_dense(bound):
+    """Bounded blocks (kept chunked too when one evicted row is over the bound; evicted only; one
+    block), same best similarity and kept index as the dense matrix, duplicate keys resolving to the
+    earliest kept token across chunk boundaries."""
+    n, h, d, b = 211, 3, 16, 130
+    g = torch.Generator().manual_seed(7)
+    k = torch.randn(n, h, d, generator=g)
+    keep = _sorted_keep(n, h, b, seed=8).cpu()
+    evicted = d2o_mod._evicted(keep, n)
+    for hh in range(h):  # exact ties: a kept key copied to a later kept index and to evicted tokens
+        k[keep[hh, 100], hh] = k[keep[hh, 3], hh]
+        k[evicted[hh, :5], hh] = k[keep[hh, 3], hh]
+    kn = k / k.norm(dim=-1, keepdim=True)
+    with _BmmSizes() as rec:
+        u, c = d2o_mod._match_ref(kn, evicted, keep, max_sims=bound)
+    want_u, want_c = _dense_match(kn, evicted, keep)
+    torch.testing.assert_close(u, want_u, rtol=1e-6, atol=1e-6)
+    assert torch.equal(c, want_c)
+    assert (c[:, :5] == 3).all(), "ties go to the earliest kept token"
+    full = h * (n - b) * b
+    assert max(rec.sizes) <= max(bound, h), rec.sizes  # one row per head is the smallest block
+    assert sum(rec.sizes) == full, "every (evicted, kept) pair is computed exactly once"
+    assert (len(rec.sizes) > 1) == (bound < full)
+
+
+def test_d2o_match_large_region_stays_bounded():
+    """8K tokens, half kept, production bound: no block above `_MAX_SIMS` elements."""
+    n, h, d, b = 8192, 3, 64, 4096
+    g = torch.Generator().manual_seed(9)
+    kn = torch.nn.functional.normalize(torch.randn(n, h, d, generator=g), dim=-1)
+    keep = _sorted_keep(n, h, b, seed=10).cpu()
+    evicted = d2o_mod._evicted(keep, n)
+    with _BmmSizes() as rec:
+        u, c = d2o_mod._match_ref(kn, evicted, keep)
+    assert max(rec.sizes) <= d2o_mod._MAX_SIMS < h * (n - b) * b
+    rows = torch.arange(0, n - b, 257)  # spot-check against a dense computation of a few rows
+    want_u, want_c = _dense_match(kn, evicted[:, rows], keep)
+    torch.testing.assert_close(u[:, rows], want_u, rtol=1e-6, atol=1e-6)
+    assert torch.equal(c[:, rows], want_c)
+
+
+@pytest.mark.parametrize("width", [1, 63, 64, 128, 200, 4096 + 17])
+def test_d2o_row_max_equals_torch_max(width):
+    """Grouped max: the same values and the same first index as `max(dim=-1)`, plateaus included."""
+    g = torch.Generator().manual_seed(width)
+    sims = (torch.randn(3, 9, width, generator=g) * 2).round() / 2  # few distinct values: many ties
+    sims[0, 0, width // 2 :] = 5.0  # a plateau of the maximum starting mid-row
+    if width > 64:
+        sims[1, 0, -1] = 9.0  # the maximum alone in the last (partial) group
+    got_v, got_i = d2o_mod._row_max(sims)
+    want_v, want_i = sims.max(dim=-1)
+    assert torch.equal(got_v, want_v) and torch.equal(got_i, want_i)
+
+
+def test_d2o_evicted_is_the_sorted_complement():
+    n, h, b = 50, 4, 17
+    keep = _sorted_keep(n, h, b, seed=11).cpu()
+    got = d2o_mod._evicted(keep, n)
+    for hh in range(h):
+        want = sorted(set(range(n)) - set(keep[hh].tolist()))
+        assert got[hh].tolist() == want
+
+
 def _naive_vo(v_buffer, slots, o_proj):
     hq, d, hidden = o_proj.shape
     hkv = v_buffer.shape[1]
@@ -342,8 +428,6 @@ _INDEX_PTRS = {
     "ev_ptr",
     "c_ptr",
     "order_ptr",
-    "th_ptr",
-    "tj_ptr",
     "start_ptr",
     "cnt_ptr",
 }
