@@ -36,6 +36,7 @@ def test_trim_heap_gives_freed_memory_back():
     """Many small tensors freed stay in the C heap (RSS unchanged) until `trim_heap` returns them."""
     from sgl_kvevict.runtime import trim_heap
 
+    trim_heap()  # start from a trimmed heap: earlier tests' free blocks would take these allocations
     keep = [torch.ones(16 * 1024) for _ in range(4000)]  # 4,000 x 64 KiB = 250 MiB, below mmap's threshold
     keep = keep[::2]  # free every other one: holes malloc keeps
     del keep
