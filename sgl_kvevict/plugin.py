@@ -149,24 +149,23 @@ def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
     return result
 
 
-def _capture_arg(text: str) -> int:
-    try:
-        val = int(text.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {short(text)}") from None
-    if not 1 <= val <= MAX_CAPTURE:
-        raise argparse.ArgumentTypeError(f"{short(val)} out of range: must be in [1, {MAX_CAPTURE}]")
-    return val
+def _int_arg(hi: int, what: str = "an integer"):
+    """An argparse type: an integer in [1, hi], else a message naming the range."""
+
+    def parse(text: str) -> int:
+        try:
+            val = int(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {short(text)}") from None
+        if not 1 <= val <= hi:
+            raise argparse.ArgumentTypeError(f"{short(val)} out of range: must be in [1, {hi}]")
+        return val
+
+    return parse
 
 
-def _step_tokens_arg(text: str) -> int:
-    try:
-        val = int(text.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer number of tokens, got {short(text)}") from None
-    if not 1 <= val <= MAX_STEP_TOKENS:
-        raise argparse.ArgumentTypeError(f"{short(val)} out of range: must be in [1, {MAX_STEP_TOKENS}]")
-    return val
+_capture_arg = _int_arg(MAX_CAPTURE)
+_step_tokens_arg = _int_arg(MAX_STEP_TOKENS, "an integer number of tokens")
 
 
 _in_engine = False  # set while validating an offline Engine's keyword arguments: errors raise instead
