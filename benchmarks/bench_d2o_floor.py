@@ -19,6 +19,7 @@ import statistics
 import time
 
 import torch
+from timing import times_ms  # benchmarks/timing.py (scripts run with benchmarks/ on sys.path)
 
 d2o = importlib.import_module("sgl_kvevict.kernels.d2o_merge")
 LAYERS, HKV, D = 30, 3, 64
@@ -26,15 +27,7 @@ LAYERS, HKV, D = 30, 3, 64
 
 def cpu_ms(fn, repeats: int, setup=None) -> float:
     """Median process CPU ms of `repeats` runs after one warm-up."""
-    out = []
-    for i in range(repeats + 1):
-        if setup is not None:
-            setup()
-        t0 = time.process_time()
-        fn()
-        if i:
-            out.append((time.process_time() - t0) * 1e3)
-    return statistics.median(out)
+    return statistics.median(times_ms(fn, repeats, setup, clock=time.process_time))
 
 
 def measure(n: int, b: int, repeats: int) -> tuple[float, float]:
