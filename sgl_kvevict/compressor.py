@@ -372,16 +372,26 @@ def prepare(req: Any, phase: Phase) -> Job | None:
             p.job.layers = 1 << 30
             return p.job  # continues; the caller may limit its layers again
         s.pending = None
-    a = s.anchor_kv
-    n = kv.kv_committed_len - a
-    if n <= 0 or kv.kv_allocated_len != kv.kv_committed_len:
+    if kv.kv_allocated_len != kv.kv_committed_len:
+        return None
+    counts = _trigger(req, s, phase)
+    if counts is None:
+        return None
+    return Job(req, s, phase, s.anchor_kv, *counts, kv.cache_protected_len)
+
+
+def _trigger(req: Any, s: st.ReqState, phase: Phase) -> tuple[int, int, int, int] | None:
+    """`(n, n_sink, n_recent, budget)` of the request's region when its policy's trigger fires, else None."""
+    cfg = s.policy.config
+    n = req.kv.kv_committed_len - s.anchor_kv
+    if n <= 0:
         return None
     n_sink = max(0, min(cfg.sinks - s.anchor_tokens, n))
     n_recent = max(0, min(cfg.recent, n - n_sink))
     budget = s.cfg.resolve_budget(n + s.own_evicted, n_sink + n_recent)
     if not s.policy.should_compress(n, n_sink, n_recent, s.comp_slots, budget, phase):
         return None
-    return Job(req, s, phase, a, n, n_sink, n_recent, budget, kv.cache_protected_len)
+    return n, n_sink, n_recent, budget
 
 
 def due(req: Any) -> bool:
@@ -392,16 +402,7 @@ def due(req: Any) -> bool:
     s = st.get(req)
     if s is None or not s.active or runtime.RT is None:
         return False
-    if s.after_extend or s.pending is not None:
-        return True
-    cfg = s.policy.config
-    n = req.kv.kv_committed_len - s.anchor_kv
-    if n <= 0:
-        return False
-    n_sink = max(0, min(cfg.sinks - s.anchor_tokens, n))
-    n_recent = max(0, min(cfg.recent, n - n_sink))
-    budget = s.cfg.resolve_budget(n + s.own_evicted, n_sink + n_recent)
-    return s.policy.should_compress(n, n_sink, n_recent, s.comp_slots, budget, "decode")
+    return s.after_extend or s.pending is not None or _trigger(req, s, "decode") is not None
 
 
 def compress(req: Any, phase: Phase) -> int:
