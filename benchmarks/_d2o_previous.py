@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from sgl_kvevict.kernels._pool import head_rows, region, write_head_rows
+from sgl_kvevict.kernels.d2o_merge import NORM_EPS, _threshold  # unchanged by the cost work
 
-NORM_EPS = 1e-12
 _MAX_SIMS = 1 << 20  # elements of one [H, evicted chunk, kept chunk] similarity block in the reference
 
 
@@ -33,21 +33,6 @@ def _prepare(
     idx = torch.arange(n, device=slots.device).expand(hkv, n)
     evicted = idx[evicted_mask].view(hkv, n - keep.shape[1])
     return keep, evicted, tau_t
-
-
-def _threshold(u: torch.Tensor, tau: torch.Tensor, beta: float, init: bool, reduce: str) -> torch.Tensor:
-    """tau' per head `[Hkv]` from the step's best similarities u `[Hkv, E]`.
-
-    reduce='max' (the paper's Eq. 10 as read here): per head, mean at prefill, then
-    beta * max_e(u_e) + (1 - beta) * tau. reduce='mean' (the authors' released code): one scalar per
-    layer, the mean of the per-token best similarities over every head, at prefill and in the EMA.
-    """
-    if reduce == "mean":
-        cur = u.mean().expand(u.shape[0])
-        return cur.clone() if init else beta * cur + (1.0 - beta) * tau
-    if init:
-        return u.mean(dim=1)
-    return beta * u.amax(dim=1) + (1.0 - beta) * tau
 
 
 def _match_ref(
