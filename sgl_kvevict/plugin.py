@@ -256,7 +256,7 @@ def _server_settings(ns: argparse.Namespace, model_cfg: dict | None) -> ServerSe
 
 def _capture_settings(ns: argparse.Namespace, cfg: KvConfig, settings: ServerSettings) -> ServerSettings:
     """The window-query buffer's size when some request may capture (see `capture`), else none."""
-    if capture_needed(cfg, settings) is None:
+    if not capture_needed(cfg, settings):
         return settings
     pol = cfg.build()
     own = pol.config.window if "attn" in pol.needs else 0
@@ -269,24 +269,24 @@ def _capture_settings(ns: argparse.Namespace, cfg: KvConfig, settings: ServerSet
     return settings.model_copy(update={"capture_window": window, "capture_slots": slots})
 
 
-def capture_needed(cfg: KvConfig, settings: ServerSettings) -> str | None:
-    """What makes this server capture window queries (so it allocates the capture buffer), or None.
+def capture_needed(cfg: KvConfig, settings: ServerSettings) -> bool:
+    """Whether some request of this server may capture window queries (so it allocates the buffer).
 
     Attention-free policies (streaming, knorm, lagkv, a refiner over lagkv) never capture. A request
     override could ask for an attention-based policy, so overrides count too: the buffer is left out
-    only when none can ask for one. CUDA graphs stay on either way (the capture is graph-safe)."""
+    only when none can ask for one (any may, when `--kv-override-policies` is not given; a refiner's
+    base may be attention-based). CUDA graphs stay on either way (the capture is graph-safe)."""
     if "attn" in cfg.build().needs:
-        return f"--kv-policy {cfg.policy}"
+        return True
     if not settings.overrides.enabled:
-        return None
+        return False
     names = settings.overrides.policies
     if names is None:
-        return "a per-request override (any policy may be named; restrict with --kv-override-policies)"
-    for name in names:
-        cls = policies.REGISTRY[name]
-        if "attn" in cls.needs or issubclass(cls, policies.Refiner):
-            return f"an override to {name!r} (--kv-override-policies)"
-    return None
+        return True
+    return any(
+        "attn" in policies.REGISTRY[n].needs or issubclass(policies.REGISTRY[n], policies.Refiner)
+        for n in names
+    )
 
 
 def _restrict_features(
