@@ -192,16 +192,14 @@ def trim_heap() -> float:
 
 def attach(cache: Any, ctx: Any) -> None:
     global RT
-    from sgl_kvevict import hooks, modelcheck
+    from sgl_kvevict import capture, hooks, modelcheck, slotstats
+    from sgl_kvevict.config import server_config, server_settings
 
     hf = ctx.model_config.hf_config
     why = modelcheck.refusal(hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf)))
     if why:  # the launcher refuses these from config.json; this catches models it could not read
         raise RuntimeError(f"sgl-kvevict: a compressing KV policy cannot serve {why}")
     RT = Runtime(cache, ctx)
-    from sgl_kvevict import capture
-    from sgl_kvevict.config import server_config
-
     capture.build(
         int(RT.req_to_token.shape[0]),
         RT.n_layers,
@@ -215,9 +213,6 @@ def attach(cache: Any, ctx: Any) -> None:
     if missing:
         raise RuntimeError(f"sgl-kvevict: hooks failed to apply (see the log above): {missing}")
     cfg = server_config()
-    from sgl_kvevict import slotstats
-    from sgl_kvevict.config import server_settings
-
     slotstats.reset()
     if slotstats.needed(cfg, server_settings()):
         slotstats.setup(RT)
