@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from sgl_kvevict import capture, compressor, engine_lagkv, runtime, slotstats
+from sgl_kvevict import capture, compressor, engine_lagkv, ragged, runtime, slotstats
 from sgl_kvevict import state as st
 from sgl_kvevict.compressor import Job
 from sgl_kvevict.policies.base import Phase
@@ -136,13 +136,9 @@ def _defer(jobs: list[tuple[int, Job]], cap: int) -> list[tuple[int, Job]]:
 
 
 def _host_index(lengths: list[int], width: int, device: torch.device) -> torch.Tensor:
-    """Flat positions `r * width + j` for j < lengths[r]: where ragged rows sit in a padded layout.
-    Built from host integers (a host-to-device copy on CUDA, never a read back)."""
-    n = torch.tensor(lengths, dtype=torch.int64)
-    starts = torch.arange(len(lengths), dtype=torch.int64) * width
-    total = int(sum(lengths))
-    base = torch.repeat_interleave(starts - torch.cumsum(n, 0) + n, n, output_size=total)
-    return (base + torch.arange(total, dtype=torch.int64)).to(device, non_blocking=True)
+    """Flat positions `r * width + j` for j < lengths[r]: where ragged rows sit in a padded layout."""
+    starts = [r * width for r in range(len(lengths))]
+    return ragged.aranges(starts, lengths).to(device, non_blocking=True)
 
 
 def _col(values: list[int], device: torch.device) -> torch.Tensor:
@@ -254,10 +250,9 @@ def _run_group(jobs: list[Job]) -> list[int]:
 
 def _tail_index(ks: list[int], ns: list[int], width: int, device: torch.device) -> torch.Tensor:
     """Flat padded positions `r * width + j` for ks[r] <= j < ns[r]: the slots each request frees."""
+    starts = [r * width + k for r, k in enumerate(ks)]
     drop = [n - k for k, n in zip(ks, ns, strict=True)]
-    return _host_index(drop, width, device) + torch.repeat_interleave(
-        torch.tensor(ks, dtype=torch.int64), torch.tensor(drop, dtype=torch.int64), output_size=sum(drop)
-    ).to(device, non_blocking=True)
+    return ragged.aranges(starts, drop).to(device, non_blocking=True)
 
 
 def _scores(

@@ -24,12 +24,11 @@ same (`tests/test_engine_sync.py`).
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 import torch
 
-from sgl_kvevict import runtime
+from sgl_kvevict import ragged, runtime
 from sgl_kvevict.compressor import Job
 
 # Bound on the gathered K (or V) elements scored at once: the layers are scored in chunks below it. On a
@@ -88,36 +87,6 @@ def counts(job: Job) -> Counts:
             c = budget
     out.c = c
     return out
-
-
-def _ragged(starts: list[int], lengths: list[int]) -> torch.Tensor:
-    """Host int64 `cat([arange(s, s + n) for s, n in zip(starts, lengths)])` in a few vector ops."""
-    n = torch.tensor(lengths, dtype=torch.int64)
-    total = int(sum(lengths))
-    base = torch.tensor(starts, dtype=torch.int64) - torch.cumsum(n, 0) + n
-    return torch.repeat_interleave(base, n, output_size=total) + torch.arange(total, dtype=torch.int64)
-
-
-def _padded(starts: list[int], lengths: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Host `[len(starts), width]` positions `start + min(j, n - 1)` (padding repeats the last valid
-    one, so every index stays in range) and the mask `j < n` of the real ones."""
-    j = torch.arange(width, dtype=torch.int64).unsqueeze(0)
-    n = torch.tensor(lengths, dtype=torch.int64).view(-1, 1)
-    return torch.tensor(starts, dtype=torch.int64).view(-1, 1) + torch.minimum(j, (n - 1).clamp(min=0)), j < n
-
-
-def _starts(lengths: list[int]) -> list[int]:
-    """Exclusive prefix sums: where each of consecutive segments of these lengths starts."""
-    return [0, *itertools.accumulate(lengths)][:-1]
-
-
-def _repeat(values: list[int], counts: list[int]) -> torch.Tensor:
-    """Host int64 `values[i]` repeated `counts[i]` times (with its output size, so no sync)."""
-    return torch.repeat_interleave(
-        torch.tensor(values, dtype=torch.int64),
-        torch.tensor(counts, dtype=torch.int64),
-        output_size=sum(counts),
-    )
 
 
 def _to(x: torch.Tensor, dev: torch.device) -> torch.Tensor:
@@ -194,14 +163,14 @@ def _cut(
     w = max(pre)
     fin_t = _to(torch.tensor(fin, dtype=torch.int64), dev)
     zsel = seq.index_select(2, fin_t)  # [L, H, F, Cmax]
-    _, zmask = _padded([0] * F, pre, w)
+    _, zmask = ragged.padded([0] * F, pre, w)
     zpos = zsel[..., :w]
     # the reference: the raw tail's first min(L, raw) positions, or the compressed part itself
     self_ref = [cs[r].raw == 0 for r in fin]
     ref_n = [p if sr else min(lag, cs[r].raw) for p, sr, r in zip(pre, self_ref, fin, strict=True)]
     wr = max(ref_n)
-    raw_pos, rmask = _padded([cs[r].n - cs[r].raw for r in fin], ref_n, wr)
-    zidx, _ = _padded([0] * F, ref_n, wr)
+    raw_pos, rmask = ragged.padded([cs[r].n - cs[r].raw for r in fin], ref_n, wr)
+    zidx, _ = ragged.padded([0] * F, ref_n, wr)
     own = zsel.gather(3, _to(zidx, dev).view(1, 1, F, wr).expand(L, H, F, wr))
     sr = _to(torch.tensor(self_ref).view(F, 1), dev)
     rpos = torch.where(sr, own, _to(raw_pos, dev).view(1, 1, F, wr))
@@ -228,8 +197,8 @@ def _cut(
     past = torch.arange(bmax).unsqueeze(0) >= torch.tensor(cuts).view(-1, 1)
     top = top.masked_fill(_to(past, dev), w).sort(dim=-1).values.clamp(max=w - 1)
     kept = zpos.gather(3, top)  # [L, H, F, bmax] region positions, in order
-    dst = _ragged([r * cmax for r in fin], cuts)
-    src = _ragged([i * bmax for i in range(F)], cuts)
+    dst = ragged.aranges([r * cmax for r in fin], cuts)
+    src = ragged.aranges([i * bmax for i in range(F)], cuts)
     seq = seq.clone()
     seq.view(L, H, R * cmax).index_copy_(
         2, _to(dst, dev), kept.reshape(L, H, -1).index_select(2, _to(src, dev))
@@ -261,7 +230,7 @@ def select(jobs: list[Job], cs: list[Counts], slots_pad: torch.Tensor) -> torch.
 
     # the compressed part, [L, H, R, Cmax] region positions: the compacted part first
     comp = [c.t0 - c.n_sink for c in cs]
-    base, _ = _padded([c.n_sink for c in cs], comp, cmax)
+    base, _ = ragged.padded([c.n_sink for c in cs], comp, cmax)
     seq = _to(base, dev).view(1, 1, R, cmax).expand(L, H, R, cmax).contiguous()
 
     # 1. every request's scored partitions, laid end to end with their successors; top k of each
@@ -269,14 +238,15 @@ def select(jobs: list[Job], cs: list[Counts], slots_pad: torch.Tensor) -> torch.
     if part:
         pcs = [cs[r].pc for r in part]
         blocks = [p + 1 for p in pcs]
-        pos = _ragged([r * nmax + cs[r].t0 for r in part], [b * lag for b in blocks])
+        pos = ragged.aranges([r * nmax + cs[r].t0 for r in part], [b * lag for b in blocks])
         rows = _rows(sflat, _to(pos, dev).view(1, 1, -1), heads)  # [1, H, M]
         s = _block_scores(rows, lag, vr)  # [L, H, B - 1, lag]
-        scored = _ragged(_starts(blocks), pcs)  # block b is judged by block b + 1 of the same request
+        # block b is judged by block b + 1 of the same request
+        scored = ragged.aranges(ragged.offsets(blocks), pcs)
         top = s.index_select(2, _to(scored, dev)).topk(kk, dim=-1).indices.sort(dim=-1).values
-        shift = _repeat([cs[r].t0 for r in part], pcs) + _ragged([0] * len(pcs), pcs) * lag
+        shift = ragged.repeat([cs[r].t0 for r in part], pcs) + ragged.aranges([0] * len(pcs), pcs) * lag
         top = top + _to(shift, dev).view(1, 1, -1, 1)  # region positions
-        dst = _ragged([r * cmax + comp[r] for r in part], [p * kk for p in pcs])
+        dst = ragged.aranges([r * cmax + comp[r] for r in part], [p * kk for p in pcs])
         seq.view(L, H, R * cmax).index_copy_(2, _to(dst, dev), top.reshape(L, H, -1))
 
     # 2. chunk recursion, one pass per round over the requests still in it
@@ -286,21 +256,22 @@ def select(jobs: list[Job], cs: list[Counts], slots_pad: torch.Tensor) -> torch.
         qs = [cs[r].rounds[i][1] for r in act]
         # each request's blocks: its q chunks from `rem` on, then the raw tail's first L tokens (the
         # reference of its last chunk), taken out of [compressed parts | raw heads]
-        raw_head = _ragged([cs[r].n - cs[r].raw for r in act], [lag] * len(act))
+        raw_head = ragged.aranges([cs[r].n - cs[r].raw for r in act], [lag] * len(act))
         src = torch.cat([seq.view(L, H, R * cmax), _to(raw_head, dev).view(1, 1, -1).expand(L, H, -1)], dim=2)
         seg_s, seg_n = [], []
         for a, r in enumerate(act):
             seg_s += [r * cmax + rem[a], R * cmax + a * lag]
             seg_n += [qs[a] * lag, lag]
-        pos = src.index_select(2, _to(_ragged(seg_s, seg_n), dev))  # [L, H, M] region positions
-        pos = pos + _to(_repeat([r * nmax for r in act], [(q + 1) * lag for q in qs]), dev)
+        pos = src.index_select(2, _to(ragged.aranges(seg_s, seg_n), dev))  # [L, H, M] region positions
+        pos = pos + _to(ragged.repeat([r * nmax for r in act], [(q + 1) * lag for q in qs]), dev)
         s = _block_scores(_rows(sflat, pos, heads), lag, vr)  # [L, H, B - 1, lag]
-        scored = _ragged(_starts([q + 1 for q in qs]), qs)
+        scored = ragged.aranges(ragged.offsets([q + 1 for q in qs]), qs)
         top = s.index_select(2, _to(scored, dev)).topk(kk, dim=-1).indices.sort(dim=-1).values
-        shift = _repeat(rem, qs) + _ragged([0] * len(qs), qs) * lag  # offsets into the compressed part
+        # offsets into the compressed part
+        shift = ragged.repeat(rem, qs) + ragged.aranges([0] * len(qs), qs) * lag
         top = top + _to(shift, dev).view(1, 1, -1, 1)
         gidx = torch.arange(cmax, device=dev).expand(L, H, R, cmax).contiguous()
-        dst = _ragged([r * cmax + rem[a] for a, r in enumerate(act)], [q * kk for q in qs])
+        dst = ragged.aranges([r * cmax + rem[a] for a, r in enumerate(act)], [q * kk for q in qs])
         gidx.view(L, H, R * cmax).index_copy_(2, _to(dst, dev), top.reshape(L, H, -1))
         seq = seq.gather(3, gidx)
 
@@ -320,8 +291,8 @@ def select(jobs: list[Job], cs: list[Counts], slots_pad: torch.Tensor) -> torch.
     fixed = torch.where(j < sink, j, raw0 + j - sink - cc)
     fixed = torch.where(j >= k_col, nmax, fixed)
     keep = _to(fixed, dev).view(1, 1, R, kmax).expand(L, H, R, kmax).contiguous()
-    dst = _ragged([r * kmax + c.n_sink for r, c in enumerate(cs)], [c.c for c in cs])
-    srcs = _ragged([r * cmax for r in range(R)], [c.c for c in cs])
+    dst = ragged.aranges([r * kmax + c.n_sink for r, c in enumerate(cs)], [c.c for c in cs])
+    srcs = ragged.aranges([r * cmax for r in range(R)], [c.c for c in cs])
     keep.view(L, H, R * kmax).index_copy_(
         2, _to(dst, dev), seq.reshape(L, H, R * cmax).index_select(2, _to(srcs, dev))
     )
