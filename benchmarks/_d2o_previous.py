@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from sgl_kvevict.kernels._pool import head_rows, region, write_head_rows
-from sgl_kvevict.kernels.d2o_merge import NORM_EPS, _threshold  # unchanged by the cost work
+from sgl_kvevict.kernels.d2o_merge import NORM_EPS, _keep_and_tau, _threshold  # unchanged by the cost work
 
 _MAX_SIMS = 1 << 20  # elements of one [H, evicted chunk, kept chunk] similarity block in the reference
 
@@ -22,12 +22,7 @@ def _prepare(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kept indices, evicted indices (the per-head complement, ascending) and tau as [Hkv] float32."""
     n = slots.numel()
-    keep = keep.to(device=slots.device, dtype=torch.int64)
-    assert keep.dim() == 2 and keep.shape[0] == hkv, "keep must be [Hkv, b]"
-    if tau is None:
-        tau_t = torch.zeros(hkv, dtype=torch.float32, device=slots.device)
-    else:
-        tau_t = torch.as_tensor(tau, dtype=torch.float32, device=slots.device).expand(hkv).clone()
+    keep, tau_t = _keep_and_tau(slots, keep, tau, hkv)
     evicted_mask = torch.ones(hkv, n, dtype=torch.bool, device=slots.device)
     evicted_mask.scatter_(1, keep, False)
     idx = torch.arange(n, device=slots.device).expand(hkv, n)

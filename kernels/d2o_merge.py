@@ -61,14 +61,19 @@ def _prepare(
     slots: torch.Tensor, keep: torch.Tensor, tau: torch.Tensor | float | None, hkv: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kept indices, evicted indices (the per-head complement, ascending) and tau as [Hkv] float32."""
-    n = slots.numel()
+    keep, tau_t = _keep_and_tau(slots, keep, tau, hkv)
+    return keep, _evicted(keep, slots.numel()), tau_t
+
+
+def _keep_and_tau(
+    slots: torch.Tensor, keep: torch.Tensor, tau: torch.Tensor | float | None, hkv: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`keep` as int64 `[Hkv, b]` on the slots' device, and tau as `[Hkv]` float32 (0 before the first)."""
     keep = keep.to(device=slots.device, dtype=torch.int64)
     assert keep.dim() == 2 and keep.shape[0] == hkv, "keep must be [Hkv, b]"
     if tau is None:
-        tau_t = torch.zeros(hkv, dtype=torch.float32, device=slots.device)
-    else:
-        tau_t = torch.as_tensor(tau, dtype=torch.float32, device=slots.device).expand(hkv).clone()
-    return keep, _evicted(keep, n), tau_t
+        return keep, torch.zeros(hkv, dtype=torch.float32, device=slots.device)
+    return keep, torch.as_tensor(tau, dtype=torch.float32, device=slots.device).expand(hkv).clone()
 
 
 def _threshold(u: torch.Tensor, tau: torch.Tensor, beta: float, init: bool, reduce: str) -> torch.Tensor:
