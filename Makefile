@@ -34,7 +34,7 @@ lint:
 model-path:
 	@PY=$$($(ENV)) && $$PY -m sgl_kvevict.model
 
-## Peer cross-check against kvpress (its own venv, scripts/kvpress_env.sh); writes results/kvpress/. Slow: not in `make test`.
+## Peer cross-check against kvpress (its own venv, scripts/kvpress_env.sh); writes results/kvpress-crosscheck/. Slow: not in `make test`.
 bench-kvpress:
 	@PY=$$($(ENV)) && bash scripts/kvpress_env.sh >/dev/null && \
 	  HF_HUB_OFFLINE=1 TQDM_DISABLE=1 nice -n 10 $$PY benchmarks/kvpress_check.py $(ARGS)
