@@ -42,13 +42,14 @@ import torch
 from timing import times_ms  # benchmarks/timing.py (scripts run with benchmarks/ on sys.path)
 
 from sgl_kvevict import kernels as K
-from sgl_kvevict import oracle
 from sgl_kvevict.kernels import _pool
 from sgl_kvevict.model import default_model_path
 from sgl_kvevict.scenarios import agent
 from sgl_kvevict.scenarios.base import ScenarioConfig
+from sgl_kvevict.tools import oracle
 
 SINKS, WINDOW = 4, 32
+CHUNK = 512  # prefill chunk; the last chunk must hold the window (--tokens % CHUNK is 0 or >= WINDOW)
 PAGES = (16, 32, 64)
 RECALLS = (128, 256, 512)
 SUMMARY_METHODS = [("minmax", "max"), ("minmax", "sum"), ("mean", "max"), ("mean", "sum")]
@@ -115,7 +116,7 @@ def evaluate_layer(keys: torch.Tensor, q: torch.Tensor, scale: float, acc: dict)
 
 
 def quality(args: argparse.Namespace) -> dict:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, DynamicCache
 
     path = str(default_model_path())
     tok = AutoTokenizer.from_pretrained(path)
@@ -127,12 +128,14 @@ def quality(args: argparse.Namespace) -> dict:
         ids = agent_text(tok, seed, args.tokens)
         t0 = time.time()
         capture = oracle.PastMask(capture_window=WINDOW)
-        with torch.no_grad(), oracle.masking(capture):
-            out = model(input_ids=ids, use_cache=True)
+        cache = DynamicCache()
+        with torch.no_grad(), oracle.masking(capture):  # chunked: the full [Hq, N, N] logits do not fit here
+            for c0 in range(0, ids.shape[1], CHUNK):
+                model(input_ids=ids[:, c0 : c0 + CHUNK], past_key_values=cache, use_cache=True)
         print(f"text {seed}: {ids.shape[1]} tokens, prefill {time.time() - t0:.0f}s", flush=True)
-        for layer, kv in enumerate(out.past_key_values.layers):
+        for layer, kv in enumerate(cache.layers):
             evaluate_layer(kv.keys[0].permute(1, 0, 2).contiguous(), capture.queries[layer], scale, acc)
-        del out
+        del cache
     res = {
         f"{name}|{page}|{r}|{fetch}": {
             "cover": statistics.mean(v["cover"]),
@@ -268,6 +271,8 @@ def main() -> None:
     ap.add_argument("--skip-cost", action="store_true")
     ap.add_argument("--out", default="results/recall-pages")
     args = ap.parse_args()
+    if 0 < args.tokens % CHUNK < WINDOW:
+        ap.error(f"--tokens % {CHUNK} must be 0 or >= {WINDOW} (the last prefill chunk holds the window)")
     if not 2 * SINKS + WINDOW + max(RECALLS) * 2 <= args.tokens <= 8192:
         ap.error("--tokens must be in [1100, 8192] (the model's context; room for 2R host columns)")
     if args.recall < 1 or args.recall * 2 > 2048 or args.recall % args.cost_page:

@@ -17,11 +17,7 @@ import pytest
 import torch
 
 from sgl_kvevict import kernels as K
-
-try:  # the package restructure moves the developer tools into sgl_kvevict.tools
-    from sgl_kvevict.tools.pools import SyncCounter
-except ImportError:  # pragma: no cover - layout before the move
-    from sgl_kvevict.pools import SyncCounter
+from sgl_kvevict.tools.pools import SyncCounter
 
 ps_mod = importlib.import_module("sgl_kvevict.kernels.page_scores")
 CUDA = torch.cuda.is_available()
