@@ -181,7 +181,7 @@ def _plan(p: Pending) -> Plan | None:
     return plan
 
 
-def _agree(ok: bool) -> bool:
+def agree(ok: bool) -> bool:
     """Every tensor-parallel rank commits only if every rank's plan succeeded (one host sync, TP only)."""
     rt = runtime.RT
     if rt is None or rt.tp_size <= 1:
@@ -431,7 +431,7 @@ def run(job: Job) -> int:
     except Exception as e:  # policy code: degrade this request, after the ranks agree
         error = e
     p.seconds += time.perf_counter() - t0
-    if not _agree(error is None):
+    if not agree(error is None):
         raise (
             error if error is not None else RuntimeError("compression failed on another tensor-parallel rank")
         )
@@ -458,7 +458,7 @@ def run(job: Job) -> int:
             s.merged_count.add(merged)
             rt.totals.merged.add(merged)
     dt = p.seconds + time.perf_counter() - t0
-    rt.tree.offsets[req.kv.req_pool_idx] = _account(job, k, plan.tail, plan.keep, dt, after=d)
+    rt.tree.offsets[req.kv.req_pool_idx] = account(job, k, plan.tail, plan.keep, dt, after=d)
     return job.n - k
 
 
@@ -512,7 +512,7 @@ def _view(p: Pending, layer: int) -> LayerView:
     )
 
 
-def _account(job: Job, k: int, tail: int, keep: torch.Tensor | None, dt: float, after: int = 0) -> int:
+def account(job: Job, k: int, tail: int, keep: torch.Tensor | None, dt: float, after: int = 0) -> int:
     """Host bookkeeping after a commit (counts, totals, the debug timeline); returns the new offset.
     `after`: tokens that follow the region in the row (decoded while the plan was pending)."""
     s, a, n, rt = job.s, job.a, job.n, runtime.RT

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from sgl_kvevict.cache.runtime import LazyCount
+from sgl_kvevict.cache.counts import LazyCount
 from sgl_kvevict.config import KvConfig, request_override, server_config
 from sgl_kvevict.policies import Policy
 
@@ -129,7 +129,7 @@ _SERVER: KvConfig | None = None
 LIVE: weakref.WeakValueDictionary[int, ReqState] = weakref.WeakValueDictionary()
 
 
-def _server() -> KvConfig:
+def server() -> KvConfig:
     global _SERVER
     if _SERVER is None:
         _SERVER = server_config()
@@ -144,7 +144,7 @@ def ensure(req: Any) -> ReqState:
     """The request's state, created from its override (or the server config) on first sight."""
     s = get(req)
     if s is None:
-        base = _server()
+        base = server()
         try:
             cfg = request_override(req.sampling_params.custom_params, base) or base
         except ValueError as e:  # validated at the HTTP layer already; be safe anyway

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +38,6 @@ from sgl_kvevict.cache import state as st
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
-    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
 logger = logging.getLogger("sgl_kvevict")
 
@@ -79,6 +79,9 @@ class KvEvictRadixCache(RadixCache):
         self.kv_events = events.KvEvictEventRecorder.replacing(self.kv_events)  # + compressed nodes
         # Logical-position offset of each request row (evicted tokens before its next token).
         self.offsets = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        # Called with each released request before its state is dropped: the serving side reports the
+        # request's numbers there (a callback, so the cache never imports the serving side).
+        self.release_report: Callable[[Req], None] | None = None
 
     def reset(self) -> None:
         """`/flush_cache`: the tree empties, and the C heap's free memory goes back to the OS."""
@@ -444,7 +447,6 @@ class KvEvictRadixCache(RadixCache):
 
     def on_release(self, req: Req, *, checkpointed: bool) -> None:
         from sgl_kvevict.cache import capture
-        from sgl_kvevict.serve import hooks
 
         row = req.kv.req_pool_idx
         if row is not None:
@@ -461,21 +463,9 @@ class KvEvictRadixCache(RadixCache):
                 if row is not None
                 else self._empty_device_indices
             )
-        try:
-            hooks.on_release_report(req)
-        except Exception:
-            logger.exception("kvevict: could not report stats for request %s", req.rid)
+        if self.release_report is not None:
+            try:
+                self.release_report(req)
+            except Exception:
+                logger.exception("kvevict: could not report stats for request %s", req.rid)
         st.drop(req)
-
-
-def build_tree_cache(ctx: TreeCacheBuildContext) -> KvEvictRadixCache:
-    """Factory registered as `--radix-cache-backend kvevict` (chosen automatically by `--kv-policy`)."""
-    from sgl_kvevict.cache import runtime
-
-    params = ctx.params
-    if params.page_size != 1:
-        raise ValueError(f"sgl-kvevict compacts per token and needs --page-size 1 (got {params.page_size})")
-    rows = params.req_to_token_pool.req_to_token.shape[0]
-    cache = KvEvictRadixCache(params, rows)
-    runtime.attach(cache, ctx)
-    return cache
