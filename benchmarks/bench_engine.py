@@ -14,7 +14,7 @@ layer's `RadixAttention.forward`, `capture.Store.write`) at the same batch sizes
 host syncs and wall time for all layers. The capture used to push per request and layer (B x layers
 pushes per forward); the store writes once per layer, whatever the batch.
 
-`HF_HUB_OFFLINE=1 nice -n 10 python benchmarks/bench_engine.py --capture --out results/engine/after.txt`
+`HF_HUB_OFFLINE=1 nice -n 10 python benchmarks/bench_engine.py --capture --out results/engine-batch/after.txt`
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ after the first, over the time from the first to the last. `none` runs first and
 baseline of the ratio column.
 
     HF_HUB_OFFLINE=1 python benchmarks/bench_server.py --prompt-tokens 2000 --decode-tokens 300 \
-        --budget 512 --out results/bench_server
+        --budget 512 --out results/server-one-request
 
 Run it alone on the machine: decode speed on a 2-core CPU halves when anything else runs.
 """

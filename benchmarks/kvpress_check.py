@@ -29,7 +29,7 @@ same kept sets under the masked evaluation, the project's lagkv, and the variant
 difference (no chunk recursion; kvpress's per-partition count), with the share of the fact's tokens kept.
 
 Options: --ratios 0.5,0.25, --policies knorm,..., --tokens, --filler-turns, --recall-sessions,
---study-tokens, --out DIR (default results/kvpress: table.md and check.json).
+--study-tokens, --out DIR (default results/kvpress-crosscheck: table.md and check.json).
 """
 
 from __future__ import annotations
@@ -310,7 +310,7 @@ def main() -> None:
     ap.add_argument("--recall-sessions", type=int, default=12, help="LagKV recall study (0: skip)")
     ap.add_argument("--study-tokens", type=int, default=1024, help="LagKV recall study: log length")
     ap.add_argument("--skip-table", action="store_true", help="only the LagKV recall study")
-    ap.add_argument("--out", default=str(ROOT / "results/kvpress"))
+    ap.add_argument("--out", default=str(ROOT / "results/kvpress-crosscheck"))
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(2)

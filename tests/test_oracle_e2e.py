@@ -29,7 +29,7 @@ from .helpers import _server, chat_ids, long_text, tokenizer
 
 pytestmark = pytest.mark.server
 
-# Without eviction the server's fp32 log-probabilities match HF's to ~1e-5 (README, "The eviction-path
+# Without eviction the server's fp32 log-probabilities match HF's to ~1e-5 (docs/tests.md, "The eviction-path
 # oracle"): both tolerances leave a 100x margin, and a wrong kept set moves them by far more.
 TIE_TOL = 1e-3  # logits: a flip is a near-tie only if HF's top choice beats the server's by less
 LOGPROB_TOL = 1e-3  # |server - HF| log-probability of every output token
