@@ -79,7 +79,7 @@ def recall_chat(
     notes after it (each answered with a fixed short reply, so nothing is generated), then the question.
     Returns the context ids (compressed), the question ids (never compressed) and the expected value."""
     r = rng_for(0, "kvpress-recall", session)
-    statement, question, value = recall._fact(r)
+    statement, question, value = recall.fact(r)
     msgs = [
         {"role": "user", "content": f"Remember this: {statement}."},
         {"role": "assistant", "content": "Okay, I will remember that."},

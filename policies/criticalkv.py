@@ -49,9 +49,9 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, model_validator
 
-from . import REGISTRY, PolicyConfigError, build_base, register
 from .base import LayerView, Need, Policy, PolicyConfig, Refiner, short, topk_keep
 from .h2o import H2OPolicy
+from .registry import REGISTRY, PolicyConfigError, build_base, register
 
 N_SIG = 2  # independent signatures per value row: a changed row goes unnoticed with p ~ 2^-40
 SIG_CHUNK = 4096  # tokens per signature block

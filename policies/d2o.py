@@ -52,9 +52,9 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from . import register
 from .base import LayerView, topk_keep
 from .h2o import H2OConfig, H2OPolicy
+from .registry import register
 
 
 class D2OConfig(H2OConfig):

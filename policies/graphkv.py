@@ -48,8 +48,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 
-from . import REGISTRY, PolicyConfigError, build_base, register
 from .base import LayerView, Policy, PolicyConfig, Refiner, short, topk_keep
+from .registry import REGISTRY, PolicyConfigError, build_base, register
 
 GROUP = 64  # columns per group in the two-level top-m search
 GRAPH_CHUNK = 8192  # most columns of one similarity block

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from . import register
 from .base import LayerView, Need, Policy, WindowScoreConfig, carry_scores
+from .registry import register
 
 
 class H2OConfig(WindowScoreConfig):

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from . import register
 from .base import LayerView, Policy, PolicyConfig
+from .registry import register
 
 
 class KNormConfig(PolicyConfig):

@@ -52,8 +52,8 @@ from collections.abc import Callable
 import torch
 from pydantic import Field, model_validator
 
-from . import register
 from .base import MAX_WINDOW, LayerView, Phase, Policy, PolicyConfig
+from .registry import register
 
 EPS = 1e-6
 

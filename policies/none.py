@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from . import register
 from .base import Phase, Policy
+from .registry import register
 
 
 @register

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, field_validator
 
-from . import register
 from .base import LayerView, Need, Policy, WindowScoreConfig, carry_scores
+from .registry import register
 
 
 class SnapKVConfig(WindowScoreConfig):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from . import register
 from .base import LayerView, Policy, PolicyConfig
+from .registry import register
 
 
 class StreamingConfig(PolicyConfig):

@@ -56,7 +56,7 @@ def build(cfg: ScenarioConfig) -> Scenario:
     sessions = []
     for i in range(cfg.sessions):
         r = rng_for(cfg.seed, "long", i)
-        statement, question, value = recall._fact(r)
+        statement, question, value = recall.fact(r)
         turns = [Turn(inputs=[Message(role="user", content=f"Remember this: {statement}.")])]
         turns += [_middle_turn(r, cfg) for _ in range(cfg.turns - 2)]
         turns.append(Turn(inputs=[Message(role="user", content=question)], expect=value, max_new_tokens=16))

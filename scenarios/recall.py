@@ -43,7 +43,7 @@ SENTENCES = [
 ]
 
 
-def _fact(r: random.Random) -> tuple[str, str, str]:
+def fact(r: random.Random) -> tuple[str, str, str]:
     """(statement, question, expected value)."""
     kind = r.choice(["code", "name", "number"])
     if kind == "code":
@@ -68,7 +68,7 @@ def build(cfg: ScenarioConfig) -> Scenario:
     sessions = []
     for i in range(cfg.sessions):
         r = rng_for(cfg.seed, "recall", i)
-        statement, question, value = _fact(r)
+        statement, question, value = fact(r)
         turns = [Turn(inputs=_user(f"Remember this: {statement}."))]
         for _ in range(max(0, cfg.turns - 2)):
             topic = r.choice(TOPICS)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import requests
 
-from sgl_kvevict.serve.serverproc import Server, free_port
+from sgl_kvevict.serve.serverproc import Server, free_port, stop_child
 
 ROUTER_POLICIES = ("cache_aware", "manual", "round_robin", "random", "power_of_two")
 # A worker busy on a small CPU answers /health slowly; the router's defaults (a few seconds, three
@@ -118,13 +118,7 @@ class Router:
     def stop(self) -> None:
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        stop_child(self.proc, grace=15.0)
         self.log.close()
         self.proc = None
 

@@ -42,6 +42,7 @@ import torch
 from sgl_kvevict import kernels
 from sgl_kvevict.cache import capture, runtime, slotstats
 from sgl_kvevict.cache import state as st
+from sgl_kvevict.cache.nodes import is_compressed
 from sgl_kvevict.policies import LayerView, Policy
 from sgl_kvevict.policies.base import Phase
 
@@ -181,7 +182,7 @@ def _plan(p: Pending) -> Plan | None:
     return plan
 
 
-def _agree(ok: bool) -> bool:
+def agree(ok: bool) -> bool:
     """Every tensor-parallel rank commits only if every rank's plan succeeded (one host sync, TP only)."""
     rt = runtime.RT
     if rt is None or rt.tp_size <= 1:
@@ -241,8 +242,7 @@ def _target_slots(req: Any, s: st.ReqState, plan: Plan, own_start: int) -> torch
     parts = [own] + [x.value.to(torch.int64) for x in reversed(nodes)]
     top = nodes[-1].parent
     rt.tree.relock(req, top, own_start - taken)  # our lock leaves the nodes: now evictable leaves...
-    for x in nodes:
-        rt.tree._delete_leaf(x)  # ...that we take out of the tree, bottom-up, keeping their slots
+    rt.tree.take_leaves(nodes)  # ...that we take out of the tree, bottom-up, keeping their slots
     got = torch.cat(parts)
     if got.numel() < k:
         got = torch.cat([got, fresh(k - got.numel())])
@@ -317,27 +317,16 @@ def _branch_point_moved(req: Any, s: st.ReqState) -> None:
     if node is not (s.anchor if s.anchor is not None else rt.tree.root_node):
         return
     chain.reverse()  # top-down from the anchor
-    sp, tokens, cut, i = s.policy.config.shared_prefix, s.anchor_tokens, -1, 0
-    while i < len(chain):
-        n, start = chain[i], tokens
-        if start < sp < start + len(n.key) and not getattr(n, "kvevict_compressed", False):
-            chain[i : i + 1] = [rt.tree._split_node(n.key, n, sp - start), n]
-            continue
-        tokens += len(n.key)
-        if n.lock_ref > 1 or tokens <= sp or (getattr(n, "kvevict_compressed", False) and start < sp):
-            cut = i
-        i += 1
+    cut = rt.tree.last_shared(chain, s.anchor_tokens, s.policy.config.shared_prefix, req, branches=False)
     if cut < 0:
         return
     above = chain[: cut + 1]
-    if any(getattr(x, "kvevict_compressed", False) for x in above):
-        s.own_evicted -= s.comp_tokens - s.comp_slots
-        s.inherited_evicted = 0
-        s.comp_slots = s.comp_tokens = 0
-        s.layer_state = []
-    s.anchor = chain[cut]
-    s.anchor_tokens += sum(len(x.key) for x in above)
-    s.anchor_kv += sum(len(x.value) for x in above)
+    s.move_anchor(
+        chain[cut],
+        sum(len(x.key) for x in above),
+        sum(len(x.value) for x in above),
+        drop_history=any(is_compressed(x) for x in above),
+    )
 
 
 @dataclass
@@ -389,7 +378,7 @@ def _trigger(req: Any, s: st.ReqState, phase: Phase) -> tuple[int, int, int, int
         return None
     n_sink = max(0, min(cfg.sinks - s.anchor_tokens, n))
     n_recent = max(0, min(cfg.recent, n - n_sink))
-    budget = s.cfg.resolve_budget(n + s.own_evicted, n_sink + n_recent)
+    budget = s.cfg.resolve_budget(s.region_tokens(n), n_sink + n_recent)
     if not s.policy.should_compress(n, n_sink, n_recent, s.comp_slots, budget, phase):
         return None
     return n, n_sink, n_recent, budget
@@ -431,7 +420,7 @@ def run(job: Job) -> int:
     except Exception as e:  # policy code: degrade this request, after the ranks agree
         error = e
     p.seconds += time.perf_counter() - t0
-    if not _agree(error is None):
+    if not agree(error is None):
         raise (
             error if error is not None else RuntimeError("compression failed on another tensor-parallel rank")
         )
@@ -458,7 +447,7 @@ def run(job: Job) -> int:
             s.merged_count.add(merged)
             rt.totals.merged.add(merged)
     dt = p.seconds + time.perf_counter() - t0
-    rt.tree.offsets[req.kv.req_pool_idx] = _account(job, k, plan.tail, plan.keep, dt, after=d)
+    rt.tree.offsets[req.kv.req_pool_idx] = account(job, k, plan.tail, plan.keep, dt, after=d)
     return job.n - k
 
 
@@ -512,7 +501,7 @@ def _view(p: Pending, layer: int) -> LayerView:
     )
 
 
-def _account(job: Job, k: int, tail: int, keep: torch.Tensor | None, dt: float, after: int = 0) -> int:
+def account(job: Job, k: int, tail: int, keep: torch.Tensor | None, dt: float, after: int = 0) -> int:
     """Host bookkeeping after a commit (counts, totals, the debug timeline); returns the new offset.
     `after`: tokens that follow the region in the row (decoded while the plan was pending)."""
     s, a, n, rt = job.s, job.a, job.n, runtime.RT
@@ -521,10 +510,7 @@ def _account(job: Job, k: int, tail: int, keep: torch.Tensor | None, dt: float, 
         region = before[..., a : a + n].gather(-1, keep)
         pos = torch.cat([before[..., :a], region, before[..., a + n :]], dim=-1)
         s.debug_event(pos, s.tokens_for(a + n + after))
-    region_tokens = n + s.own_evicted
-    s.comp_slots = k - tail
-    s.comp_tokens = region_tokens - tail
-    s.own_evicted += n - k
+    s.compacted(n, k, tail)
     s.compressions += 1
     s.seconds += dt
     tot = rt.totals

@@ -95,7 +95,7 @@ def compress_batch(items: list[tuple[Any, Phase]], cap: int | None = None) -> li
             done = _run_group([j for _, j in members])
         except Exception as e:
             error = e
-        if not compressor._agree(error is None) or done is None:
+        if not compressor.agree(error is None) or done is None:
             logger.warning("kvevict: batched compression failed (%s); per request instead", error)
             single.extend(members)
             continue
@@ -241,7 +241,7 @@ def _run_group(jobs: list[Job]) -> list[int]:
         kr = keep[r, :, :, :k] if st.DEBUG else None
         kv = j.req.kv
         kv.kv_committed_len = kv.kv_allocated_len = j.a + k
-        offs.append(compressor._account(j, k, tails[r], kr, dt))
+        offs.append(compressor.account(j, k, tails[r], kr, dt))
     rt.tree.offsets[torch.tensor(rows, dtype=torch.int64).to(rt.tree.offsets.device)] = torch.tensor(
         offs, dtype=rt.tree.offsets.dtype
     ).to(rt.tree.offsets.device)

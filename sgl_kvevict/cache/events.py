@@ -31,6 +31,8 @@ from sglang.srt.disaggregation.kv_events import (
 from sglang.srt.mem_cache.events import KVCacheEventRecorder
 from sglang.srt.mem_cache.utils import hash_str_to_int64
 
+from sgl_kvevict.cache.nodes import is_compressed
+
 
 class CompressedBlockStored(BlockStored, tag="BlockStored"):
     """`BlockStored` of a compressed node: its tokens' blocks, held in `kv_slots` KV slots."""
@@ -42,10 +44,6 @@ class CompressedBlockRemoved(BlockRemoved, tag="BlockRemoved"):
     """`BlockRemoved` of a compressed node, which freed `kv_slots` KV slots."""
 
     kv_slots: int | None = None
-
-
-def _compressed(node: Any) -> bool:
-    return getattr(node, "kvevict_compressed", False)
 
 
 def event_slots(event: Any, page_size: int = 1) -> int:
@@ -97,7 +95,7 @@ class KvEvictEventRecorder(KVCacheEventRecorder):
         ], seed
 
     def record_store(self, node: Any, medium: Any = None, *, session_id: str | None = None) -> None:
-        if not _compressed(node):
+        if not is_compressed(node):
             return super().record_store(node, medium, session_id=session_id)
         self.compressed_slots += len(node.value)
         self.compressed_nodes += 1
@@ -132,7 +130,7 @@ class KvEvictEventRecorder(KVCacheEventRecorder):
         )
 
     def record_remove(self, node: Any, medium: Any = None) -> None:
-        if not _compressed(node):
+        if not is_compressed(node):
             return super().record_remove(node, medium)
         self.compressed_slots -= len(node.value)
         self.compressed_nodes -= 1

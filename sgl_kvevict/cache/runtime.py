@@ -10,35 +10,9 @@ from typing import Any
 
 import torch
 
+from sgl_kvevict.cache.counts import LazyCount
+
 logger = logging.getLogger("sgl_kvevict")
-
-
-class LazyCount:
-    """A count that grows by device tensors without reading them (a read inside the compression step is
-    a host sync that stalls a GPU stream): the sync happens once, where the count is reported.
-
-    Pending tensors are summed on the device every `FOLD` additions, so memory stays bounded when
-    nobody reads the count for a long time."""
-
-    FOLD = 64
-
-    def __init__(self) -> None:
-        self.known = 0
-        self.pending: list[torch.Tensor] = []
-
-    def add(self, x: int | float | torch.Tensor) -> None:
-        if not isinstance(x, torch.Tensor):
-            self.known += int(x)
-            return
-        self.pending.append(x.detach().reshape(()).to(torch.int64))
-        if len(self.pending) >= self.FOLD:
-            self.pending = [torch.stack(self.pending).sum()]
-
-    def value(self) -> int:
-        if self.pending:
-            self.known += int(torch.stack(self.pending).sum())
-            self.pending = []
-        return self.known
 
 
 @dataclass
@@ -115,11 +89,7 @@ class Runtime:
         self._o_proj: dict[int, torch.Tensor] = {}
         self.forward_stream = getattr(ctx.tp_worker.model_runner, "forward_stream", None)
         self.totals = Totals()
-        self.metrics = None
-        if getattr(ctx.params, "enable_metrics", False):
-            from sgl_kvevict.serve.metrics import Metrics, labels_for
-
-            self.metrics = Metrics(labels_for(ctx.server_args, int(ctx.tp_rank)))
+        self.metrics: Any = None  # set by the serving side when `--enable-metrics` (serve.metrics.Metrics)
 
     def compressed_kv(self) -> dict[str, int]:
         """KV held by the tree's compressed nodes (counted by its event recorder)."""
@@ -190,16 +160,14 @@ def trim_heap() -> float:
     return max(0.0, (before - proc.memory_info().rss) / (1 << 20))
 
 
-def attach(cache: Any, ctx: Any) -> None:
+def attach(cache: Any, ctx: Any) -> Runtime:
+    """Build the scheduler's `Runtime` over the tree `cache`, with the buffers compression needs (the
+    window-query capture, the per-slot statistic). The serving side checks the model and its hooks
+    before calling this."""
     global RT
     from sgl_kvevict.cache import capture, slotstats
     from sgl_kvevict.config import server_config, server_settings
-    from sgl_kvevict.serve import hooks, modelcheck
 
-    hf = ctx.model_config.hf_config
-    why = modelcheck.refusal(hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf)))
-    if why:  # the launcher refuses these from config.json; this catches models it could not read
-        raise RuntimeError(f"sgl-kvevict: a compressing KV policy cannot serve {why}")
     RT = Runtime(cache, ctx)
     capture.build(
         int(RT.req_to_token.shape[0]),
@@ -210,9 +178,6 @@ def attach(cache: Any, ctx: Any) -> None:
         RT.req_to_token.device,
         RT.start_layer,
     )
-    missing = hooks.verify_installed()
-    if missing:
-        raise RuntimeError(f"sgl-kvevict: hooks failed to apply (see the log above): {missing}")
     cfg = server_config()
     slotstats.reset()
     if slotstats.needed(cfg, server_settings()):
@@ -227,3 +192,4 @@ def attach(cache: Any, ctx: Any) -> None:
         RT.n_kv_heads,
         RT.scale,
     )
+    return RT

@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from sgl_kvevict.cache.runtime import LazyCount
+from sgl_kvevict.cache.counts import LazyCount
+from sgl_kvevict.cache.nodes import is_compressed
 from sgl_kvevict.config import KvConfig, request_override, server_config
 from sgl_kvevict.policies import Policy
 
@@ -101,6 +102,32 @@ class ReqState:
     def tokens_for(self, slots: int) -> int:
         return slots + self.offset
 
+    def region_tokens(self, slots: int) -> int:
+        """Logical tokens that the request's own region of `slots` slots stands for (its evictions are
+        all inside the region, in its compacted history)."""
+        return slots + self.own_evicted
+
+    def compacted(self, n: int, k: int, tail: int) -> None:
+        """A compression kept `k` of the region's `n` slots, its last `tail` kept ones raw (the region's
+        newest tokens): the compacted history ends before them."""
+        tokens = self.region_tokens(n)
+        self.comp_slots = k - tail
+        self.comp_tokens = tokens - tail
+        self.own_evicted += n - k
+
+    def move_anchor(self, node: Any, tokens: int, slots: int, drop_history: bool) -> None:
+        """The branch point moved down to `node`, `tokens` tokens held in `slots` slots further. With
+        `drop_history` the compressed history the region started with lies above the new anchor: it is
+        shared now, and its evictions stop being the request's own."""
+        if drop_history:
+            self.own_evicted -= self.comp_tokens - self.comp_slots
+            self.inherited_evicted = 0
+            self.comp_slots = self.comp_tokens = 0
+            self.layer_state = []
+        self.anchor = node
+        self.anchor_tokens += tokens
+        self.anchor_kv += slots
+
     @property
     def active(self) -> bool:
         return self.cfg.active and not self.failed and not self.commit
@@ -129,7 +156,7 @@ _SERVER: KvConfig | None = None
 LIVE: weakref.WeakValueDictionary[int, ReqState] = weakref.WeakValueDictionary()
 
 
-def _server() -> KvConfig:
+def server() -> KvConfig:
     global _SERVER
     if _SERVER is None:
         _SERVER = server_config()
@@ -144,7 +171,7 @@ def ensure(req: Any) -> ReqState:
     """The request's state, created from its override (or the server config) on first sight."""
     s = get(req)
     if s is None:
-        base = _server()
+        base = server()
         try:
             cfg = request_override(req.sampling_params.custom_params, base) or base
         except ValueError as e:  # validated at the HTTP layer already; be safe anyway
@@ -185,7 +212,7 @@ def on_match(req: Any, region: Any, prefix_pos: torch.Tensor | None = None) -> R
     # Per-head policy state (D2O's tau) survives a retraction; per-slot entries do not (the slots change).
     s.layer_state = [{k: v for k, v in d.items() if k != "carried"} for d in s.layer_state]
     first = region.first
-    if first is not None and getattr(first, "kvevict_compressed", False):
+    if first is not None and is_compressed(first):
         s.comp_slots, s.comp_tokens = len(first.value), len(first.key)
         s.own_evicted = s.inherited_evicted = s.comp_tokens - s.comp_slots
         s.layer_state = copy_layer_state(getattr(first, "kvevict_state", []))

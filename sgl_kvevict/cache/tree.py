@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,10 +35,10 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sgl_kvevict.cache import events
 from sgl_kvevict.cache import state as st
+from sgl_kvevict.cache.nodes import is_compressed
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
-    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
 logger = logging.getLogger("sgl_kvevict")
 
@@ -51,10 +52,6 @@ class _Compressed:
 
 MARK = _Compressed()
 BRANCH_MIN = 16  # a child off the matched path with this many tokens is another branch (see _branch_start)
-
-
-def is_compressed(node: TreeNode) -> bool:
-    return getattr(node, "kvevict_compressed", False)
 
 
 @dataclass
@@ -79,6 +76,9 @@ class KvEvictRadixCache(RadixCache):
         self.kv_events = events.KvEvictEventRecorder.replacing(self.kv_events)  # + compressed nodes
         # Logical-position offset of each request row (evicted tokens before its next token).
         self.offsets = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        # Called with each released request before its state is dropped: the serving side reports the
+        # request's numbers there (a callback, so the cache never imports the serving side).
+        self.release_report: Callable[[Req], None] | None = None
 
     def reset(self) -> None:
         """`/flush_cache`: the tree empties, and the C heap's free memory goes back to the OS."""
@@ -128,6 +128,12 @@ class KvEvictRadixCache(RadixCache):
         self.evictable_size_ -= len(node.value)
         self.evictable_leaves.discard(node)
         self._update_leaf_status(node.parent)
+
+    def take_leaves(self, nodes: list[TreeNode]) -> None:
+        """Take `nodes` out of the tree, bottom-up (each a leaf once those below it are gone), keeping
+        their slots: the caller (a compression taking back what only its request holds) now owns them."""
+        for node in nodes:
+            self._delete_leaf(node)
 
     # ---- match --------------------------------------------------------------------------------------
     def _compressed_children(self, node: TreeNode, first: Any) -> list[TreeNode]:
@@ -258,31 +264,61 @@ class KvEvictRadixCache(RadixCache):
         """
         if cfg.scope != "branch":
             return len(path)
+        start = self.last_shared(path, 0, cfg.shared_prefix, req, branches=True) + 1
+        for i in range(len(path) - 1, start, -1):
+            if is_compressed(path[i]):
+                return i
+        return start
+
+    def last_shared(
+        self, path: list[TreeNode], tokens: int, shared_prefix: int, req: Req | None, branches: bool
+    ) -> int:
+        """The branch-point rule, in one place: index in `path` (tree nodes, top-down, the first reached
+        after `tokens` tokens) of the deepest node the request must treat as shared, -1 when none.
+
+        Shared: held by another running request (a `lock_ref` beyond the request's own lock), inside the
+        declared `shared_prefix` (a normal node it cuts is split there, in `path` too), or a compressed
+        node that starts inside it. With `branches` (at admission), also a node declared shared (a
+        committed prefix, see `_mark_shared`) or with another branch below it (see `_branch_start`); at
+        a compression check (`compressor`) the path is the request's own locked chain and those two do
+        not apply."""
+        mine = self._locked_by(req)
+        cut, i = -1, 0
+        while i < len(path):
+            n, start = path[i], tokens
+            if start < shared_prefix < start + len(n.key) and not is_compressed(n):
+                path[i : i + 1] = [self._split_node(n.key, n, shared_prefix - start), n]
+                mine = self._locked_by(req)  # the new top node sits on the request's lock path too
+                continue
+            tokens += len(n.key)
+            nxt = path[i + 1] if i + 1 < len(path) else None
+            if (
+                n.lock_ref > (id(n) in mine)
+                or tokens <= shared_prefix
+                or (is_compressed(n) and start < shared_prefix)
+                or (
+                    branches
+                    and (
+                        getattr(n, "kvevict_shared", False)
+                        or any(
+                            c is not nxt and (len(c.key) >= BRANCH_MIN or c.children)
+                            for c in n.children.values()
+                        )
+                    )
+                )
+            ):
+                cut = i
+            i += 1
+        return cut
+
+    def _locked_by(self, req: Req | None) -> set[int]:
+        """Ids of the nodes the request's own tree lock holds."""
         mine = set()
         node = req.lock.node if req is not None and getattr(req, "lock", None) is not None else None
         while node is not None and node is not self.root_node:
             mine.add(id(node))
             node = node.parent
-        start, tokens = 0, 0
-        for i, n in enumerate(list(path)):
-            if tokens < cfg.shared_prefix < tokens + len(n.key) and not is_compressed(n):
-                top = self._split_node(n.key, n, cfg.shared_prefix - tokens)
-                path[i : i + 1] = [top, n]
-                return self._branch_start(path, cfg, req)
-            tokens += len(n.key)
-            nxt = path[i + 1] if i + 1 < len(path) else None
-            if (
-                n.lock_ref > (id(n) in mine)
-                or getattr(n, "kvevict_shared", False)
-                or any(c is not nxt and (len(c.key) >= BRANCH_MIN or c.children) for c in n.children.values())
-                or tokens <= cfg.shared_prefix
-                or (is_compressed(n) and tokens - len(n.key) < cfg.shared_prefix)
-            ):
-                start = i + 1
-        for i in range(len(path) - 1, start, -1):
-            if is_compressed(path[i]):
-                return i
-        return start
+        return mine
 
     def _path_positions(self, path: list[TreeNode]) -> torch.Tensor | None:
         """Debug: `[L, H, slots]` logical positions held along a matched path (for the test oracle)."""
@@ -444,7 +480,6 @@ class KvEvictRadixCache(RadixCache):
 
     def on_release(self, req: Req, *, checkpointed: bool) -> None:
         from sgl_kvevict.cache import capture
-        from sgl_kvevict.serve import hooks
 
         row = req.kv.req_pool_idx
         if row is not None:
@@ -461,21 +496,9 @@ class KvEvictRadixCache(RadixCache):
                 if row is not None
                 else self._empty_device_indices
             )
-        try:
-            hooks.on_release_report(req)
-        except Exception:
-            logger.exception("kvevict: could not report stats for request %s", req.rid)
+        if self.release_report is not None:
+            try:
+                self.release_report(req)
+            except Exception:
+                logger.exception("kvevict: could not report stats for request %s", req.rid)
         st.drop(req)
-
-
-def build_tree_cache(ctx: TreeCacheBuildContext) -> KvEvictRadixCache:
-    """Factory registered as `--radix-cache-backend kvevict` (chosen automatically by `--kv-policy`)."""
-    from sgl_kvevict.cache import runtime
-
-    params = ctx.params
-    if params.page_size != 1:
-        raise ValueError(f"sgl-kvevict compacts per token and needs --page-size 1 (got {params.page_size})")
-    rows = params.req_to_token_pool.req_to_token.shape[0]
-    cache = KvEvictRadixCache(params, rows)
-    runtime.attach(cache, ctx)
-    return cache

@@ -318,7 +318,7 @@ def internal_state(result, *args, **kwargs):
             "protected_tokens": int(rt.tree.protected_size()),
         }
         result.internal_state[META_KEY] = {
-            "policy": st._server().policy,
+            "policy": st.server().policy,
             **rt.totals.as_dict(),
             **pool,
             **rt.compressed_kv(),
@@ -387,3 +387,29 @@ def install(cfg: KvConfig) -> None:
 def verify_installed() -> list[str]:
     """Targets that failed to patch (HookRegistry only logs such failures)."""
     return [t for t, _, _ in HOOKS if t not in HookRegistry._patched]
+
+
+def build_tree_cache(ctx: Any) -> Any:
+    """Factory registered as `--radix-cache-backend kvevict` (chosen automatically by `--kv-policy`): the
+    compressing tree and its runtime, once the model and the hooks are known to fit."""
+    from sgl_kvevict.cache.tree import KvEvictRadixCache
+    from sgl_kvevict.serve import modelcheck
+
+    params = ctx.params
+    if params.page_size != 1:
+        raise ValueError(f"sgl-kvevict compacts per token and needs --page-size 1 (got {params.page_size})")
+    hf = ctx.model_config.hf_config
+    why = modelcheck.refusal(hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf)))
+    if why:  # the launcher refuses these from config.json; this catches models it could not read
+        raise RuntimeError(f"sgl-kvevict: a compressing KV policy cannot serve {why}")
+    missing = verify_installed()
+    if missing:
+        raise RuntimeError(f"sgl-kvevict: hooks failed to apply (see the log above): {missing}")
+    cache = KvEvictRadixCache(params, params.req_to_token_pool.req_to_token.shape[0])
+    cache.release_report = on_release_report
+    rt = runtime.attach(cache, ctx)
+    if getattr(params, "enable_metrics", False):
+        from sgl_kvevict.serve.metrics import Metrics, labels_for
+
+        rt.metrics = Metrics(labels_for(ctx.server_args, int(ctx.tp_rank)))
+    return cache

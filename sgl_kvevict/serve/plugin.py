@@ -402,15 +402,18 @@ def _register_backend() -> None:
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
 
     if get_radix_cache_factory(BACKEND_NAME) is None:
-        from sgl_kvevict.cache.tree import build_tree_cache
+        register_radix_cache_backend(BACKEND_NAME, _build_tree_cache)
 
-        register_radix_cache_backend(BACKEND_NAME, build_tree_cache)
+
+def _build_tree_cache(ctx):
+    """The factory, imported only where a tree is built (the scheduler), so that `load` stays cheap."""
+    from sgl_kvevict.serve.hooks import build_tree_cache
+
+    return build_tree_cache(ctx)
 
 
 def load() -> None:
     """Entry point. Cheap and idempotent; SGLang applies the registered hooks right after."""
-    if os.environ.get("KVEVICT_TEST_POLICIES") == "1" and "test_raise" not in policies.REGISTRY:
-        from sgl_kvevict.tools import testing  # noqa: F401
     HookRegistry.register(f"{_SERVER_ARGS}.add_cli_args", add_cli_args, HookType.AFTER)
     HookRegistry.register(f"{_SERVER_ARGS}.from_cli_args", from_cli_args, HookType.BEFORE)
     HookRegistry.register(

@@ -21,6 +21,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_child(proc: subprocess.Popen, grace: float) -> None:
+    """Stop a child started in its own session (`start_new_session=True`) with everything it spawned
+    (a server's scheduler and detokenizer): SIGTERM to its process group, SIGKILL after `grace` s."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+
+
 class Server:
     """`with Server(["--kv-policy", "lagkv"]) as srv: requests.post(srv.url + "/generate", ...)`."""
 
@@ -79,16 +95,7 @@ class Server:
     def stop(self) -> None:
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=30)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(timeout=10)
+        stop_child(self.proc, grace=30.0)
         self.log.close()
         self.proc = None
 

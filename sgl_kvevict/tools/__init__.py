@@ -1,1 +1,1 @@
-"""Developer and test tools: the attention oracle, real-pool fixtures, test-only hooks."""
+"""Developer and test tools: the attention oracle, real-pool fixtures, test-only policies."""

@@ -1,15 +1,19 @@
-"""Test-only policies, registered only when KVEVICT_TEST_POLICIES=1 (never in a normal server)."""
+"""Test-only policies, registered only when KVEVICT_TEST_POLICIES=1 (never in a normal server).
+
+They plug in through their own `sglang.srt.plugins` entry point (`load`, see pyproject.toml), so the
+serving side never imports the tools."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from sgl_kvevict.cache import runtime
-from sgl_kvevict.policies import LayerView, Policy, register
+from sgl_kvevict.policies import REGISTRY, LayerView, Policy, register
 from sgl_kvevict.policies.knorm import KNormPolicy
 
 
-@register
 class RaisingPolicy(Policy):
     """Raises inside selection, to prove a policy failure degrades only its own request."""
 
@@ -19,7 +23,6 @@ class RaisingPolicy(Policy):
         raise RuntimeError("test_raise: deliberate failure inside a policy")
 
 
-@register
 class StagedFaultPolicy(KNormPolicy):
     """Fails in the middle of a staged compaction: its merge runs on the plan's dense copies of the
     region, overwrites them with garbage layer after layer, and raises at the last layer. The request
@@ -33,3 +36,12 @@ class StagedFaultPolicy(KNormPolicy):
         rt = runtime.RT
         if rt is None or view.layer == rt.n_layers - 1:
             raise RuntimeError("test_fault_staged: deliberate failure after writing the staged copies")
+
+
+def load() -> None:
+    """Entry point: registers the test policies when KVEVICT_TEST_POLICIES=1 (idempotent)."""
+    if os.environ.get("KVEVICT_TEST_POLICIES") != "1":
+        return
+    for cls in (RaisingPolicy, StagedFaultPolicy):
+        if cls.name not in REGISTRY:
+            register(cls)
