@@ -190,6 +190,15 @@ def trim_heap() -> float:
     return max(0.0, (before - proc.memory_info().rss) / (1 << 20))
 
 
+def _available_host_bytes() -> int | None:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:
+        return None
+
+
 def attach(cache: Any, ctx: Any) -> None:
     global RT
     from sgl_kvevict import capture, hooks, modelcheck, slotstats
@@ -213,8 +222,21 @@ def attach(cache: Any, ctx: Any) -> None:
     if missing:
         raise RuntimeError(f"sgl-kvevict: hooks failed to apply (see the log above): {missing}")
     cfg = server_config()
+    settings = server_settings()
+    if settings.recall_tokens > 0 and cfg.active:
+        from sgl_kvevict import host
+
+        k0 = RT.k_buffer(0)
+        need = settings.host_tokens * 2 * RT.n_layers * RT.n_kv_heads * RT.head_dim * k0.element_size()
+        avail = _available_host_bytes()
+        if avail is not None and need > avail // 2:
+            raise RuntimeError(
+                f"sgl-kvevict: --kv-host-tokens {settings.host_tokens} needs {need / 2**30:.1f} GiB of host "
+                f"memory, more than half of the {avail / 2**30:.1f} GiB available: lower it"
+            )
+        host.build(RT.n_layers, RT.n_kv_heads, RT.head_dim, settings.host_tokens, k0.dtype, k0.device)
     slotstats.reset()
-    if slotstats.needed(cfg, server_settings()):
+    if slotstats.needed(cfg, settings):
         slotstats.setup(RT)
     logger.info(
         "sgl-kvevict: KV policy %r active (budget %s, config %s); compressing radix cache on %d layers x %d KV heads; "
