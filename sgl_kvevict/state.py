@@ -134,7 +134,8 @@ class ReqState:
     def debug_event(self, pos: torch.Tensor, tokens: int) -> None:
         """Record that the row now holds `pos` ([L, H, m]) and that logical tokens >= `tokens` follow."""
         self.dbg_pos, self.dbg_tokens = pos, tokens
-        self.timeline.append({"tokens": tokens, "positions": pos.tolist()})
+        # exported as sets (sorted): a recall swap leaves a head's slots out of position order
+        self.timeline.append({"tokens": tokens, "positions": pos.sort(dim=-1).values.tolist()})
 
 
 _SERVER: KvConfig | None = None
