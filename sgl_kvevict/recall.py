@@ -174,14 +174,43 @@ def _scores(
     return torch.stack(row_out), torch.stack(host_out)
 
 
+def _own_region(req: Any, s: st.ReqState) -> bool:
+    """Make the request's region its own slots when it still starts in the tree (its prefill
+    compression did not fire, e.g. a short question turn): the region is copied, whole, into slots the
+    request owns, exactly as a compression that keeps every token would (`compressor._write`); the
+    tree's copy stays as cache. Shared slots are never written. False when it cannot (nothing changed)."""
+    from sgl_kvevict import compressor
+
+    rt, kv, a = runtime.RT, req.kv, s.anchor_kv
+    if kv.cache_protected_len <= a:
+        return True
+    if kv.kv_allocated_len != kv.kv_committed_len or s.pending is not None:
+        return False
+    n = int(kv.kv_committed_len) - a
+    slots = rt.req_to_token[kv.req_pool_idx, a : a + n].to(torch.int64)
+    keep = torch.arange(n, device=slots.device).view(1, 1, n).expand(rt.n_layers, rt.n_kv_heads, n)
+    plan = compressor.Plan(
+        slots=slots,
+        keep=keep,
+        views=[],
+        tail=0,
+        dense_k=[rt.k_buffer(layer)[slots] for layer in range(rt.n_layers)],
+        dense_v=[rt.v_buffer(layer)[slots] for layer in range(rt.n_layers)],
+    )
+    return compressor._write(req, s, plan, int(kv.cache_protected_len), [])
+
+
 def recall(req: Any, s: st.ReqState) -> int:
     """Swap the best host entries into the lowest-scored displaceable kept slots (see the module)."""
     take(s)
     rt, pool = runtime.RT, host.POOL
     kv = req.kv
     a = s.anchor_kv
-    if s.host is None or s.host.count == 0 or kv.cache_protected_len > a or s.pending is not None:
-        s.recall_skipped += 1  # nothing on the host, or the history sits in shared slots
+    if s.host is None or s.host.count == 0 or s.pending is not None or s.comp_slots == 0:
+        s.recall_skipped += 1  # nothing on the host (or no compacted history to swap into)
+        return 0
+    if not _own_region(req, s):
+        s.recall_skipped += 1  # the history sits in shared slots and no own copy could be made
         return 0
     kv_len = int(kv.kv_committed_len)
     n_sink = max(0, min(s.policy.config.sinks - s.anchor_tokens, s.comp_slots))
