@@ -8,7 +8,7 @@ import pytest
 import requests
 
 from sgl_kvevict.config import KvConfig, ServerSettings, request_override
-from sgl_kvevict.serverproc import Server
+from sgl_kvevict.serve.serverproc import Server
 
 from .helpers import CHECKED_ENV, chat_ids, long_text, tokenizer
 from .test_cli import check_in_process

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_kvevict import capture, compressor, engine, host, recall
-from sgl_kvevict import state as st
-from sgl_kvevict.pools import Pools
+from sgl_kvevict.cache import capture, compressor, engine, host, recall
+from sgl_kvevict.cache import state as st
+from sgl_kvevict.tools.pools import Pools
 
 L, H, G, D, N, W, R = 3, 2, 2, 16, 160, 16, 6
 

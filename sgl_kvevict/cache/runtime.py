@@ -117,7 +117,7 @@ class Runtime:
         self.totals = Totals()
         self.metrics = None
         if getattr(ctx.params, "enable_metrics", False):
-            from sgl_kvevict.metrics import Metrics, labels_for
+            from sgl_kvevict.serve.metrics import Metrics, labels_for
 
             self.metrics = Metrics(labels_for(ctx.server_args, int(ctx.tp_rank)))
 
@@ -201,8 +201,9 @@ def _available_host_bytes() -> int | None:
 
 def attach(cache: Any, ctx: Any) -> None:
     global RT
-    from sgl_kvevict import capture, hooks, modelcheck, slotstats
+    from sgl_kvevict.cache import capture, slotstats
     from sgl_kvevict.config import server_config, server_settings
+    from sgl_kvevict.serve import hooks, modelcheck
 
     hf = ctx.model_config.hf_config
     why = modelcheck.refusal(hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf)))
@@ -224,7 +225,7 @@ def attach(cache: Any, ctx: Any) -> None:
     cfg = server_config()
     settings = server_settings()
     if settings.recall_tokens > 0 and cfg.active:
-        from sgl_kvevict import host
+        from sgl_kvevict.cache import host
 
         k0 = RT.k_buffer(0)
         need = settings.host_tokens * 2 * RT.n_layers * RT.n_kv_heads * RT.head_dim * k0.element_size()

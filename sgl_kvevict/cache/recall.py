@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from sgl_kvevict import capture, host, runtime, slotstats
-from sgl_kvevict import state as st
+from sgl_kvevict.cache import capture, host, runtime, slotstats
+from sgl_kvevict.cache import state as st
 
 logger = logging.getLogger("sgl_kvevict")
 
@@ -179,7 +179,7 @@ def _own_region(req: Any, s: st.ReqState) -> bool:
     compression did not fire, e.g. a short question turn): the region is copied, whole, into slots the
     request owns, exactly as a compression that keeps every token would (`compressor._write`); the
     tree's copy stays as cache. Shared slots are never written. False when it cannot (nothing changed)."""
-    from sgl_kvevict import compressor
+    from sgl_kvevict.cache import compressor
 
     rt, kv, a = runtime.RT, req.kv, s.anchor_kv
     if kv.cache_protected_len <= a:
