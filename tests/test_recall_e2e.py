@@ -38,6 +38,7 @@ def recall_server():
             str(HOST),
         ],
         env=CHECKED_ENV,
+        timeout=900,  # a loaded shared machine can take minutes to start a server
     )
     with srv:
         yield srv
