@@ -190,11 +190,11 @@ def trim_heap() -> float:
     return max(0.0, (before - proc.memory_info().rss) / (1 << 20))
 
 
-def _available_host_bytes() -> int | None:
+def _host_ram_bytes() -> int | None:
     try:
         import psutil
 
-        return int(psutil.virtual_memory().available)
+        return int(psutil.virtual_memory().total)
     except Exception:
         return None
 
@@ -229,11 +229,11 @@ def attach(cache: Any, ctx: Any) -> None:
 
         k0 = RT.k_buffer(0)
         need = settings.host_tokens * 2 * RT.n_layers * RT.n_kv_heads * RT.head_dim * k0.element_size()
-        avail = _available_host_bytes()
-        if avail is not None and need > avail // 2:
+        total = _host_ram_bytes()
+        if total is not None and need > total // 2:  # reserved lazily: pages are committed as used
             raise RuntimeError(
                 f"sgl-kvevict: --kv-host-tokens {settings.host_tokens} needs {need / 2**30:.1f} GiB of host "
-                f"memory, more than half of the {avail / 2**30:.1f} GiB available: lower it"
+                f"memory, more than half of this machine's {total / 2**30:.1f} GiB: lower it"
             )
         host.build(RT.n_layers, RT.n_kv_heads, RT.head_dim, settings.host_tokens, k0.dtype, k0.device)
     slotstats.reset()
