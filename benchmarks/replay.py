@@ -315,6 +315,10 @@ class Replayer:
             "evicted": stats.get("evicted") if stats else None,
             "compressions": stats.get("compressions") if stats else None,
             "policy_failed": stats.get("failed") if stats else None,
+            # host tier (--kv-recall-tokens): entries swapped back this turn, bytes moved, branch host columns
+            "recalled": stats.get("recalled") if stats else None,
+            "bytes_moved": stats.get("bytes_moved") if stats else None,
+            "host_tokens": stats.get("host_tokens") if stats else None,
             "retractions": int(meta.get("num_retractions", 0) or 0),
             "ttft": call.ttft,
             "decode_tps": call.decode_tps,
@@ -475,8 +479,12 @@ def main(cfg: BenchConfig) -> dict[str, Any]:
                 kv: dict | None = (
                     {"policy": policy} if budget is None else {"policy": policy, "budget": budget}
                 )
-                if policy_config(cfg, run.spec):
-                    kv["config"] = policy_config(cfg, run.spec)
+                conf = policy_config(cfg, run.spec)
+                recall = conf.pop("recall_tokens", None)  # a request setting, beside the policy config
+                if conf:
+                    kv["config"] = conf
+                if recall is not None:
+                    kv["recall_tokens"] = recall
                 if cfg.server_mode == "per-run":
                     url = run_stack.enter_context(
                         start_server(cfg, run.spec, budget, cfg.out / f"server-{name}.log")

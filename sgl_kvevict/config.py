@@ -30,6 +30,9 @@ DEFAULT_BUDGET = 0.5
 
 MAX_BUDGET_TOKENS = 1 << 24
 MAX_STEP_TOKENS = 1 << 24
+MAX_RECALL_TOKENS = 4096  # bound on --kv-recall-tokens and a request's recall_tokens (per layer and head)
+MAX_HOST_TOKENS = 1 << 21  # bound on --kv-host-tokens (host columns)
+DEFAULT_HOST_TOKENS = 16384
 MAX_CAPTURE = 4096  # bound on --kv-capture-window and --kv-capture-slots (the buffer is their product)
 _BUDGET_FORMS = 'tokens (e.g. 256), a percent of the suffix (e.g. "50%"), or {"tokens": N} / {"ratio": R}'
 _AMBIGUOUS_ONE = (
@@ -139,6 +142,20 @@ class KvConfig(BaseModel):
         "see parse_budget for the spellings a user may write",
     )
     config: dict[str, Any] = Field(default_factory=dict)
+    recall_tokens: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_RECALL_TOKENS,
+        description="host entries per layer and KV head a turn may bring back (None: the server's "
+        "--kv-recall-tokens; 0: no recall); at most the server's",
+    )
+
+    @field_validator("recall_tokens", mode="before")
+    @classmethod
+    def _recall(cls, v: Any) -> Any:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise ValueError(f"must be an integer in [0, {MAX_RECALL_TOKENS}], got {short(v)}")
+        return v
 
     @field_validator("budget", mode="before")
     @classmethod
@@ -262,6 +279,19 @@ class ServerSettings(BaseModel):
         description="requests that can capture window queries at once (--kv-capture-slots)",
     )
 
+    recall_tokens: int = Field(
+        0,
+        ge=0,
+        le=MAX_RECALL_TOKENS,
+        description="host entries per layer and KV head a turn may recall (--kv-recall-tokens; 0: no host tier)",
+    )
+    host_tokens: int = Field(
+        DEFAULT_HOST_TOKENS,
+        ge=1,
+        le=MAX_HOST_TOKENS,
+        description="host tier capacity in columns, one evicted entry per layer and KV head each (--kv-host-tokens)",
+    )
+
     def to_env(self) -> str:
         return self.model_dump_json()
 
@@ -344,6 +374,11 @@ def _check_operator_rules(
                 f"custom_params.{REQUEST_KEY}.config.window: {pol.config.window} is above this server's "
                 f"window-query buffer ({settings.capture_window}; --kv-capture-window)"
             )
+    if cfg.recall_tokens and cfg.recall_tokens > settings.recall_tokens:
+        raise ValueError(
+            f"custom_params.{REQUEST_KEY}.recall_tokens: {cfg.recall_tokens} is above this server's "
+            f"{settings.recall_tokens} (--kv-recall-tokens)"
+        )
     if settings.quantization and cfg.active:
         pol = cfg.build()
         if "o_proj" in pol.needs:
@@ -376,11 +411,11 @@ def request_override(
     raw = custom_params[REQUEST_KEY]
     if not isinstance(raw, dict):
         raise ValueError(f"custom_params.{REQUEST_KEY} must be an object with policy/budget/config")
-    unknown = set(raw) - {"policy", "budget", "config"}
+    unknown = set(raw) - {"policy", "budget", "config", "recall_tokens"}
     if unknown:
         raise ValueError(
             f"custom_params.{REQUEST_KEY}: unknown field(s) {sorted(short(k, 30) for k in unknown)}; "
-            "valid: policy, budget, config"
+            "valid: policy, budget, config, recall_tokens"
         )
     merged = {
         "policy": base.policy,

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from sgl_kvevict import kernels
-from sgl_kvevict.cache import capture, runtime, slotstats
+from sgl_kvevict.cache import capture, recall, runtime, slotstats
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.nodes import is_compressed
 from sgl_kvevict.policies import LayerView, Policy
@@ -250,7 +250,23 @@ def _target_slots(req: Any, s: st.ReqState, plan: Plan, own_start: int) -> torch
 
 
 def _commit(req: Any, s: st.ReqState, plan: Plan, own_start: int) -> bool:
-    """Write the plan into the pool and the request's row. Returns False when it cannot (nothing changed)."""
+    """Write the plan into the pool and the request's row. Returns False when it cannot (nothing changed).
+
+    With recall on, the entries the plan evicts are copied to the host tier before any slot is written
+    (`recall.plan_demote`) and join the request's host entries only when the commit happens."""
+    if recall.enabled(s):
+        recall.take(s)  # before `_target_slots` may take the adopted node out of the tree
+    dem: list = []
+    ok = False
+    try:
+        ok = _write(req, s, plan, own_start, dem)
+        return ok
+    finally:
+        recall.commit_demote(s, dem[0] if dem else None, ok)
+
+
+def _write(req: Any, s: st.ReqState, plan: Plan, own_start: int, dem: list) -> bool:
+    """`_commit`'s writes; the demotion (if any) is appended to `dem` right before the first one."""
     rt = runtime.RT
     kv, a, k = req.kv, s.anchor_kv, plan.k
     row = rt.req_to_token[kv.req_pool_idx]
@@ -260,6 +276,7 @@ def _commit(req: Any, s: st.ReqState, plan: Plan, own_start: int) -> bool:
     v_bufs = [rt.v_buffer(layer) for layer in range(rt.n_layers)]
     stats = slotstats.STATS
     if own_start <= a:  # the whole region is the request's own: compact in place
+        dem.append(recall.plan_demote(s, a, plan.slots, plan.keep))
         if plan.dense_k is None:
             kernels.compact(k_bufs, v_bufs, plan.slots, plan.keep)
             if stats is not None:
@@ -276,6 +293,7 @@ def _commit(req: Any, s: st.ReqState, plan: Plan, own_start: int) -> bool:
         target = _target_slots(req, s, plan, own_start)
         if target is None:
             return False
+        dem.append(recall.plan_demote(s, a, plan.slots, plan.keep))
         new, spare = target[:k], target[k:]
         if stats is not None:
             slotstats.write(stats, new, _staged_stats(stats, plan))
@@ -601,6 +619,14 @@ def stats(req: Any) -> dict[str, Any] | None:
         "seconds": round(s.seconds, 4),
         "failed": s.failed,
     }
+    if s.recall > 0 or s.recalled:
+        out.update(
+            recall_tokens=s.recall,
+            recalled=s.recalled,
+            bytes_moved=s.bytes_moved,
+            host_tokens=s.host_peak,
+            recall_skipped=s.recall_skipped,
+        )
     if st.DEBUG:
         out["prefix_digest"] = s.prefix_digest
         out["prefix_digest_end"] = s.prefix_digest_end

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from sgl_kvevict.cache import capture, compressor, engine_lagkv, ragged, runtime, slotstats
+from sgl_kvevict.cache import capture, compressor, engine_lagkv, ragged, recall, runtime, slotstats
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.compressor import Job
 from sgl_kvevict.policies.base import Phase
@@ -206,6 +206,11 @@ def _run_group(jobs: list[Job]) -> list[int]:
         past = (torch.arange(kmax).unsqueeze(0) >= torch.tensor(ks).view(-1, 1)).to(dev)  # [R, Kmax]
         keep = keep.masked_fill(past.view(R, 1, 1, kmax), nmax).sort(dim=-1).values
 
+    # demote (recall on): the entries each request evicts, copied to host columns before any write
+    dems = [
+        recall.plan_demote(j.s, j.a, slots_pad[r, : j.n], keep[r, :, :, :k]) if recall.enabled(j.s) else None
+        for r, (j, k) in enumerate(zip(jobs, ks, strict=True))
+    ]
     # commit: nothing below can fail on valid indices; a failure above left everything as it was
     sel = _host_index(ks, kmax, dev)  # [sum k] valid (request, i) pairs of the padded kept layout
     src = slots_pad.gather(1, keep.clamp(max=nmax - 1).reshape(R, -1)).view(R, L, H, kmax)
@@ -222,6 +227,8 @@ def _run_group(jobs: list[Job]) -> list[int]:
         slotstats.move_rows(slotstats.STATS, src_rows, dst_rows)
     evicted = slots_pad.reshape(-1).index_select(0, _tail_index(ks, ns, nmax, dev))
     rt.allocator.free(evicted)
+    for j, d in zip(jobs, dems, strict=True):
+        recall.commit_demote(j.s, d, True)
 
     # host bookkeeping per request; the tensor state (carried scores, row offsets) in one op each
     for j in jobs:

@@ -160,6 +160,15 @@ def trim_heap() -> float:
     return max(0.0, (before - proc.memory_info().rss) / (1 << 20))
 
 
+def _host_ram_bytes() -> int | None:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except Exception:
+        return None
+
+
 def attach(cache: Any, ctx: Any) -> Runtime:
     """Build the scheduler's `Runtime` over the tree `cache`, with the buffers compression needs (the
     window-query capture, the per-slot statistic). The serving side checks the model and its hooks
@@ -179,8 +188,21 @@ def attach(cache: Any, ctx: Any) -> Runtime:
         RT.start_layer,
     )
     cfg = server_config()
+    settings = server_settings()
+    if settings.recall_tokens > 0 and cfg.active:
+        from sgl_kvevict.cache import host
+
+        k0 = RT.k_buffer(0)
+        need = settings.host_tokens * 2 * RT.n_layers * RT.n_kv_heads * RT.head_dim * k0.element_size()
+        total = _host_ram_bytes()
+        if total is not None and need > total // 2:  # reserved lazily: pages are committed as used
+            raise RuntimeError(
+                f"sgl-kvevict: --kv-host-tokens {settings.host_tokens} needs {need / 2**30:.1f} GiB of host "
+                f"memory, more than half of this machine's {total / 2**30:.1f} GiB: lower it"
+            )
+        host.build(RT.n_layers, RT.n_kv_heads, RT.head_dim, settings.host_tokens, k0.dtype, k0.device)
     slotstats.reset()
-    if slotstats.needed(cfg, server_settings()):
+    if slotstats.needed(cfg, settings):
         slotstats.setup(RT)
     logger.info(
         "sgl-kvevict: KV policy %r active (budget %s, config %s); compressing radix cache on %d layers x %d KV heads; "

@@ -31,7 +31,7 @@ import torch
 
 from sgl_kvevict.cache.counts import LazyCount
 from sgl_kvevict.cache.nodes import is_compressed
-from sgl_kvevict.config import KvConfig, request_override, server_config
+from sgl_kvevict.config import KvConfig, request_override, server_config, server_settings
 from sgl_kvevict.policies import Policy
 
 logger = logging.getLogger("sgl_kvevict")
@@ -40,12 +40,16 @@ ATTR = "_kvevict"
 DEBUG = os.environ.get("KVEVICT_DEBUG", "0") == "1"
 
 
-def fingerprint(cfg: KvConfig, policy: Policy) -> str | None:
-    """Identity of a compressed history's producer; None for `none` (it never produces or reads one)."""
+def fingerprint(cfg: KvConfig, policy: Policy, recall: int = 0) -> str | None:
+    """Identity of a compressed history's producer; None for `none` (it never produces or reads one).
+    Recall changes what a history holds (and owns host entries), so it is part of it when on."""
     if not cfg.active:
         return None
     config = policy.config.model_dump(mode="json", exclude={"shared_prefix"})  # where, not how
-    raw = json.dumps({"policy": cfg.policy, "budget": cfg.budget, "config": config}, sort_keys=True)
+    ident: dict[str, Any] = {"policy": cfg.policy, "budget": cfg.budget, "config": config}
+    if recall:
+        ident["recall"] = recall
+    raw = json.dumps(ident, sort_keys=True)
     return hashlib.sha1(raw.encode()).hexdigest()[:16]
 
 
@@ -84,6 +88,15 @@ class ReqState:
     dbg_pos: torch.Tensor | None = None
     dbg_tokens: int = 0
     timeline: list[dict] = field(default_factory=list)
+    # host tier (recall.py): entries per (layer, head) per request, at most this many per turn
+    recall: int = 0
+    recall_due: bool = False  # a prefill ran: recall once its compression has committed
+    host: Any = None  # host.HostEntries this request owns
+    host_src: Any = None  # the adopted compressed node whose entries it takes at its first commit
+    host_peak: int = 0
+    recalled: int = 0
+    bytes_moved: int = 0
+    recall_skipped: int = 0
 
     @property
     def merged(self) -> int:
@@ -124,6 +137,7 @@ class ReqState:
             self.inherited_evicted = 0
             self.comp_slots = self.comp_tokens = 0
             self.layer_state = []
+            self.host_src = None  # that history is shared now: its host entries stay with it
         self.anchor = node
         self.anchor_tokens += tokens
         self.anchor_kv += slots
@@ -148,7 +162,8 @@ class ReqState:
     def debug_event(self, pos: torch.Tensor, tokens: int) -> None:
         """Record that the row now holds `pos` ([L, H, m]) and that logical tokens >= `tokens` follow."""
         self.dbg_pos, self.dbg_tokens = pos, tokens
-        self.timeline.append({"tokens": tokens, "positions": pos.tolist()})
+        # exported as sets (sorted): a recall swap leaves a head's slots out of position order
+        self.timeline.append({"tokens": tokens, "positions": pos.sort(dim=-1).values.tolist()})
 
 
 _SERVER: KvConfig | None = None
@@ -178,11 +193,19 @@ def ensure(req: Any) -> ReqState:
             logger.warning("request %s: %s; using the server policy", req.rid, e)
             cfg = base
         policy = cfg.build()
-        s = ReqState(cfg=cfg, policy=policy, fp=fingerprint(cfg, policy))
+        recall = recall_tokens(cfg) if cfg.active else 0
+        s = ReqState(cfg=cfg, policy=policy, fp=fingerprint(cfg, policy, recall), recall=recall)
         LIVE[id(s)] = s
         s.commit = getattr(req.sampling_params, "max_new_tokens", None) == 0
         setattr(req, ATTR, s)
     return s
+
+
+def recall_tokens(cfg: KvConfig) -> int:
+    """Entries per layer and KV head a turn may recall: the request's own setting, else the server's."""
+    if cfg.recall_tokens is not None:
+        return cfg.recall_tokens
+    return server_settings().recall_tokens
 
 
 def copy_layer_state(layers: list[dict], slots: int | None = None) -> list[dict]:
@@ -212,7 +235,9 @@ def on_match(req: Any, region: Any, prefix_pos: torch.Tensor | None = None) -> R
     # Per-head policy state (D2O's tau) survives a retraction; per-slot entries do not (the slots change).
     s.layer_state = [{k: v for k, v in d.items() if k != "carried"} for d in s.layer_state]
     first = region.first
+    s.host_src = None
     if first is not None and is_compressed(first):
+        s.host_src = first  # its host entries, if any, move to the request at its first commit
         s.comp_slots, s.comp_tokens = len(first.value), len(first.key)
         s.own_evicted = s.inherited_evicted = s.comp_tokens - s.comp_slots
         s.layer_state = copy_layer_state(getattr(first, "kvevict_state", []))

@@ -33,7 +33,7 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
-from sgl_kvevict.cache import events
+from sgl_kvevict.cache import events, host
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.nodes import is_compressed
 
@@ -82,6 +82,12 @@ class KvEvictRadixCache(RadixCache):
 
     def reset(self) -> None:
         """`/flush_cache`: the tree empties, and the C heap's free memory goes back to the OS."""
+        stack = list(self.root_node.children.values()) if hasattr(self, "root_node") else []
+        while stack:  # every compressed node's host entries go back to the host pool
+            node = stack.pop()
+            host.release(getattr(node, "kvevict_host", None))
+            node.kvevict_host = None
+            stack.extend(node.children.values())
         super().reset()
         from sgl_kvevict.cache import runtime
 
@@ -128,6 +134,8 @@ class KvEvictRadixCache(RadixCache):
         self.evictable_size_ -= len(node.value)
         self.evictable_leaves.discard(node)
         self._update_leaf_status(node.parent)
+        host.release(getattr(node, "kvevict_host", None))  # its host entries go with it
+        node.kvevict_host = None
 
     def take_leaves(self, nodes: list[TreeNode]) -> None:
         """Take `nodes` out of the tree, bottom-up (each a leaf once those below it are gone), keeping
@@ -414,11 +422,15 @@ class KvEvictRadixCache(RadixCache):
             cpos = s.debug_positions(kpos + s.comp_slots)[..., kpos:] if st.DEBUG else None
             res = self._insert_compressed(node, rkey(tpos, tpos + s.comp_tokens), cval, priority, s.fp, cpos)
             if res is None:  # a different history with the same tokens is stored: keep it, free ours
+                host.release(s.host)
+                s.host = None
                 self.relock(req, node, kpos)
                 return
             cnode, dup = res
             if not dup:  # the policy's per-head state continues in the branch's next turn
                 cnode.kvevict_state = st.copy_layer_state(s.layer_state, s.comp_slots)
+            if req.finished() or s.releasing:
+                self._hand_over_host(s, cnode)
             if dup:  # free our copy, never slots the tree owns (an adopted branch history is the node itself)
                 own = torch.arange(kpos, kpos + s.comp_slots, device=row.device) >= req.kv.cache_protected_len
                 mask = (cnode.value != cval) & own
@@ -439,6 +451,22 @@ class KvEvictRadixCache(RadixCache):
         for t in to_free:
             self.token_to_kv_pool_allocator.free(t)
         self.relock(req, node, kv_end)
+
+    @staticmethod
+    def _hand_over_host(s: st.ReqState, cnode: TreeNode) -> None:
+        """A stored history owns the host entries of the request that produced it (they move). A
+        duplicate node keeps its own; the request's go back to the pool."""
+        mine = s.host
+        s.host = None
+        if mine is None:
+            return
+        held = getattr(cnode, "kvevict_host", None)
+        if held is not None and held is not mine and held.count:
+            host.release(mine)
+            return
+        cnode.kvevict_host = mine
+        if host.POOL is not None:
+            host.POOL.touch(mine)
 
     def _mark_shared(self, node: TreeNode) -> None:
         """A committed prefix (a request that generates nothing, as SGLang's frontend sends before `fork`)
@@ -501,4 +529,7 @@ class KvEvictRadixCache(RadixCache):
                 self.release_report(req)
             except Exception:
                 logger.exception("kvevict: could not report stats for request %s", req.rid)
+        if s is not None and s.host is not None:  # no stored history took them
+            host.release(s.host)
+            s.host = None
         st.drop(req)

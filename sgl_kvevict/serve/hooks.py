@@ -34,7 +34,7 @@ import torch
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sgl_kvevict.cache import capture, compressor, engine, runtime, slotstats
+from sgl_kvevict.cache import capture, compressor, engine, host, recall, runtime, slotstats
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.config import KvConfig, server_settings
 
@@ -86,7 +86,13 @@ def _after_extend_alloc(reqs: list, offs: list[int]) -> None:
         if not s.active:
             continue
         s.after_extend = True
-        if "attn" in s.policy.needs and not capture.ensure(row, s.policy.config.window, r.prefix_len):
+        s.recall_due = s.recall > 0
+        needs_window = "attn" in s.policy.needs or s.recall > 0
+        if needs_window and not capture.ensure(row, s.policy.config.window, r.prefix_len):
+            if "attn" not in s.policy.needs:  # only recall needed the queries: compress without it
+                s.recall = 0
+                s.recall_due = False
+                continue
             s.failed = True  # no capture slot: nothing to score with, so no compression at all
             rt.totals.capture_refused += 1
             logger.warning(
@@ -129,6 +135,9 @@ def _compress_batch(batch) -> None:
     t0 = time.perf_counter()
     with compressor.one_thread():
         freed = engine.compress_batch(items, cap)
+        for r in reqs:  # a turn's recall, once its prefill compression has committed
+            if recall.due(r):
+                recall.safe_recall(r)
     rt.totals.step_seconds_max = max(rt.totals.step_seconds_max, time.perf_counter() - t0)
     if any(freed):
         delta = torch.tensor(freed, dtype=batch.seq_lens_cpu.dtype)
@@ -325,6 +334,7 @@ def internal_state(result, *args, **kwargs):
             # per-request objects alive now: with no request running they must be 0 (see bench_soak)
             "live_request_states": len(st.LIVE),
             "capture_rings": capture.live(),
+            **({"host": host.POOL.stats()} if host.POOL is not None else {}),
         }
         if st.DEBUG or os.environ.get("KVEVICT_COUNT_OBJECTS") == "1":  # a soak's leak check (~0.1 s)
             result.internal_state[META_KEY]["python_objects"] = len(gc.get_objects())

@@ -24,6 +24,8 @@ from sgl_kvevict import policies
 from sgl_kvevict.config import (
     ENV_VAR,
     MAX_CAPTURE,
+    MAX_HOST_TOKENS,
+    MAX_RECALL_TOKENS,
     MAX_STEP_TOKENS,
     REQUEST_KEY,
     SETTINGS_ENV_VAR,
@@ -147,19 +149,33 @@ def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
         help="requests that can capture window queries at once (default 128; one preallocated buffer of "
         "slots x layers x window x query heads x head_dim; a request beyond it runs uncompressed)",
     )
+    group.add_argument(
+        "--kv-recall-tokens",
+        type=_recall_arg,
+        default=None,
+        help="host tier: evicted entries go to host memory, and each turn recalls up to this many per "
+        f"layer and KV head into its kept history (0 or absent: off; at most {MAX_RECALL_TOKENS})",
+    )
+    group.add_argument(
+        "--kv-host-tokens",
+        type=_host_arg,
+        default=None,
+        help="host tier capacity in columns (one evicted entry per layer and KV head each; default "
+        "16384, needs --kv-recall-tokens); branches are dropped least-recently-used beyond it",
+    )
     return result
 
 
-def _int_arg(hi: int, what: str = "an integer"):
-    """An argparse type: an integer in [1, hi], else a message naming the range."""
+def _int_arg(hi: int, what: str = "an integer", lo: int = 1):
+    """An argparse type: an integer in [lo, hi], else a message naming the range."""
 
     def parse(text: str) -> int:
         try:
             val = int(text.strip())
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {what}, got {short(text)}") from None
-        if not 1 <= val <= hi:
-            raise argparse.ArgumentTypeError(f"{short(val)} out of range: must be in [1, {hi}]")
+            raise argparse.ArgumentTypeError(f"must be {what} in [{lo}, {hi}], got {short(text)}") from None
+        if not lo <= val <= hi:
+            raise argparse.ArgumentTypeError(f"{short(val)} out of range: must be in [{lo}, {hi}]")
         return val
 
     return parse
@@ -167,6 +183,8 @@ def _int_arg(hi: int, what: str = "an integer"):
 
 _capture_arg = _int_arg(MAX_CAPTURE)
 _step_tokens_arg = _int_arg(MAX_STEP_TOKENS, "an integer number of tokens")
+_recall_arg = _int_arg(MAX_RECALL_TOKENS, "an integer number of tokens", lo=0)
+_host_arg = _int_arg(MAX_HOST_TOKENS, "an integer number of columns")
 
 
 _in_engine = False  # set while validating an offline Engine's keyword arguments: errors raise instead
@@ -199,6 +217,8 @@ def from_cli_args(cls, ns: argparse.Namespace, *args, **kwargs):
     settings = _server_settings(ns, model_cfg)
     if cfg.active:
         settings = _capture_settings(ns, cfg, settings)
+    if settings.recall_tokens and not cfg.active:
+        _fail("--kv-recall-tokens recalls what a compressing policy evicted: give --kv-policy too")
     os.environ[SETTINGS_ENV_VAR] = settings.to_env()
     if cfg.active:
         current = getattr(ns, "radix_cache_backend", None)
@@ -233,6 +253,10 @@ def _server_settings(ns: argparse.Namespace, model_cfg: dict | None) -> ServerSe
         other = "--kv-override-policies" if allowed is not None else "--kv-override-min-budget"
         _fail(f"{other} has no effect with --kv-disable-request-override (no override is allowed): drop one")
     tokens, ratio = min_budget if min_budget is not None else (None, None)
+    recall = getattr(ns, "kv_recall_tokens", None) or 0
+    host_tokens = getattr(ns, "kv_host_tokens", None)
+    if host_tokens is not None and not recall:
+        _fail("--kv-host-tokens sizes the host tier, which is on only with --kv-recall-tokens N (N >= 1)")
     quant = None
     for flag in ("quantization", "modelopt_quant"):
         if getattr(ns, flag, None):
@@ -247,6 +271,8 @@ def _server_settings(ns: argparse.Namespace, model_cfg: dict | None) -> ServerSe
             ),
             quantization=quant,
             step_tokens=getattr(ns, "kv_compress_step_tokens", None),
+            recall_tokens=recall,
+            **({"host_tokens": host_tokens} if host_tokens is not None else {}),
         )
     except ValidationError as e:  # the argparse types check first; this is a second line
         err = e.errors()[0]
@@ -260,7 +286,7 @@ def _capture_settings(ns: argparse.Namespace, cfg: KvConfig, settings: ServerSet
     if not capture_needed(cfg, settings):
         return settings
     pol = cfg.build()
-    own = pol.config.window if "attn" in pol.needs else 0
+    own = pol.config.window if "attn" in pol.needs or settings.recall_tokens else 0
     window = getattr(ns, "kv_capture_window", None)
     if window is None:
         window = max(own, PolicyConfig.model_fields["window"].default)
@@ -277,7 +303,7 @@ def capture_needed(cfg: KvConfig, settings: ServerSettings) -> bool:
     override could ask for an attention-based policy, so overrides count too: the buffer is left out
     only when none can ask for one (any may, when `--kv-override-policies` is not given; a refiner's
     base may be attention-based). CUDA graphs stay on either way (the capture is graph-safe)."""
-    if "attn" in cfg.build().needs:
+    if "attn" in cfg.build().needs or settings.recall_tokens > 0:  # recall scores with the window too
         return True
     if not settings.overrides.enabled:
         return False

@@ -1,0 +1,165 @@
+"""The host tier: K/V entries a compression evicted, kept in host memory instead of dropped.
+
+Layout `[layers, columns, kv_heads, head_dim]`, the device pool's with columns for slots. One host
+*column* mirrors one device slot: for column j, (layer l, head h) holds one evicted entry of that head.
+Eviction is rectangular per request (every head of every layer evicts the same count), so a compression
+that evicts `e` entries per head fills exactly `e` columns, and each (layer, head) keeps its own order.
+
+Why not SGLang's `MHATokenToKVPoolHost`: its transfers move whole device slots (every layer and head
+of one token) to whole host slots, while demoted entries of one column come from different tokens per
+head; and its constructor sizes itself against the device pool's pointer tables and the HiCache host
+memory budget (a fixed reserve of host RAM), neither of which exists for a side tier on a CPU server.
+The store here is the same layout in plain torch; a column copy is one `index_copy_` per layer.
+
+Ownership: a `HostEntries` (one branch's columns) is held by exactly one owner at a time, a running
+request's `ReqState.host` or a compressed tree node's `kvevict_host`; it moves between them, never is
+shared, so no two branches can mutate the same entries. The pool evicts whole branches least recently
+used when it needs columns; an emptied branch still runs, on what the device holds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger("sgl_kvevict")
+
+
+@dataclass(eq=False)
+class HostEntries:
+    """One branch's host columns, in demotion order, and (debug only) the logical positions they hold."""
+
+    cols: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    positions: torch.Tensor | None = None  # [L, H, e] logical positions (KVEVICT_DEBUG only)
+    dropped: int = 0  # columns the pool took back (LRU) from this branch
+
+    @property
+    def count(self) -> int:
+        return int(self.cols.numel())
+
+
+@dataclass
+class HostTotals:
+    demoted: int = 0  # columns written by compressions
+    recalled: int = 0  # (layer, head) entries brought back to the device
+    bytes_moved: int = 0
+    recalls: int = 0  # requests that ran a recall
+    recall_failures: int = 0
+    branches_dropped: int = 0  # branches whose columns the LRU took back
+    columns_dropped: int = 0
+    demote_refused: int = 0  # evictions that could not be demoted (pool full even after the LRU)
+
+
+class HostPool:
+    """Preallocated host columns, a free list, and the LRU order of the branches holding columns."""
+
+    def __init__(
+        self, layers: int, heads: int, dim: int, columns: int, dtype: torch.dtype, pin: bool = False
+    ) -> None:
+        self.layers, self.heads, self.dim, self.size = layers, heads, dim, columns
+        shape = (layers, columns, heads, dim)
+        # empty, not zeros: the OS commits pages only when a column is first written
+        self.k = torch.empty(shape, dtype=dtype, pin_memory=pin)
+        self.v = torch.empty(shape, dtype=dtype, pin_memory=pin)
+        self.free_cols = torch.arange(columns - 1, -1, -1, dtype=torch.int64)  # a stack, top at the end
+        self.n_free = columns
+        self.lru: OrderedDict[int, HostEntries] = OrderedDict()
+        self.totals = HostTotals()
+
+    @property
+    def column_bytes(self) -> int:
+        """Bytes of one column, K and V."""
+        return 2 * self.layers * self.heads * self.dim * self.k.element_size()
+
+    @property
+    def used(self) -> int:
+        return self.size - self.n_free
+
+    def touch(self, e: HostEntries) -> None:
+        if e.count:
+            self.lru[id(e)] = e
+            self.lru.move_to_end(id(e))
+
+    def alloc(self, n: int, keep: HostEntries | None = None) -> torch.Tensor | None:
+        """`n` free columns, evicting least-recently-used branches (never `keep`) as needed; None when
+        the pool cannot give them (nothing is evicted then)."""
+        if n <= 0:
+            return torch.zeros(0, dtype=torch.int64)
+        others = sum(e.count for e in self.lru.values() if e is not keep)
+        if n > self.n_free + others:
+            self.totals.demote_refused += n
+            return None
+        while self.n_free < n:
+            victim = next(e for e in self.lru.values() if e is not keep)
+            self.totals.branches_dropped += 1
+            self.totals.columns_dropped += victim.count
+            victim.dropped += victim.count
+            self.release(victim)
+        out = self.free_cols[self.n_free - n : self.n_free].clone()
+        self.n_free -= n
+        return out
+
+    def give_back(self, cols: torch.Tensor) -> None:
+        """Columns that were allocated but never attached to a branch (a commit that did not happen)."""
+        m = int(cols.numel())
+        if m:
+            self.free_cols[self.n_free : self.n_free + m] = cols.to(torch.int64).flip(0)
+            self.n_free += m
+
+    def release(self, e: HostEntries | None) -> None:
+        """Every column of a branch back to the pool; the object stays valid (empty)."""
+        if e is None:
+            return
+        self.lru.pop(id(e), None)
+        self.give_back(e.cols)
+        e.cols = torch.zeros(0, dtype=torch.int64)
+        e.positions = None
+
+    def append(self, e: HostEntries, cols: torch.Tensor, positions: torch.Tensor | None) -> None:
+        if not cols.numel():
+            return
+        e.cols = torch.cat([e.cols, cols])
+        if positions is not None and (e.positions is not None or e.count == cols.numel()):
+            e.positions = positions if e.positions is None else torch.cat([e.positions, positions], dim=-1)
+        else:
+            e.positions = None
+        self.touch(e)
+
+    def write(self, cols: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """`k`, `v`: `[e, H, D]` entries of one layer into columns `cols`."""
+        idx = cols.to(self.k.device)
+        self.k[layer].index_copy_(0, idx, k.to(self.k.device, self.k.dtype))
+        self.v[layer].index_copy_(0, idx, v.to(self.v.device, self.v.dtype))
+
+    def stats(self) -> dict[str, int]:
+        d = dict(self.totals.__dict__)
+        d.update(host_capacity=self.size, host_used=self.used, host_branches=len(self.lru))
+        return d
+
+
+POOL: HostPool | None = None
+
+
+def build(
+    layers: int, heads: int, dim: int, columns: int, dtype: torch.dtype, device: torch.device
+) -> HostPool:
+    """The process's host pool (pinned when the KV pool is on a GPU, for asynchronous copies)."""
+    global POOL
+    POOL = HostPool(layers, heads, dim, columns, dtype, pin=device.type == "cuda")
+    logger.info(
+        "sgl-kvevict: host tier: %d columns x %d layers x %d KV heads x %d (%.1f MiB reserved, committed as used)",
+        columns,
+        layers,
+        heads,
+        dim,
+        columns * POOL.column_bytes / (1 << 20),
+    )
+    return POOL
+
+
+def release(e: HostEntries | None) -> None:
+    if POOL is not None and e is not None:
+        POOL.release(e)

@@ -1,0 +1,182 @@
+"""The host tier on the live server (real model, HTTP, leak checks on): evicted entries are demoted, each
+turn recalls what its window queries need, the host pool's cap drops whole branches, and bad settings
+are refused (exit 2 / HTTP 400)."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+from sgl_kvevict.config import KvConfig, ServerSettings, request_override
+from sgl_kvevict.serve.serverproc import Server
+from sgl_kvevict.tools.oracle import validate
+
+from .helpers import CHECKED_ENV, chat_ids, long_text, tokenizer
+from .test_cli import check_in_process
+
+pytestmark = pytest.mark.server
+
+BUDGET, RECALL, HOST = 64, 64, 1500
+SNAP = {"policy": "snapkv", "budget": BUDGET, "config": {"scope": "branch"}}
+FACT = "Remember this: the vault code is 4817."
+
+
+@pytest.fixture(scope="module")
+def recall_server():
+    srv = Server(
+        [
+            "--max-total-tokens",
+            "20000",
+            "--kv-policy",
+            "snapkv",
+            "--kv-budget",
+            str(BUDGET),
+            "--kv-policy-config",
+            '{"scope": "branch"}',
+            "--kv-recall-tokens",
+            str(RECALL),
+            "--kv-host-tokens",
+            str(HOST),
+        ],
+        env=CHECKED_ENV,
+        timeout=900,  # a loaded shared machine can take minutes to start a server
+    )
+    with srv:
+        yield srv
+        assert srv.alive(), srv.tail()
+
+
+def _user(text: str) -> list[int]:
+    return tokenizer().encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def session(srv: Server, kv: dict, turns: list[str], n: int = 8) -> tuple[list[dict], list[int]]:
+    """Turns sent one by one as raw ids (each = every earlier id + the reply + the new user turn)."""
+    ids = chat_ids([{"role": "system", "content": "You are a helpful assistant."}])
+    infos = []
+    for text in turns:
+        ids = ids + _user(text)
+        out = srv.generate(input_ids=ids, max_new_tokens=n, kv=kv)
+        infos.append({**out["meta_info"]["kvevict"][0], "output_ids": out["output_ids"]})
+        ids = ids + out["output_ids"]
+    return infos, ids
+
+
+def host_state(srv: Server) -> dict:
+    return srv.server_info()["internal_states"][0]["kvevict"]["host"]
+
+
+def fillers(seed: int, k: int = 4) -> list[str]:
+    return [
+        f"Here is a note:\n{long_text(150, seed=seed + i)}\nWhat is this note about? Answer in a few words."
+        for i in range(k)
+    ]
+
+
+def test_budget_covering_the_context_is_token_identical(recall_server: Server):
+    turns = [FACT, *fillers(3, 2), "What is the vault code? Answer with the number only."]
+    big, _ = session(recall_server, {**SNAP, "budget": 100000}, turns, n=12)
+    full, _ = session(recall_server, {"policy": "none"}, turns, n=12)
+    assert [r["output_ids"] for r in big] == [r["output_ids"] for r in full]
+    assert all(r["evicted"] == 0 and r["recalled"] == 0 for r in big)
+
+
+def _fact_entries(info: dict, fact_pos: set[int]) -> int:
+    """The most (layer, head, planted position) entries held on the device, over the request's events."""
+    return max(
+        sum(len(fact_pos.intersection(row)) for layer in ev["positions"] for row in layer)
+        for ev in info["kept_timeline"]
+    )
+
+
+def test_a_short_question_turn_recalls_into_its_own_copy(recall_server: Server):
+    """Turn 1 plants a fact; four filler turns under a 64-token branch budget evict most of it. LagKV
+    (attention-free: recall is its only window scoring) does not compress the short question turn, so
+    its history still sits in the tree's slots: recall copies it into the request's own slots and swaps
+    there. The kept timeline stays a valid oracle input (sorted position sets, all before the event).
+
+    Measured, not asserted: how many planted (layer, head, position) entries are on the device at the
+    question with and without recall (printed; see notes/tier.md for why recall can hold fewer)."""
+    kv = {"policy": "lagkv", "budget": BUDGET, "config": {"scope": "branch", "lag": 16}}
+    turns = [FACT, *fillers(11), "What is the vault code? Answer with the number only."]
+    first = chat_ids([{"role": "system", "content": "You are a helpful assistant."}]) + _user(FACT)
+    code = tokenizer().encode(" 4817", add_special_tokens=False)
+    start = next(i for i in range(len(first)) if first[i : i + len(code)] == code)
+    fact_pos = set(range(start, start + len(code)))
+    on, _ = session(recall_server, kv, turns)
+    off, _ = session(recall_server, {**kv, "recall_tokens": 0}, turns)
+    q_on, q_off = on[-1], off[-1]
+    assert q_on["host_tokens"] > 0 and q_on["recalled"] > 0, q_on
+    assert "recalled" not in q_off and q_off["reused_evicted"] > 0
+    validate(q_on["kept_timeline"], 30, 3)
+    got_on, got_off = _fact_entries(q_on, fact_pos), _fact_entries(q_off, fact_pos)
+    answers = [tokenizer().decode(q["output_ids"]) for q in (q_on, q_off)]
+    print("planted entries on the device with/without recall:", got_on, got_off, "answers:", answers)
+    # K and V, head_dim 64, both directions, 2 or 4 bytes an element
+    assert q_on["bytes_moved"] in (q_on["recalled"] * 2 * 64 * 2 * 2, q_on["recalled"] * 2 * 64 * 4 * 2)
+
+
+def test_host_cap_drops_the_least_recently_used_branch(recall_server: Server):
+    """Two sessions that each fill most of the host pool: the first loses its entries to the second, its
+    next turn still runs, and after a flush every host column is free again (no leak on either pool)."""
+    a_turns = [FACT, *fillers(21, 5)]
+    a, a_ids = session(recall_server, SNAP, a_turns)
+    b, _ = session(recall_server, SNAP, [FACT, *fillers(41, 5)])
+    state = host_state(recall_server)
+    assert state["branches_dropped"] >= 1 and state["host_used"] <= HOST, state
+    out = recall_server.generate(input_ids=a_ids + _user("And the vault code?"), max_new_tokens=8, kv=SNAP)
+    info = out["meta_info"]["kvevict"][0]
+    assert not info["failed"] and info["evicted"] > 0, info
+    recall_server.flush()
+    state = host_state(recall_server)
+    assert state["host_used"] == 0 and state["host_branches"] == 0, state
+    assert state["recall_failures"] == 0
+
+
+@pytest.mark.parametrize(
+    ("kv", "needle"),
+    [
+        ({**SNAP, "recall_tokens": RECALL + 1}, "--kv-recall-tokens"),
+        ({**SNAP, "recall_tokens": -1}, "recall_tokens"),
+        ({**SNAP, "recall_tokens": "lots"}, "recall_tokens"),
+        ({**SNAP, "recall_tokens": 1e9}, "recall_tokens"),
+    ],
+)
+def test_bad_request_recall_is_http_400(recall_server: Server, kv: dict, needle: str):
+    body = {
+        "input_ids": [1, 2, 3],
+        "sampling_params": {"max_new_tokens": 2, "custom_params": {"kvevict": kv}},
+    }
+    r = requests.post(recall_server.url + "/generate", json=body, timeout=60)
+    assert r.status_code == 400 and needle in r.text, r.text
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--kv-policy", "snapkv", "--kv-recall-tokens", "-1"], "[0, 4096]"),
+        (["--kv-policy", "snapkv", "--kv-recall-tokens", "99999"], "[0, 4096]"),
+        (["--kv-policy", "snapkv", "--kv-recall-tokens", "x"], "--kv-recall-tokens"),
+        (["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-host-tokens", "0"], "[1, 2097152]"),
+        (
+            ["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-host-tokens", "1e12"],
+            "--kv-host-tokens",
+        ),
+        (["--kv-policy", "snapkv", "--kv-host-tokens", "100"], "--kv-recall-tokens"),
+        (["--kv-recall-tokens", "8"], "--kv-policy"),
+    ],
+)
+def test_hostile_recall_flags_exit_2(monkeypatch, capsys, args: list[str], needle: str):
+    code, err = check_in_process(monkeypatch, capsys, args)
+    assert code == 2, err
+    assert needle in err.strip().splitlines()[-1], err
+
+
+def test_request_recall_is_bounded_by_the_server():
+    base = KvConfig(policy="snapkv", budget=64)
+    on = ServerSettings(recall_tokens=16)
+    assert request_override({"kvevict": {"recall_tokens": 8}}, base, on).recall_tokens == 8
+    with pytest.raises(ValueError, match="--kv-recall-tokens"):
+        request_override({"kvevict": {"recall_tokens": 8}}, base, ServerSettings())
+    with pytest.raises(ValueError, match="recall_tokens"):
+        request_override({"kvevict": {"recall_tokens": True}}, base, on)

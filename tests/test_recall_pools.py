@@ -1,0 +1,153 @@
+"""The host tier on SGLang's real pools: a compression demotes exactly what it evicts, and a recall swaps
+the entries a torch reference picks, keeping device + host = the region's original entries per head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgl_kvevict.cache import capture, compressor, engine, host, recall
+from sgl_kvevict.cache import state as st
+from sgl_kvevict.tools.pools import Pools
+
+L, H, G, D, N, W, R = 3, 2, 2, 16, 160, 16, 6
+
+
+def _tags(buf_k: list[torch.Tensor], buf_v: list[torch.Tensor], probe: torch.Tensor) -> torch.Tensor:
+    """`[L, H, m]` sorted fingerprints (K.probe + 3 V.probe) of entries: a multiset per (layer, head)."""
+    return (
+        torch.stack(
+            [(k.float() @ probe + 3 * (v.float() @ probe)) for k, v in zip(buf_k, buf_v, strict=True)]
+        )
+        .sort(-1)
+        .values
+    )
+
+
+@pytest.fixture
+def pools():
+    p = Pools(layers=L, kv_heads=H, group=G, head_dim=D, max_reqs=4, max_len=256, dtype=torch.float32)
+    yield p
+    host.POOL = None
+    capture.STORE, capture.CONF = None, None
+
+
+def _setup(p: Pools, policy: str):
+    batch = p.batch(1, N, policy, 48, {"window": W} if policy != "lagkv" else {"lag": 16, "window": W})
+    req = batch.reqs[0]
+    s = st.get(req)
+    s.recall = R
+    host.POOL = host.HostPool(L, H, D, 512, torch.float32)
+    if "attn" not in s.policy.needs:  # recall scores with the window even for attention-free policies
+        assert capture.ensure(0, W, 0)
+    q = torch.randn(L, W, H * G, D, generator=p.gen)
+    for layer in range(L):
+        capture.STORE.put(0, layer, q[layer], torch.arange(N - W, N))
+    slots = p.r2t.req_to_token[0, :N].long()
+    heads = torch.arange(H).unsqueeze(-1)
+    orig_k = [p.kv.get_key_buffer(layer)[slots].transpose(0, 1).clone() for layer in range(L)]
+    orig_v = [p.kv.get_value_buffer(layer)[slots].transpose(0, 1).clone() for layer in range(L)]
+    return batch, req, s, heads, orig_k, orig_v
+
+
+def _held(p: Pools, req, s) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer `[H, m]` entries: the row's region on the device, then the host columns."""
+    kv_len = req.kv.kv_committed_len
+    slots = p.r2t.req_to_token[0, :kv_len].long()
+    cols = s.host.cols
+    ks = [
+        torch.cat([p.kv.get_key_buffer(ly)[slots].transpose(0, 1), host.POOL.k[ly][cols].transpose(0, 1)], 1)
+        for ly in range(L)
+    ]
+    vs = [
+        torch.cat(
+            [p.kv.get_value_buffer(ly)[slots].transpose(0, 1), host.POOL.v[ly][cols].transpose(0, 1)], 1
+        )
+        for ly in range(L)
+    ]
+    return ks, vs
+
+
+def _reference_swaps(p: Pools, req, s) -> list[list[set]]:
+    """Which host columns each (layer, head) should hold on the device after recall, by plain loops."""
+    kv_len = req.kv.kv_committed_len
+    slots = p.r2t.req_to_token[0, :kv_len].long()
+    n_sink = min(s.policy.config.sinks, s.comp_slots)
+    lo, hi = n_sink, s.comp_slots
+    length = s.tokens_for(kv_len)
+    out = []
+    for ly in range(L):
+        q = capture.STORE.get(0, ly, length)  # [Hq, W, D]
+        per = []
+        for h in range(H):
+            hk = host.POOL.k[ly][s.host.cols, h].float()
+            rk = p.kv.get_key_buffer(ly)[slots, h].float()
+            tot = torch.zeros(hk.shape[0] + kv_len)
+            for g in range(G):
+                for i in range(W):
+                    logits = torch.cat([hk, rk]) @ q[h * G + g, i].float() / D**0.5
+                    logits[hk.shape[0] + kv_len - W + i + 1 :] = float("-inf")
+                    tot += torch.softmax(logits, 0)
+            hs, ds = tot[: hk.shape[0]], tot[hk.shape[0] + lo : hk.shape[0] + hi]
+            hbest = hs.argsort(descending=True)[:R].tolist()
+            dworst = ds.argsort()[:R].tolist()
+            per.append({int(s.host.cols[c]) for c, d in zip(hbest, dworst, strict=True) if hs[c] > ds[d]})
+        out.append(per)
+    return out
+
+
+@pytest.mark.parametrize("policy", ["streaming", "snapkv", "lagkv"])
+@pytest.mark.parametrize("path", ["batched", "single"])
+def test_demote_then_recall_keeps_every_entry(pools: Pools, policy: str, path: str):
+    p = pools
+    batch, req, s, heads, orig_k, orig_v = _setup(p, policy)
+    probe = torch.randn(D, generator=p.gen)
+    want = _tags(orig_k, orig_v, probe)
+    before_free = host.POOL.n_free
+    with compressor.one_thread():
+        if path == "batched":
+            freed = engine.compress_batch([(req, "prefill")])[0]
+        else:
+            freed = compressor.compress(req, "prefill")
+    assert freed > 0
+    assert s.host.count == freed and host.POOL.n_free == before_free - freed
+    ks, vs = _held(p, req, s)
+    assert torch.allclose(_tags(ks, vs, probe), want, atol=1e-4)  # nothing lost: device + host = the region
+    expect = _reference_swaps(p, req, s)
+    host_k = [host.POOL.k[ly][s.host.cols].clone() for ly in range(L)]
+    swapped = recall.recall(req, s)
+    assert swapped == sum(len(x) for per in expect for x in per)
+    assert swapped > 0
+    kv_len = req.kv.kv_committed_len
+    slots = p.r2t.req_to_token[0, :kv_len].long()
+    for ly in range(L):  # the chosen host entries are on the device now
+        dev = p.kv.get_key_buffer(ly)[slots]
+        for h in range(H):
+            for c in expect[ly][h]:
+                j = int((s.host.cols == c).nonzero())
+                assert (dev[:, h] == host_k[ly][j, h]).all(-1).any()
+    ks, vs = _held(p, req, s)
+    assert torch.allclose(_tags(ks, vs, probe), want, atol=1e-4)  # still nothing lost, nothing duplicated
+    assert s.recalled == swapped and s.bytes_moved == swapped * 2 * D * 4 * 2
+    recall.release_request(s)
+    assert host.POOL.n_free == host.POOL.size
+
+
+def test_host_pool_lru_drops_whole_branches():
+    pool = host.HostPool(1, 1, 4, 10, torch.float32)
+    a, b, c = host.HostEntries(), host.HostEntries(), host.HostEntries()
+    pool.append(a, pool.alloc(4), None)
+    pool.append(b, pool.alloc(4), None)
+    pool.touch(a)  # b is now the least recently used
+    got = pool.alloc(5, keep=c)
+    assert got is not None and b.count == 0 and b.dropped == 4 and a.count == 4
+    pool.append(c, got, None)
+    assert pool.alloc(20, keep=c) is None and a.count == 4  # cannot fit: nothing dropped
+    pool.release(a)
+    pool.release(c)
+    assert pool.n_free == pool.size and sorted(pool.free_cols.tolist()) == list(range(10))
+
+
+def test_evicted_indices_are_the_complement():
+    keep = torch.tensor([[[0, 2, 5]], [[1, 3, 4]]])
+    assert recall.evicted_indices(keep, 6).tolist() == [[[1, 3, 4]], [[0, 2, 5]]]
