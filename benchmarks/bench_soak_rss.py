@@ -1,6 +1,7 @@
 """RSS of a stock server beside compressing ones under the same soak: whose growth is it?
 
-Starts each variant's server (all at once, idle ones sleep: `--sleep-on-idle`), then sends the soak of
+Starts each variant's server (all at once, idle ones sleep: `--sleep-on-idle`; or one after the other
+with `--sequential`, where memory is short), then sends the soak of
 `bench_soak.py` (same seed, so the same prompts, lengths, aborts and continuations) to them in turn, a
 block of `--block` requests at a time, so every server sees the same machine load. After each block the
 scheduler process's RSS is sampled. Variants:
@@ -46,6 +47,16 @@ VARIANTS: dict[str, tuple[list[str], dict[str, str], bool]] = {  # server args, 
 }
 
 
+LIVE: list[Server] = []
+
+
+def stop_all(*_: object) -> None:
+    """SIGTERM: stop the servers first (requests in flight then fail fast instead of being waited for)."""
+    for srv in LIVE:
+        srv.stop()
+    sys.exit(1)
+
+
 def scheduler(pid: int) -> psutil.Process:
     """The server's scheduler process (SGLang titles it `sglang::scheduler`): where the model runs."""
     for p in psutil.Process(pid).children(recursive=True):
@@ -69,7 +80,7 @@ def mem(p: psutil.Process) -> dict[str, float]:
 
 
 def main() -> None:
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the servers on the way out
+    signal.signal(signal.SIGTERM, stop_all)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variants", default="stock,d2o,d2o-malloc", help=f"comma list of {sorted(VARIANTS)}")
     ap.add_argument("--requests", type=int, default=2000, help="per server")
@@ -79,7 +90,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-total-tokens", type=int, default=40000)
     ap.add_argument("--max-prompt", type=int, default=600, help="longest first-turn prompt, tokens")
-    ap.add_argument("--max-minutes", type=float, default=None, help="no new block after this long")
+    ap.add_argument("--max-minutes", type=float, default=None, help="per group: no new block after this")
+    ap.add_argument("--sequential", action="store_true", help="one server at a time (less memory)")
     ap.add_argument("--out", type=Path, default=Path("results/soak-stock-vs-policy"))
     args = ap.parse_args()
     names = args.variants.split(",")
@@ -89,16 +101,26 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     summary: dict[str, dict] = {}
+    groups = [[n] for n in names] if args.sequential else [names]
+    for group in groups:  # results are written after each group: a cut-off run keeps what it measured
+        soak(group, args, rows, summary)
+        write(args.out, rows, summary, [n for n in names if n in summary], vars(args))
+
+
+def soak(names: list[str], args: argparse.Namespace, rows: list[dict], summary: dict[str, dict]) -> None:
+    """Start the servers of `names` together, warm each up, then send them the soak block by block in
+    turn until `args.requests` each or `args.max_minutes`; sample, flush, stop."""
     t_start = time.time()
     with ExitStack() as stack:
         servers, clients, scheds, nxt, secs = {}, {}, {}, {}, {}
         for name in names:
-            srv_args, env, overrides = VARIANTS[name]
+            srv_args, env, _ = VARIANTS[name]
             srv = Server(
                 ["--max-total-tokens", str(args.max_total_tokens), *srv_args],
                 env={**CHECKED_ENV, **env},
                 log_path=args.out / f"server-{name}.log",
             )
+            LIVE.append(srv)
             servers[name] = stack.enter_context(srv)
             scheds[name] = scheduler(srv.proc.pid)
             summary[name] = {"args": srv_args, "env": env, "rss_mib_start": mem(scheds[name])["rss_mib"]}
@@ -109,7 +131,6 @@ def main() -> None:
             clients[name] = Client(servers[name].url, args.seed, args.max_prompt, VARIANTS[name][2])
             nxt[name], secs[name] = 0, 0.0
             rows.append({"variant": name, "requests": 0, "seconds": 0.0, **mem(scheds[name])})
-        t_run = time.time()
         while any(nxt[n] < args.requests for n in names):
             if args.max_minutes is not None and time.time() - t_start > 60 * args.max_minutes:
                 print(f"[rss] time limit reached: {nxt}", file=sys.stderr, flush=True)
@@ -144,10 +165,8 @@ def main() -> None:
                 sched_end_before_flush=before,
                 sched_end_after_flush=mem(scheds[name]),
                 server_alive=servers[name].alive(),
+                wall_seconds=round(time.time() - t_start, 1),
             )
-    summary["wall_seconds"] = round(time.time() - t_start, 1)
-    summary["run_seconds"] = round(time.time() - t_run, 1)
-    write(args.out, rows, summary, names, vars(args))
 
 
 def write(out: Path, rows: list[dict], summary: dict, names: list[str], argv: dict) -> None:
