@@ -325,6 +325,7 @@ def internal_state(result, *args, **kwargs):
             # per-request objects alive now: with no request running they must be 0 (see bench_soak)
             "live_request_states": len(st.LIVE),
             "capture_rings": capture.live(),
+            **runtime.heap_stats(),  # where the scheduler's RSS is (bench_soak_rss.py samples it)
         }
         if st.DEBUG or os.environ.get("KVEVICT_COUNT_OBJECTS") == "1":  # a soak's leak check (~0.1 s)
             result.internal_state[META_KEY]["python_objects"] = len(gc.get_objects())
