@@ -79,6 +79,21 @@ def mem(p: psutil.Process) -> dict[str, float]:
     }
 
 
+HEAP_KEYS = ("heap_in_use_mib", "heap_free_mib", "heap_mmapped_mib")
+
+
+def heap(url: str) -> dict[str, float | None]:
+    """glibc's count of the scheduler's C heap (in use, free but kept, mmapped), from `/server_info`;
+    None on a stock server, which runs none of our hooks."""
+    try:
+        info = (
+            requests.get(url + "/server_info", timeout=60).json()["internal_states"][0].get("kvevict") or {}
+        )
+    except (requests.RequestException, ValueError, KeyError, IndexError):
+        info = {}
+    return {k: info.get(k) for k in HEAP_KEYS}
+
+
 def main() -> None:
     signal.signal(signal.SIGTERM, stop_all)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -92,6 +107,7 @@ def main() -> None:
     ap.add_argument("--max-prompt", type=int, default=600, help="longest first-turn prompt, tokens")
     ap.add_argument("--max-minutes", type=float, default=None, help="per group: no new block after this")
     ap.add_argument("--sequential", action="store_true", help="one server at a time (less memory)")
+    ap.add_argument("--resume", action="store_true", help="keep --out's measured variants, run the rest")
     ap.add_argument("--out", type=Path, default=Path("results/soak-stock-vs-policy"))
     args = ap.parse_args()
     names = args.variants.split(",")
@@ -101,7 +117,16 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     summary: dict[str, dict] = {}
-    groups = [[n] for n in names] if args.sequential else [names]
+    if args.resume and (args.out / "rss.json").exists():
+        summary = json.loads((args.out / "rss.json").read_text())["summary"]
+        with open(args.out / "rss.csv") as f:
+            rows = [
+                {k: v if k == "variant" else float(v or "nan") for k, v in r.items()}
+                for r in csv.DictReader(f)
+            ]
+        print(f"[rss] resuming: {sorted(summary)} already measured", file=sys.stderr, flush=True)
+    todo = [n for n in names if n not in summary]
+    groups = [[n] for n in todo] if args.sequential else [todo]
     for group in groups:  # results are written after each group: a cut-off run keeps what it measured
         soak(group, args, rows, summary)
         write(args.out, rows, summary, [n for n in names if n in summary], vars(args))
@@ -130,7 +155,15 @@ def soak(names: list[str], args: argparse.Namespace, rows: list[dict], summary: 
             summary[name]["warmup_errors"] = warm.stats.errors
             clients[name] = Client(servers[name].url, args.seed, args.max_prompt, VARIANTS[name][2])
             nxt[name], secs[name] = 0, 0.0
-            rows.append({"variant": name, "requests": 0, "seconds": 0.0, **mem(scheds[name])})
+            rows.append(
+                {
+                    "variant": name,
+                    "requests": 0,
+                    "seconds": 0.0,
+                    **mem(scheds[name]),
+                    **heap(servers[name].url),
+                }
+            )
         while any(nxt[n] < args.requests for n in names):
             if args.max_minutes is not None and time.time() - t_start > 60 * args.max_minutes:
                 print(f"[rss] time limit reached: {nxt}", file=sys.stderr, flush=True)
@@ -143,6 +176,7 @@ def soak(names: list[str], args: argparse.Namespace, rows: list[dict], summary: 
                 secs[name] += time.time() - t0
                 row = {"variant": name, "requests": nxt[name], "seconds": round(secs[name], 1)}
                 row.update(mem(scheds[name]))
+                row.update(heap(servers[name].url))
                 rows.append(row)
                 print(f"[rss] {json.dumps(row)}", file=sys.stderr, flush=True)
         for name in names:
@@ -171,7 +205,7 @@ def soak(names: list[str], args: argparse.Namespace, rows: list[dict], summary: 
 
 def write(out: Path, rows: list[dict], summary: dict, names: list[str], argv: dict) -> None:
     with open(out / "rss.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)), restval="")
         w.writeheader()
         w.writerows(rows)
     lines = [
@@ -204,14 +238,29 @@ def write(out: Path, rows: list[dict], summary: dict, names: list[str], argv: di
     except ImportError:
         print("[rss] matplotlib not importable: no plot", file=sys.stderr)
         return
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
     for name in names:
         rs = [r for r in rows if r["variant"] == name]
         x = [r["requests"] for r in rs]
         axes[0].plot(x, [r["rss_mib"] for r in rs], marker=".", label=name)
         axes[1].plot(x, [r["rss_mib"] - rs[0]["rss_mib"] for r in rs], marker=".", label=name)
+        for key, style in (("heap_in_use_mib", "-"), ("heap_free_mib", "--")):
+            pts = [
+                (r["requests"], r[key])
+                for r in rs
+                if isinstance(r.get(key), float | int) and r[key] == r[key]
+            ]
+            if pts:
+                axes[2].plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    style,
+                    marker=".",
+                    label=f"{name} {key[5:-4].replace('_', ' ')}",
+                )
     axes[0].set_title("scheduler RSS (MiB)")
     axes[1].set_title("scheduler RSS growth after warm-up (MiB)")
+    axes[2].set_title("scheduler C heap by glibc (MiB; our hooks report it)")
     for ax in axes:
         ax.set_xlabel("requests after warm-up (same soak on every server)")
         ax.grid(alpha=0.3)
