@@ -239,11 +239,11 @@ def write(out: Path, rows: list[dict], summary: dict, names: list[str], argv: di
         print("[rss] matplotlib not importable: no plot", file=sys.stderr)
         return
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
-    for name in names:
+    for i, name in enumerate(names):
         rs = [r for r in rows if r["variant"] == name]
         x = [r["requests"] for r in rs]
-        axes[0].plot(x, [r["rss_mib"] for r in rs], marker=".", label=name)
-        axes[1].plot(x, [r["rss_mib"] - rs[0]["rss_mib"] for r in rs], marker=".", label=name)
+        axes[0].plot(x, [r["rss_mib"] for r in rs], marker=".", label=name, color=f"C{i}")
+        axes[1].plot(x, [r["rss_mib"] - rs[0]["rss_mib"] for r in rs], marker=".", label=name, color=f"C{i}")
         for key, style in (("heap_in_use_mib", "-"), ("heap_free_mib", "--")):
             pts = [
                 (r["requests"], r[key])
