@@ -255,6 +255,7 @@ def write(out: Path, rows: list[dict], summary: dict, names: list[str], argv: di
                     [p[0] for p in pts],
                     [p[1] for p in pts],
                     style,
+                    color=f"C{i}",
                     marker=".",
                     label=f"{name} {key[5:-4].replace('_', ' ')}",
                 )
