@@ -35,7 +35,7 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_soak import CHECKED_ENV, Client, drive, flush_until_whole  # noqa: E402
 
-from sgl_kvevict.serverproc import Server  # noqa: E402
+from sgl_kvevict.serve.serverproc import Server  # noqa: E402
 
 MALLOC_BOUND = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 POLICY_ARGS = ["--kv-policy", "d2o", "--kv-budget", "256"]

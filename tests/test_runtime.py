@@ -52,7 +52,7 @@ def test_trim_heap_gives_freed_memory_back():
 def test_heap_stats_tell_in_use_from_free():
     """`heap_stats` (reported in `/server_info`) moves 4,000 x 64 KiB blocks from in-use to free when every
     other one is freed: what tells a live native leak from the allocator keeping freed memory."""
-    from sgl_kvevict.runtime import heap_stats, trim_heap
+    from sgl_kvevict.cache.runtime import heap_stats, trim_heap
 
     trim_heap()
     before = heap_stats()
