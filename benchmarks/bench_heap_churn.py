@@ -47,14 +47,15 @@ def main() -> None:
     t0 = time.time()
     print(f"{'step':>6} {'s':>6} {'anon MiB':>9} {'in use':>8} {'free':>8} {'mmapped':>8}", flush=True)
     for step in range(args.steps + 1):
-        if step % args.every == 0:
+        last = step == args.steps or bool(args.max_seconds and time.time() - t0 > args.max_seconds)
+        if step % args.every == 0 or last:
             h = runtime.heap_stats()
             print(
                 f"{step:>6} {time.time() - t0:>6.0f} {anon_mib():>9.1f} {h['heap_in_use_mib']:>8.1f} "
                 f"{h['heap_free_mib']:>8.1f} {h['heap_mmapped_mib']:>8.1f}",
                 flush=True,
             )
-        if step == args.steps or (args.max_seconds and time.time() - t0 > args.max_seconds):
+        if last:
             break
         policy = rng.choice(list(POLICIES))
         n = rng.randrange(200, args.max_tokens)
