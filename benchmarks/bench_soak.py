@@ -85,8 +85,9 @@ class Conv:
 class Client:
     """Builds requests and runs them against one server; thread-safe."""
 
-    def __init__(self, url: str, seed: int, max_prompt: int = 1200) -> None:
+    def __init__(self, url: str, seed: int, max_prompt: int = 1200, overrides: bool = True) -> None:
         self.url = url
+        self.overrides = overrides  # False: no `custom_params` (a stock `--kv-policy none` server)
         self.rng = random.Random(seed)
         self.tok = AutoTokenizer.from_pretrained(default_model_path())
         self.max_prompt = max_prompt
@@ -131,16 +132,18 @@ class Client:
             }
 
     def body(self, p: dict, stream: bool) -> dict:
+        sampling: dict[str, Any] = {
+            "max_new_tokens": p["n"] if p["abort"] is None else 400,
+            "temperature": 0,
+            "ignore_eos": p["ignore_eos"] or p["abort"] is not None,
+        }
+        if self.overrides:
+            sampling["custom_params"] = {"kvevict": p["kv"]}
         return {
             "rid": p["rid"],
             "input_ids": self.ids(p["messages"]),
             "stream": stream,
-            "sampling_params": {
-                "max_new_tokens": p["n"] if p["abort"] is None else 400,
-                "temperature": 0,
-                "ignore_eos": p["ignore_eos"] or p["abort"] is not None,
-                "custom_params": {"kvevict": p["kv"]},
-            },
+            "sampling_params": sampling,
         }
 
     def run(self, p: dict) -> None:
@@ -167,7 +170,7 @@ class Client:
         if not out["output_ids"] or (p["ignore_eos"] and len(out["output_ids"]) != p["n"]):
             return self._error(p, f"{len(out['output_ids'])} output tokens, asked {p['n']}")
         info = (meta.get("kvevict") or [None])[0]
-        if p["kv"]["policy"] != "none":
+        if self.overrides and p["kv"]["policy"] != "none":
             if info is None or info["policy"] != p["kv"]["policy"] or info["failed"]:
                 return self._error(p, f"kvevict stats {info}")
         with self.lock:
@@ -231,9 +234,27 @@ def run_soak(
     With `max_seconds`, no request is sent after that time (the ones in flight finish)."""
     c = Client(url, seed, max_prompt)
     t0 = time.time()
+    drive(c, 0, n, concurrency, progress_every, max_seconds, on_progress)
+    c.stats.seconds = time.time() - t0
+    return c.stats
+
+
+def drive(
+    c: Client,
+    start: int,
+    stop: int,
+    concurrency: int = 8,
+    progress_every: int = 0,
+    max_seconds: float | None = None,
+    on_progress: Callable[[int], None] | None = None,
+) -> int:
+    """Requests `start`..`stop - 1` of client `c`'s plan, `concurrency` in flight, all finished on return
+    (a soak can be run in blocks, e.g. interleaved between servers); returns the next request index."""
+    t0 = time.time()
+    i = start
     with ThreadPoolExecutor(concurrency) as ex:
         running: set[Future] = set()
-        for i in range(n):
+        for i in range(start, stop):
             if max_seconds is not None and time.time() - t0 > max_seconds:
                 print(f"[soak] time limit ({max_seconds:.0f} s) reached after {i} requests", file=sys.stderr)
                 break
@@ -245,9 +266,10 @@ def run_soak(
                 print(f"[soak] {time.time() - t0:6.0f} s  {c.stats.line()}", file=sys.stderr, flush=True)
                 if on_progress is not None:
                     on_progress(i + 1)
+        else:
+            i = stop
         wait(running)
-    c.stats.seconds = time.time() - t0
-    return c.stats
+    return i
 
 
 def pool(url: str) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import math
 import time
@@ -167,6 +169,49 @@ def _host_ram_bytes() -> int | None:
         return int(psutil.virtual_memory().total)
     except Exception:
         return None
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [  # glibc's `struct mallinfo2` (2.33+), every field a size_t
+        (n, ctypes.c_size_t)
+        for n in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def heap_stats() -> dict[str, float]:
+    """The C heap by glibc's own count, MiB, summed over its arenas: what is in use, what is free but kept
+    (fragmentation: `malloc_trim` can give back only whole free pages of it) and what is mmapped (blocks
+    over the mmap threshold, unmapped when freed). Empty where glibc has no `mallinfo2`.
+
+    It tells where a CPU server's RSS growth is: in-use growing is live native memory (a cache or a leak),
+    free growing is the allocator keeping what was freed."""
+    name = ctypes.util.find_library("c")
+    try:
+        fn = ctypes.CDLL(name).mallinfo2 if name else None
+    except (OSError, AttributeError):
+        fn = None
+    if fn is None:
+        return {}
+    fn.restype = _MallInfo2
+    m = fn()
+    mib = 1 << 20
+    return {
+        "heap_in_use_mib": round(m.uordblks / mib, 1),
+        "heap_free_mib": round(m.fordblks / mib, 1),
+        "heap_mmapped_mib": round(m.hblkhd / mib, 1),
+        "heap_arena_mib": round(m.arena / mib, 1),
+    }
 
 
 def attach(cache: Any, ctx: Any) -> Runtime:

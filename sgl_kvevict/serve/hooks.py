@@ -335,6 +335,7 @@ def internal_state(result, *args, **kwargs):
             "live_request_states": len(st.LIVE),
             "capture_rings": capture.live(),
             **({"host": host.POOL.stats()} if host.POOL is not None else {}),
+            **runtime.heap_stats(),  # where the scheduler's RSS is (bench_soak_rss.py samples it)
         }
         if st.DEBUG or os.environ.get("KVEVICT_COUNT_OBJECTS") == "1":  # a soak's leak check (~0.1 s)
             result.internal_state[META_KEY]["python_objects"] = len(gc.get_objects())
