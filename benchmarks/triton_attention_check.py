@@ -1,0 +1,253 @@
+"""SGLang's own Triton attention over rows this plugin compressed, on CPU under `TRITON_INTERPRET=1`.
+
+Why: the plugin shortens a request's `req_to_token` row (fewer slots than tokens, `seq_lens` = slots, the
+logical position carried by an offset) and every attention backend is supposed to read only
+`req_to_token` and `seq_lens`. This turns that into a measurement for SGLang's Triton backend, the paged
+attention of AMD and many NVIDIA deployments, with no GPU.
+
+Two modes (both need `TRITON_INTERPRET=1` in the environment; the script re-executes itself with it):
+
+`kernels`: SGLang's real pools (`sgl_kvevict.pools.Pools`), rows compressed by the plugin's compressor
+under several policies (ragged lengths, offsets > 0, per-head different tokens in one slot). Then
+`kv_indptr`/`kv_indices` are built as `TritonAttnBackend.init_forward_metadata` builds them (cumsum of
+`seq_lens`, SGLang's `create_flashinfer_kv_indices_triton` gathering from `req_to_token`), and SGLang's
+`decode_attention_fwd` (one new query per request) and `extend_attention_fwd` (a chunk of new tokens
+after the compressed row, causal) run on them. Outputs are compared with a float64 reference over the
+same compacted K/V and with SGLang's `torch_native` backend (`_run_sdpa_forward_decode/_extend`).
+
+`server`: the real server with `--attention-backend triton` on CPU (interpreted), against a
+`torch_native` server, same greedy requests: greedy tokens and per-token logprobs.
+
+    python benchmarks/triton_attention_check.py kernels [--small]
+    python benchmarks/triton_attention_check.py server [--new-tokens 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+OUT_DIR = Path("results/triton-attention")
+POLICIES = {
+    "streaming": {},
+    "snapkv": {"window": 8},
+    "lagkv": {"lag": 16},
+    "d2o": {"window": 8},
+    "h2o": {"window": 8},
+}
+
+
+def _ensure_interpreter() -> None:
+    """Re-execute with `TRITON_INTERPRET=1` (it must be set before triton is imported)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+# ---------------------------------------------------------------------------------------------------
+# kernels: SGLang's Triton decode / extend kernels over a pool compacted by the plugin
+# ---------------------------------------------------------------------------------------------------
+def _snapshot_keys(pools: Any, reqs: list, layer: int) -> list:
+    kb = pools.kv.get_key_buffer(layer)
+    return [kb[pools.r2t.req_to_token[i, : r.kv.kv_committed_len].long()].clone() for i, r in enumerate(reqs)]
+
+
+def _mixed_slots(orig_k, kb, row) -> tuple[int, int]:
+    """(slots whose heads hold different original tokens, slots whose every head matched a token)."""
+    import torch
+
+    cur = kb[row.long()]  # [n, H, D]
+    n, heads = cur.shape[0], cur.shape[1]
+    tok = torch.full((n, heads), -1, dtype=torch.long)
+    for h in range(heads):
+        eq = (cur[:, h, None, :] == orig_k[None, :, h, :]).all(-1)  # [n, n_orig]
+        hit = eq.any(-1)
+        tok[hit, h] = eq[hit].float().argmax(-1)
+    matched = (tok >= 0).all(-1)
+    mixed = matched & (tok != tok[:, :1]).any(-1)
+    return int(mixed.sum()), int(matched.sum())
+
+
+def _indices(r2t, rows, lens):
+    """`kv_indptr`, `kv_indices` exactly as `TritonAttnBackend._fill_kv_indptr_and_indices` builds them
+    for a non-translated pool: indptr = cumsum(seq_lens), SGLang's own gather kernel over req_to_token."""
+    import torch
+    from sglang.kernels.ops.attention.kv_indices import create_flashinfer_kv_indices_triton
+
+    bs = rows.numel()
+    kv_indptr = torch.zeros(bs + 1, dtype=torch.int32)
+    kv_indptr[1:] = torch.cumsum(lens, dim=0)
+    kv_indices = torch.empty(int(lens.sum()), dtype=torch.int64)
+    create_flashinfer_kv_indices_triton[(bs, 1)](
+        r2t,
+        rows,
+        lens,
+        kv_indptr,
+        None,
+        kv_indices,
+        r2t.stride(0),
+        ENTRY_PAGE_SIZE=1,
+        TOKEN_BLOCK_PARALLEL=False,
+    )
+    return kv_indptr, kv_indices
+
+
+def _ref_attention(q, k, v, scale, n_prefix: int):
+    """float64 attention of queries [E, Hq, D] over k/v [N, Hkv, D]; query j sees keys < n_prefix + j + 1."""
+    import torch
+
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, 1)
+    v = v.double().repeat_interleave(group, 1)
+    s = torch.einsum("ehd,nhd->hen", q.double(), k) * scale
+    e, n = q.shape[0], k.shape[0]
+    mask = torch.arange(n)[None, :] > (n_prefix + torch.arange(e))[:, None]
+    s = s.masked_fill(mask[None], float("-inf"))
+    return torch.einsum("hen,nhd->ehd", s.softmax(-1), v)
+
+
+def check_kernels(small: bool, dtype_name: str = "bfloat16") -> list[dict]:
+    import torch
+    from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
+    from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    from sgl_kvevict import compressor
+    from sgl_kvevict.pools import Pools
+
+    dtype = getattr(torch, dtype_name)
+    layers, n_reqs, tokens, budget, extend = (1, 2, 64, 24, 3) if small else (2, 3, 160, 48, 6)
+    kv_heads, group, head_dim, max_splits = 3, 3, 64, 8  # SmolLM2's heads; SGLang's default kv splits
+    policies = {"streaming": {}, "snapkv": {"window": 8}} if small else POLICIES
+    native = object.__new__(TorchNativeAttnBackend)
+    rows_out = []
+    for pi, (policy, cfg) in enumerate(policies.items()):
+        t0 = time.time()
+        pools = Pools(layers, kv_heads, group, head_dim, n_reqs + 1, tokens + 2 * extend, dtype, seed=pi)
+        b = pools.batch(n_reqs, tokens, policy, budget, cfg)
+        for i, r in enumerate(b.reqs):  # ragged lengths
+            r.kv.kv_committed_len = r.kv.kv_allocated_len = tokens - 9 * i
+        orig = [_snapshot_keys(pools, b.reqs, layer) for layer in range(layers)]
+        freed = [compressor.safe_compress(r, "decode") for r in b.reqs]
+        r2t = pools.r2t.req_to_token
+        lens = torch.tensor([r.kv.kv_committed_len for r in b.reqs], dtype=torch.int64)
+        rows = torch.arange(n_reqs, dtype=torch.int64)
+        offsets = pools.tree.offsets[:n_reqs].tolist()
+        logical = [tokens - 9 * i for i in range(n_reqs)]
+        scale = head_dim**-0.5
+        g = torch.Generator().manual_seed(100 + pi)
+        res: dict[str, Any] = {
+            "policy": policy,
+            "dtype": dtype_name,
+            "logical_tokens": logical,
+            "slots": lens.tolist(),
+            "offsets": offsets,
+            "freed": freed,
+        }
+        kv_indptr, kv_indices = _indices(r2t, rows, lens)
+        gathered = torch.cat([r2t[i, : int(lens[i])].long() for i in range(n_reqs)])
+        res["kv_indices_equal_req_to_token"] = bool(torch.equal(kv_indices, gathered))
+        worst = {"decode_vs_ref": 0.0, "decode_vs_native": 0.0, "extend_vs_ref": 0.0, "extend_vs_native": 0.0}
+        mixed = matched = 0
+        for layer in range(layers):
+            kb, vb = pools.kv.get_key_buffer(layer), pools.kv.get_value_buffer(layer)
+            for i in range(n_reqs):
+                m, a = _mixed_slots(orig[layer][i], kb, r2t[i, : int(lens[i])])
+                mixed, matched = mixed + m, matched + a
+            # decode: one new query per request against its compressed row
+            q = torch.randn(n_reqs, kv_heads * group, head_dim, generator=g).to(dtype)
+            o = torch.empty_like(q)
+            logits = torch.empty(n_reqs, kv_heads * group, max_splits, head_dim, dtype=torch.float32)
+            lse = torch.empty(n_reqs, kv_heads * group, max_splits, dtype=torch.float32)
+            splits = torch.full((n_reqs,), max_splits, dtype=torch.int32)  # CPU: no core count, static
+            decode_attention_fwd(
+                q, kb, vb, o, kv_indptr, kv_indices, logits, lse, splits, max_splits, scale, 1.0, 1.0
+            )
+            o_nat = torch.empty_like(q)
+            native._run_sdpa_forward_decode(
+                q, o_nat, kb, vb, r2t, rows, lens, scaling=scale, enable_gqa=True, causal=False
+            )
+            for i in range(n_reqs):
+                row = r2t[i, : int(lens[i])].long()
+                ref = _ref_attention(q[i : i + 1], kb[row], vb[row], scale, int(lens[i]))
+                worst["decode_vs_ref"] = max(
+                    worst["decode_vs_ref"], (o[i : i + 1].double() - ref).abs().max().item()
+                )
+            worst["decode_vs_native"] = max(worst["decode_vs_native"], (o - o_nat).abs().max().item())
+            # extend: `extend` new tokens after each compressed row (prefix = the row), causal among them
+            new = pools.alloc.alloc(n_reqs * extend).view(n_reqs, extend)
+            for i in range(n_reqs):
+                r2t[i, int(lens[i]) : int(lens[i]) + extend] = new[i].to(r2t.dtype)
+            qe = torch.randn(n_reqs * extend, kv_heads * group, head_dim, generator=g).to(dtype)
+            ke, ve = kb[new.reshape(-1)].contiguous(), vb[new.reshape(-1)].contiguous()
+            oe = torch.empty_like(qe)
+            qo_indptr = torch.arange(0, (n_reqs + 1) * extend, extend, dtype=torch.int32)
+            extend_attention_fwd(
+                qe, ke, ve, oe, kb, vb, qo_indptr, kv_indptr, kv_indices, None, True, None, extend, 1.0, 1.0,
+                sm_scale=scale,
+            )  # fmt: skip
+            oe_nat = torch.empty_like(qe)
+            ext = torch.full((n_reqs,), extend, dtype=torch.int64)
+            native._run_sdpa_forward_extend(
+                qe, oe_nat, kb, vb, r2t, rows, lens + extend, lens, ext, scaling=scale, enable_gqa=True, causal=True
+            )  # fmt: skip
+            for i in range(n_reqs):
+                row = r2t[i, : int(lens[i]) + extend].long()
+                sl = slice(i * extend, (i + 1) * extend)
+                ref = _ref_attention(qe[sl], kb[row], vb[row], scale, int(lens[i]))
+                worst["extend_vs_ref"] = max(
+                    worst["extend_vs_ref"], (oe[sl].double() - ref).abs().max().item()
+                )
+            worst["extend_vs_native"] = max(worst["extend_vs_native"], (oe - oe_nat).abs().max().item())
+            pools.alloc.free(new.reshape(-1))
+            for i in range(n_reqs):
+                r2t[i, int(lens[i]) : int(lens[i]) + extend] = 0
+        res.update({f"max_abs_{k}": v for k, v in worst.items()})
+        res["slots_heads_hold_different_tokens"] = mixed
+        res["slots_matched"] = matched
+        res["seconds"] = round(time.time() - t0, 1)
+        rows_out.append(res)
+        print(
+            f"[kernels] {policy:10s} {dtype_name} slots {res['slots']} of {logical} offsets {offsets} "
+            f"mixed-head slots {mixed}/{matched}  decode |o-ref| {worst['decode_vs_ref']:.2e} "
+            f"|o-native| {worst['decode_vs_native']:.2e}  extend |o-ref| {worst['extend_vs_ref']:.2e} "
+            f"|o-native| {worst['extend_vs_native']:.2e}  ({res['seconds']} s)",
+            flush=True,
+        )
+    return rows_out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("mode", choices=["kernels", "server"])
+    p.add_argument("--small", action="store_true", help="kernels: the suite's short case")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--new-tokens", type=int, default=6, help="server: greedy tokens per request (1-64)")
+    p.add_argument("--out", type=Path, default=OUT_DIR)
+    p.add_argument("--json", action="store_true", help="print the results as one JSON line at the end")
+    args = p.parse_args(argv)
+    if not 1 <= args.new_tokens <= 64:
+        p.error("--new-tokens must be in [1, 64]")
+    _ensure_interpreter()
+    if args.mode == "kernels":
+        results: Any = check_kernels(args.small, args.dtype)
+        name = f"kernels-{args.dtype}{'-small' if args.small else ''}.json"
+    else:
+        from benchmarks_server import check_server  # noqa: F401  (filled in below)
+
+        results, name = None, "server.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / name).write_text(json.dumps(results, indent=1) + "\n")
+    print(f"[triton-attention] wrote {args.out / name}")
+    if args.json:
+        print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
