@@ -121,7 +121,7 @@ def check_kernels(small: bool, dtype_name: str = "bfloat16") -> list[dict]:
     from sgl_kvevict.pools import Pools
 
     dtype = getattr(torch, dtype_name)
-    layers, n_reqs, tokens, budget, extend = (1, 2, 64, 24, 3) if small else (2, 3, 160, 48, 6)
+    layers, n_reqs, tokens, budget, extend = (1, 2, 96, 24, 3) if small else (2, 3, 160, 48, 6)
     kv_heads, group, head_dim, max_splits = 3, 3, 64, 8  # SmolLM2's heads; SGLang's default kv splits
     policies = {"streaming": {}, "snapkv": {"window": 8}} if small else POLICIES
     native = object.__new__(TorchNativeAttnBackend)
@@ -222,25 +222,138 @@ def check_kernels(small: bool, dtype_name: str = "bfloat16") -> list[dict]:
     return rows_out
 
 
+# ---------------------------------------------------------------------------------------------------
+# server: the real server with --attention-backend triton (interpreted) against torch_native
+# ---------------------------------------------------------------------------------------------------
+SERVER_POLICIES = {
+    "streaming": {},
+    "snapkv": {"window": 8},
+    "lagkv": {"lag": 16},
+    "d2o": {"window": 8},
+}
+
+
+def _prompts() -> tuple[Any, dict[str, list[int]]]:
+    from transformers import AutoTokenizer
+
+    from sgl_kvevict.model import default_model_path
+    from sgl_kvevict.scenarios.text import log_text
+
+    tok = AutoTokenizer.from_pretrained(default_model_path())
+
+    def chat(msgs: list[dict]) -> list[int]:
+        return tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+    prompts = {
+        name: chat([{"role": "user", "content": log_text(tok, 100, 40 + i) + "\nWhat happened last?"}])
+        for i, name in enumerate(SERVER_POLICIES)
+    }
+    return (tok, chat), prompts
+
+
+def _gen(srv: Any, ids: list[int], n: int, kv: dict) -> dict:
+    import requests
+
+    body = {
+        "input_ids": ids,
+        "return_logprob": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": n, "custom_params": {"kvevict": kv}},
+    }
+    r = requests.post(srv.url + "/generate", json=body, timeout=7200)
+    r.raise_for_status()
+    out = r.json()
+    meta = out["meta_info"]
+    return {
+        "ids": out["output_ids"],
+        "text": out["text"],
+        "logprobs": [x[0] for x in meta["output_token_logprobs"]],
+        "kvevict": meta["kvevict"][0],
+    }
+
+
+def _run_server(backend: str, n: int, budget: int) -> dict[str, Any]:
+    """Every request of the check on one server; `backend` is SGLang's `--attention-backend`."""
+    from sgl_kvevict.serverproc import Server
+
+    (tok, chat), prompts = _prompts()
+    env = {"TRITON_INTERPRET": "1"} if backend == "triton" else {"TRITON_INTERPRET": "0"}
+    args = ["--attention-backend", backend, "--kv-policy", "streaming", "--kv-budget", str(budget)]
+    args += ["--max-total-tokens", "20000", "--max-running-requests", "4"]
+    out: dict[str, Any] = {}
+    with Server(args, env=env, timeout=3600, log_path=f"/tmp/sgl-kvevict-triton-check-{backend}.log") as srv:
+        for name, cfg in SERVER_POLICIES.items():
+            t0 = time.time()
+            out[name] = _gen(srv, prompts[name], n, {"policy": name, "budget": budget, "config": cfg})
+            print(f"[server:{backend}] {name}: {out[name]['ids']} ({time.time() - t0:.0f} s)", flush=True)
+        # multi-turn: the second turn reuses the first turn's compressed history from the radix tree
+        msgs = [{"role": "user", "content": tok.decode(prompts["streaming"][:60]) + " Summarize."}]
+        kv = {"policy": "streaming", "budget": budget}
+        first = _gen(srv, chat(msgs), n, kv)
+        msgs += [{"role": "assistant", "content": first["text"]}, {"role": "user", "content": "Say more."}]
+        out["multiturn-1"] = first
+        out["multiturn-2"] = _gen(srv, chat(msgs), n, kv)
+        print(f"[server:{backend}] multi-turn: {out['multiturn-2']['ids']}", flush=True)
+    return out
+
+
+def check_server(n: int, budget: int) -> list[dict]:
+    """Greedy tokens and logprobs of the Triton backend against torch_native, request by request."""
+    native = _run_server("torch_native", n, budget)
+    triton_ = _run_server("triton", n, budget)
+    rows = []
+    for name, ref in native.items():
+        got = triton_[name]
+        same = got["ids"] == ref["ids"]
+        agree = next((i for i, (a, b) in enumerate(zip(got["ids"], ref["ids"], strict=True)) if a != b), n)
+        diffs = [
+            abs(a - b)
+            for a, b in zip(got["logprobs"][: agree + 1], ref["logprobs"][: agree + 1], strict=False)
+        ]
+        info = got["kvevict"]
+        row = {
+            "request": name,
+            "tokens_identical": same,
+            "first_difference": None if same else agree,
+            "max_abs_logprob_diff": max(diffs) if diffs else 0.0,
+            "evicted": info["evicted"],
+            "kv_tokens": info["kv_tokens"],
+            "logical_tokens": info["logical_tokens"],
+            "reused_evicted": info.get("reused_evicted", 0),
+            "compressions": info["compressions"],
+            "native_evicted": ref["kvevict"]["evicted"],
+            "triton_ids": got["ids"],
+            "native_ids": ref["ids"],
+        }
+        rows.append(row)
+        print(
+            f"[server] {name:12s} tokens identical {same}  max |logprob diff| {row['max_abs_logprob_diff']:.4f}  "
+            f"evicted {info['evicted']} (native {ref['kvevict']['evicted']})  kv {info['kv_tokens']} of "
+            f"{info['logical_tokens']} logical  reused-evicted {row['reused_evicted']}",
+            flush=True,
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("mode", choices=["kernels", "server"])
     p.add_argument("--small", action="store_true", help="kernels: the suite's short case")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--new-tokens", type=int, default=6, help="server: greedy tokens per request (1-64)")
+    p.add_argument("--budget", type=int, default=32, help="server: KV budget in tokens (16-4096)")
     p.add_argument("--out", type=Path, default=OUT_DIR)
     p.add_argument("--json", action="store_true", help="print the results as one JSON line at the end")
     args = p.parse_args(argv)
     if not 1 <= args.new_tokens <= 64:
         p.error("--new-tokens must be in [1, 64]")
+    if not 16 <= args.budget <= 4096:
+        p.error("--budget must be in [16, 4096]")
     _ensure_interpreter()
     if args.mode == "kernels":
         results: Any = check_kernels(args.small, args.dtype)
         name = f"kernels-{args.dtype}{'-small' if args.small else ''}.json"
     else:
-        from benchmarks_server import check_server  # noqa: F401  (filled in below)
-
-        results, name = None, "server.json"
+        results, name = check_server(args.new_tokens, args.budget), "server.json"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / name).write_text(json.dumps(results, indent=1) + "\n")
     print(f"[triton-attention] wrote {args.out / name}")
