@@ -28,7 +28,9 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -135,10 +137,16 @@ def check_kernels(small: bool, dtype_name: str = "bfloat16") -> list[dict]:
         orig = [_snapshot_keys(pools, b.reqs, layer) for layer in range(layers)]
         freed = [compressor.safe_compress(r, "decode") for r in b.reqs]
         r2t = pools.r2t.req_to_token
+        for i, r in enumerate(b.reqs):  # decode tokens after the compression: ragged slot counts
+            kv, grow = r.kv, 5 * i
+            if not grow:
+                continue
+            r2t[i, kv.kv_committed_len : kv.kv_committed_len + grow] = pools.alloc.alloc(grow).to(r2t.dtype)
+            kv.kv_committed_len = kv.kv_allocated_len = kv.kv_committed_len + grow
         lens = torch.tensor([r.kv.kv_committed_len for r in b.reqs], dtype=torch.int64)
         rows = torch.arange(n_reqs, dtype=torch.int64)
         offsets = pools.tree.offsets[:n_reqs].tolist()
-        logical = [tokens - 9 * i for i in range(n_reqs)]
+        logical = [tokens - 4 * i for i in range(n_reqs)]  # 9 fewer prompt tokens, 5 more decoded
         scale = head_dim**-0.5
         g = torch.Generator().manual_seed(100 + pi)
         res: dict[str, Any] = {
@@ -271,66 +279,107 @@ def _gen(srv: Any, ids: list[int], n: int, kv: dict) -> dict:
     }
 
 
-def _run_server(backend: str, n: int, budget: int) -> dict[str, Any]:
-    """Every request of the check on one server; `backend` is SGLang's `--attention-backend`."""
+def _requests(n: int, budget: int) -> Iterator[tuple[str, Any]]:
+    """The check's requests in order of interest, as (name, fn(server) -> result); the multi-turn's second
+    turn reuses the first turn's compressed history from the radix tree."""
+    (tok, chat), prompts = _prompts()
+    order = ["streaming", "snapkv", "multiturn", "lagkv", "d2o"]
+    for name in order:
+        if name != "multiturn":
+            kv = {"policy": name, "budget": budget, "config": SERVER_POLICIES[name]}
+            yield name, lambda srv, ids=prompts[name], kv=kv: _gen(srv, ids, n, kv)
+            continue
+        msgs = [{"role": "user", "content": tok.decode(prompts["streaming"][:-20]) + " Summarize."}]
+        kv = {"policy": "streaming", "budget": budget}
+
+        def two_turns(srv, msgs=msgs, kv=kv):
+            first = _gen(srv, chat(msgs), n, kv)
+            second = _gen(
+                srv, chat([*msgs, {"role": "assistant", "content": first["text"]}, *FOLLOW_UP]), n, kv
+            )
+            return {**second, "first_turn": first}
+
+        yield name, two_turns
+
+
+FOLLOW_UP = [{"role": "user", "content": "Which worker appears most in the log?"}]
+
+
+def _run_server(backend: str, n: int, budget: int, sink: Any) -> None:
+    """Every request of the check on one server (`backend` is SGLang's `--attention-backend`); each result
+    goes to `sink(name, result)` as it arrives."""
     from sgl_kvevict.serverproc import Server
 
-    (tok, chat), prompts = _prompts()
     env = {"TRITON_INTERPRET": "1"} if backend == "triton" else {"TRITON_INTERPRET": "0"}
     args = ["--attention-backend", backend, "--kv-policy", "streaming", "--kv-budget", str(budget)]
     args += ["--max-total-tokens", "20000", "--max-running-requests", "4"]
-    out: dict[str, Any] = {}
     with Server(args, env=env, timeout=3600, log_path=f"/tmp/sgl-kvevict-triton-check-{backend}.log") as srv:
-        for name, cfg in SERVER_POLICIES.items():
+        for name, fn in _requests(n, budget):
             t0 = time.time()
-            out[name] = _gen(srv, prompts[name], n, {"policy": name, "budget": budget, "config": cfg})
-            print(f"[server:{backend}] {name}: {out[name]['ids']} ({time.time() - t0:.0f} s)", flush=True)
-        # multi-turn: the second turn reuses the first turn's compressed history from the radix tree
-        msgs = [{"role": "user", "content": tok.decode(prompts["streaming"][:60]) + " Summarize."}]
-        kv = {"policy": "streaming", "budget": budget}
-        first = _gen(srv, chat(msgs), n, kv)
-        msgs += [{"role": "assistant", "content": first["text"]}, {"role": "user", "content": "Say more."}]
-        out["multiturn-1"] = first
-        out["multiturn-2"] = _gen(srv, chat(msgs), n, kv)
-        print(f"[server:{backend}] multi-turn: {out['multiturn-2']['ids']}", flush=True)
-    return out
+            res = fn(srv)
+            res["seconds"] = round(time.time() - t0, 1)
+            print(f"[server:{backend}] {name}: {res['ids']} {[round(x, 4) for x in res['logprobs']]} "
+                  f"({res['seconds']} s)", flush=True)  # fmt: skip
+            sink(name, res)
 
 
-def check_server(n: int, budget: int) -> list[dict]:
-    """Greedy tokens and logprobs of the Triton backend against torch_native, request by request."""
-    native = _run_server("torch_native", n, budget)
-    triton_ = _run_server("triton", n, budget)
-    rows = []
-    for name, ref in native.items():
-        got = triton_[name]
-        same = got["ids"] == ref["ids"]
-        agree = next((i for i, (a, b) in enumerate(zip(got["ids"], ref["ids"], strict=True)) if a != b), n)
-        diffs = [
-            abs(a - b)
-            for a, b in zip(got["logprobs"][: agree + 1], ref["logprobs"][: agree + 1], strict=False)
-        ]
-        info = got["kvevict"]
-        row = {
-            "request": name,
-            "tokens_identical": same,
-            "first_difference": None if same else agree,
-            "max_abs_logprob_diff": max(diffs) if diffs else 0.0,
-            "evicted": info["evicted"],
-            "kv_tokens": info["kv_tokens"],
-            "logical_tokens": info["logical_tokens"],
-            "reused_evicted": info.get("reused_evicted", 0),
-            "compressions": info["compressions"],
-            "native_evicted": ref["kvevict"]["evicted"],
-            "triton_ids": got["ids"],
-            "native_ids": ref["ids"],
-        }
-        rows.append(row)
-        print(
-            f"[server] {name:12s} tokens identical {same}  max |logprob diff| {row['max_abs_logprob_diff']:.4f}  "
-            f"evicted {info['evicted']} (native {ref['kvevict']['evicted']})  kv {info['kv_tokens']} of "
-            f"{info['logical_tokens']} logical  reused-evicted {row['reused_evicted']}",
-            flush=True,
-        )
+def _compare(name: str, got: dict, ref: dict, n: int) -> dict:
+    same = got["ids"] == ref["ids"]
+    agree = next((i for i, (a, b) in enumerate(zip(got["ids"], ref["ids"], strict=False)) if a != b), n)
+    # logprobs of the same token at the same step: up to and including the first differing step
+    diffs = [
+        abs(a - b) for a, b in zip(got["logprobs"][: agree + 1], ref["logprobs"][: agree + 1], strict=False)
+    ]
+    info, ref_info = got["kvevict"], ref["kvevict"]
+    row = {
+        "request": name,
+        "tokens_identical": same,
+        "first_difference": None if same else agree,
+        "max_abs_logprob_diff": max(diffs) if diffs else 0.0,
+        "evicted": info["evicted"],
+        "native_evicted": ref_info["evicted"],
+        "kv_tokens": info["kv_tokens"],
+        "logical_tokens": info["logical_tokens"],
+        "reused_evicted": info.get("reused_evicted", 0),
+        "compressions": info["compressions"],
+        "triton_ids": got["ids"],
+        "native_ids": ref["ids"],
+        "triton_seconds": got["seconds"],
+    }
+    print(
+        f"[server] {name:10s} tokens identical {same}  max |logprob diff| {row['max_abs_logprob_diff']:.4f}  "
+        f"evicted {info['evicted']} (native {ref_info['evicted']})  kv {info['kv_tokens']} of "
+        f"{info['logical_tokens']} logical  reused-evicted {row['reused_evicted']}",
+        flush=True,
+    )
+    return row
+
+
+def check_server(n: int, budget: int, out_file: Path) -> list[dict]:
+    """Greedy tokens and logprobs of the Triton backend against torch_native, request by request. The
+    torch_native server runs beside the (much slower) interpreted one; each comparison is written to
+    `out_file` as soon as both sides have it, so a stopped run keeps what it measured."""
+    native: dict[str, dict] = {}
+    done = threading.Event()
+
+    def run_native() -> None:
+        try:
+            _run_server("torch_native", n, budget, native.__setitem__)
+        finally:
+            done.set()
+
+    threading.Thread(target=run_native, daemon=True).start()
+    rows: list[dict] = []
+
+    def on_triton(name: str, res: dict) -> None:
+        while name not in native and not done.is_set():
+            time.sleep(1.0)
+        if name not in native:
+            raise RuntimeError(f"the torch_native server gave no result for {name}")
+        rows.append(_compare(name, res, native[name], n))
+        out_file.write_text(json.dumps(rows, indent=1) + "\n")
+
+    _run_server("triton", n, budget, on_triton)
     return rows
 
 
@@ -353,7 +402,9 @@ def main(argv: list[str] | None = None) -> int:
         results: Any = check_kernels(args.small, args.dtype)
         name = f"kernels-{args.dtype}{'-small' if args.small else ''}.json"
     else:
-        results, name = check_server(args.new_tokens, args.budget), "server.json"
+        args.out.mkdir(parents=True, exist_ok=True)
+        name = "server.json"
+        results = check_server(args.new_tokens, args.budget, args.out / name)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / name).write_text(json.dumps(results, indent=1) + "\n")
     print(f"[triton-attention] wrote {args.out / name}")
