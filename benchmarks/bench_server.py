@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 
 from sgl_kvevict.model import default_model_path
 from sgl_kvevict.scenarios.text import log_text
-from sgl_kvevict.serverproc import Server
+from sgl_kvevict.serve.serverproc import Server
 
 POLICIES = ["none", "streaming", "knorm", "h2o", "snapkv", "lagkv", "d2o", "graphkv", "criticalkv", "none"]
 

@@ -48,7 +48,7 @@ from transformers import AutoTokenizer
 
 from sgl_kvevict.model import default_model_path
 from sgl_kvevict.scenarios.text import log_text
-from sgl_kvevict.serverproc import Server
+from sgl_kvevict.serve.serverproc import Server
 
 
 def stream_gaps(url: str, ids: list[int], n: int, started: threading.Event, out: list[float]) -> None:

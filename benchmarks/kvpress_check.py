@@ -52,13 +52,13 @@ from transformers import AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fidelity  # noqa: E402  (the generic operations-log prompt and the masked forwards)
 
-from sgl_kvevict import oracle  # noqa: E402
 from sgl_kvevict import policies as P  # noqa: E402
 from sgl_kvevict.kernels import window_attention  # noqa: E402
 from sgl_kvevict.model import default_model_path  # noqa: E402
 from sgl_kvevict.policies.base import LayerView  # noqa: E402
 from sgl_kvevict.scenarios import recall  # noqa: E402
 from sgl_kvevict.scenarios.base import fill, rng_for  # noqa: E402
+from sgl_kvevict.tools import oracle  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = str(default_model_path())

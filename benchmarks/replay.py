@@ -401,7 +401,7 @@ def warmup(url: str, chat: rc.ChatIds, kv: dict | None) -> None:
 
 
 def start_server(cfg: BenchConfig, spec: RunSpec, budget: float | int | None, log: Path) -> Any:
-    from sgl_kvevict.serverproc import Server
+    from sgl_kvevict.serve.serverproc import Server
 
     args = ["--kv-policy", spec.policy, "--max-total-tokens", str(cfg.max_total_tokens), *cfg.server_args]
     if budget is not None:

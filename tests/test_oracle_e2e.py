@@ -2,7 +2,7 @@
 exactly the same kept sets masked at the true positions (fp32 on both sides).
 
 The server (KVEVICT_DEBUG=1) reports, per finished request, the timeline of what every layer / KV head
-held after each admission and compression (`meta_info["kvevict"][0]["kept_timeline"]`). `sgl_kvevict.oracle`
+held after each admission and compression (`meta_info["kvevict"][0]["kept_timeline"]`). `sgl_kvevict.tools.oracle`
 turns it into per-query mask rows and runs HF once per conversation; every output token must be HF's
 argmax, except at near-ties (HF's own top choice beats the server's token by less than TIE_TOL logits),
 which are counted and reported, and the server's log-probability of every output token must equal HF's
@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from sgl_kvevict import oracle
-from sgl_kvevict.serverproc import Server
+from sgl_kvevict.serve.serverproc import Server
+from sgl_kvevict.tools import oracle
 
 from .helpers import _server, chat_ids, long_text, tokenizer
 
