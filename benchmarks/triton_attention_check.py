@@ -119,8 +119,8 @@ def check_kernels(small: bool, dtype_name: str = "bfloat16") -> list[dict]:
     from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
-    from sgl_kvevict import compressor
-    from sgl_kvevict.pools import Pools
+    from sgl_kvevict.cache import compressor
+    from sgl_kvevict.tools.pools import Pools
 
     dtype = getattr(torch, dtype_name)
     layers, n_reqs, tokens, budget, extend = (1, 2, 96, 24, 3) if small else (2, 3, 160, 48, 6)
@@ -308,7 +308,7 @@ FOLLOW_UP = [{"role": "user", "content": "Which worker appears most in the log?"
 def _run_server(backend: str, n: int, budget: int, sink: Any) -> None:
     """Every request of the check on one server (`backend` is SGLang's `--attention-backend`); each result
     goes to `sink(name, result)` as it arrives."""
-    from sgl_kvevict.serverproc import Server
+    from sgl_kvevict.serve.serverproc import Server
 
     env = {"TRITON_INTERPRET": "1"} if backend == "triton" else {"TRITON_INTERPRET": "0"}
     args = ["--attention-backend", backend, "--kv-policy", "streaming", "--kv-budget", str(budget)]
