@@ -279,12 +279,19 @@ def _gen(srv: Any, ids: list[int], n: int, kv: dict) -> dict:
     }
 
 
-def _requests(n: int, budget: int) -> Iterator[tuple[str, Any]]:
+REQUESTS = ["streaming", "snapkv", "multiturn", "lagkv", "d2o", "none"]
+DEFAULT_REQUESTS = REQUESTS[:-1]
+
+
+def _requests(n: int, budget: int, order: list[str]) -> Iterator[tuple[str, Any]]:
     """The check's requests in order of interest, as (name, fn(server) -> result); the multi-turn's second
     turn reuses the first turn's compressed history from the radix tree."""
     (tok, chat), prompts = _prompts()
-    order = ["streaming", "snapkv", "multiturn", "lagkv", "d2o"]
     for name in order:
+        if name == "none":  # the baseline: SnapKV's prompt with no compression at all
+            kv = {"policy": "none"}
+            yield name, lambda srv, ids=prompts["snapkv"], kv=kv: _gen(srv, ids, n, kv)
+            continue
         if name != "multiturn":
             kv = {"policy": name, "budget": budget, "config": SERVER_POLICIES[name]}
             yield name, lambda srv, ids=prompts[name], kv=kv: _gen(srv, ids, n, kv)
@@ -305,7 +312,7 @@ def _requests(n: int, budget: int) -> Iterator[tuple[str, Any]]:
 FOLLOW_UP = [{"role": "user", "content": "Which worker appears most in the log?"}]
 
 
-def _run_server(backend: str, n: int, budget: int, sink: Any) -> None:
+def _run_server(backend: str, n: int, budget: int, order: list[str], sink: Any) -> None:
     """Every request of the check on one server (`backend` is SGLang's `--attention-backend`); each result
     goes to `sink(name, result)` as it arrives."""
     from sgl_kvevict.serve.serverproc import Server
@@ -314,7 +321,7 @@ def _run_server(backend: str, n: int, budget: int, sink: Any) -> None:
     args = ["--attention-backend", backend, "--kv-policy", "streaming", "--kv-budget", str(budget)]
     args += ["--max-total-tokens", "20000", "--max-running-requests", "4"]
     with Server(args, env=env, timeout=3600, log_path=f"/tmp/sgl-kvevict-triton-check-{backend}.log") as srv:
-        for name, fn in _requests(n, budget):
+        for name, fn in _requests(n, budget, order):
             t0 = time.time()
             res = fn(srv)
             res["seconds"] = round(time.time() - t0, 1)
@@ -355,7 +362,7 @@ def _compare(name: str, got: dict, ref: dict, n: int) -> dict:
     return row
 
 
-def check_server(n: int, budget: int, out_file: Path) -> list[dict]:
+def check_server(n: int, budget: int, order: list[str], out_file: Path) -> list[dict]:
     """Greedy tokens and logprobs of the Triton backend against torch_native, request by request. The
     torch_native server runs beside the (much slower) interpreted one; each comparison is written to
     `out_file` as soon as both sides have it, so a stopped run keeps what it measured."""
@@ -364,7 +371,7 @@ def check_server(n: int, budget: int, out_file: Path) -> list[dict]:
 
     def run_native() -> None:
         try:
-            _run_server("torch_native", n, budget, native.__setitem__)
+            _run_server("torch_native", n, budget, order, native.__setitem__)
         finally:
             done.set()
 
@@ -379,7 +386,7 @@ def check_server(n: int, budget: int, out_file: Path) -> list[dict]:
         rows.append(_compare(name, res, native[name], n))
         out_file.write_text(json.dumps(rows, indent=1) + "\n")
 
-    _run_server("triton", n, budget, on_triton)
+    _run_server("triton", n, budget, order, on_triton)
     return rows
 
 
@@ -390,6 +397,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--new-tokens", type=int, default=6, help="server: greedy tokens per request (1-64)")
     p.add_argument("--budget", type=int, default=32, help="server: KV budget in tokens (16-4096)")
+    p.add_argument(
+        "--requests",
+        nargs="+",
+        choices=REQUESTS,
+        default=DEFAULT_REQUESTS,
+        help="server: which requests, in order ('none': SnapKV's prompt uncompressed, the baseline)",
+    )
     p.add_argument("--out", type=Path, default=OUT_DIR)
     p.add_argument("--json", action="store_true", help="print the results as one JSON line at the end")
     args = p.parse_args(argv)
@@ -403,8 +417,10 @@ def main(argv: list[str] | None = None) -> int:
         name = f"kernels-{args.dtype}{'-small' if args.small else ''}.json"
     else:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = "server.json"
-        results = check_server(args.new_tokens, args.budget, args.out / name)
+        name = (
+            "server.json" if args.requests == DEFAULT_REQUESTS else f"server-{'-'.join(args.requests)}.json"
+        )
+        results = check_server(args.new_tokens, args.budget, args.requests, args.out / name)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / name).write_text(json.dumps(results, indent=1) + "\n")
     print(f"[triton-attention] wrote {args.out / name}")
