@@ -56,14 +56,19 @@ def test_triton_decode_and_extend_match_references(results: list[dict]) -> None:
             assert r[f"max_abs_{key}"] < BF16_TOL, (r["policy"], key, r[f"max_abs_{key}"])
 
 
-@pytest.mark.parametrize("interpret", ["1", "0"])
-def test_interpreter_dot_fix_is_armed_only_under_the_interpreter(interpret: str) -> None:
-    """The `.pth` hook patches Triton's interpreter in every process under TRITON_INTERPRET=1, else never."""
+@pytest.mark.parametrize(
+    ("interpret", "no_fix", "armed"), [("1", "0", True), ("0", "0", False), ("1", "1", False)]
+)
+def test_interpreter_dot_fix_is_armed_only_under_the_interpreter(
+    interpret: str, no_fix: str, armed: bool
+) -> None:
+    """The `.pth` hook patches Triton's interpreter in every process under TRITON_INTERPRET=1 (unless
+    SGL_KVEVICT_NO_INTERP_FIX=1), else never."""
     code = (
         "import triton.runtime.interpreter as i;"
         "print(getattr(i.InterpreterBuilder.create_dot, '_sgl_kvevict_bf16', False))"
     )
-    env = dict(os.environ, TRITON_INTERPRET=interpret)
+    env = dict(os.environ, TRITON_INTERPRET=interpret, SGL_KVEVICT_NO_INTERP_FIX=no_fix)
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.strip().splitlines()[-1] == str(interpret == "1")
+    assert res.stdout.strip().splitlines()[-1] == str(armed)
