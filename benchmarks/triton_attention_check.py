@@ -300,16 +300,16 @@ def _requests(n: int, budget: int, order: list[str]) -> Iterator[tuple[str, Any]
         kv = {"policy": "streaming", "budget": budget}
 
         def two_turns(srv, msgs=msgs, kv=kv):
-            # the client sends the same history to both servers (a fixed assistant turn): the second turn's
-            # prompt does not depend on what the first turn generated, only its compressed prefix is reused
+            # turn 2 carries what turn 1 generated, so it reuses turn 1's compressed node whole (a fixed
+            # history would not match it); when both servers' turn 1 agree, their turn-2 prompts agree
             first = _gen(srv, chat(msgs), n, kv)
-            second = _gen(srv, chat([*msgs, *ASSISTANT, *FOLLOW_UP]), n, kv)
+            said = {"role": "assistant", "content": first["text"]}
+            second = _gen(srv, chat([*msgs, said, *FOLLOW_UP]), n, kv)
             return {**second, "first_turn_ids": first["ids"], "first_turn_logprobs": first["logprobs"]}
 
         yield name, two_turns
 
 
-ASSISTANT = [{"role": "assistant", "content": "The log lists jobs started and finished by several workers."}]
 FOLLOW_UP = [{"role": "user", "content": "Which worker appears most in the log?"}]
 
 
