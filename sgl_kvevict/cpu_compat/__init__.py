@@ -30,9 +30,15 @@ class _StubFinder(importlib.abc.MetaPathFinder):
 
 
 def install_finder() -> None:
-    """Append the finder once; called from the `.pth` file at interpreter start."""
+    """Append the finder once; called from the `.pth` file at interpreter start.
+
+    Under `TRITON_INTERPRET=1` it also arms the interpreter's bfloat16 `tl.dot` fix (see `triton_interp`),
+    so SGLang's Triton attention backend computes right on CPU tensors in every server process."""
     if not any(isinstance(f, _StubFinder) for f in sys.meta_path):
         sys.meta_path.append(_StubFinder())
+    from sgl_kvevict.cpu_compat import triton_interp
+
+    triton_interp.install()
 
 
 def real_sgl_kernel_present() -> bool:
