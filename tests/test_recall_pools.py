@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_kvevict.cache import capture, compressor, engine, host, recall
+from sgl_kvevict.cache import capture, compressor, demote, engine, host, recall
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.tools.pools import Pools
 
@@ -150,4 +150,4 @@ def test_host_pool_lru_drops_whole_branches():
 
 def test_evicted_indices_are_the_complement():
     keep = torch.tensor([[[0, 2, 5]], [[1, 3, 4]]])
-    assert recall.evicted_indices(keep, 6).tolist() == [[[1, 3, 4]], [[0, 2, 5]]]
+    assert demote.evicted_indices(keep, 6).tolist() == [[[1, 3, 4]], [[0, 2, 5]]]

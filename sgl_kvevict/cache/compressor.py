@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from sgl_kvevict import kernels
-from sgl_kvevict.cache import capture, recall, runtime, slotstats
+from sgl_kvevict.cache import capture, demote, runtime, slotstats
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.nodes import is_compressed
 from sgl_kvevict.policies import LayerView, Policy
@@ -253,16 +253,16 @@ def _commit(req: Any, s: st.ReqState, plan: Plan, own_start: int) -> bool:
     """Write the plan into the pool and the request's row. Returns False when it cannot (nothing changed).
 
     With recall on, the entries the plan evicts are copied to the host tier before any slot is written
-    (`recall.plan_demote`) and join the request's host entries only when the commit happens."""
-    if recall.enabled(s):
-        recall.take(s)  # before `_target_slots` may take the adopted node out of the tree
+    (`demote.plan_demote`) and join the request's host entries only when the commit happens."""
+    if demote.enabled(s):
+        demote.take(s)  # before `_target_slots` may take the adopted node out of the tree
     dem: list = []
     ok = False
     try:
         ok = _write(req, s, plan, own_start, dem)
         return ok
     finally:
-        recall.commit_demote(s, dem[0] if dem else None, ok)
+        demote.commit_demote(s, dem[0] if dem else None, ok)
 
 
 def _write(req: Any, s: st.ReqState, plan: Plan, own_start: int, dem: list) -> bool:
@@ -276,7 +276,7 @@ def _write(req: Any, s: st.ReqState, plan: Plan, own_start: int, dem: list) -> b
     v_bufs = [rt.v_buffer(layer) for layer in range(rt.n_layers)]
     stats = slotstats.STATS
     if own_start <= a:  # the whole region is the request's own: compact in place
-        dem.append(recall.plan_demote(s, a, plan.slots, plan.keep))
+        dem.append(demote.plan_demote(s, a, plan.slots, plan.keep))
         if plan.dense_k is None:
             kernels.compact(k_bufs, v_bufs, plan.slots, plan.keep)
             if stats is not None:
@@ -293,7 +293,7 @@ def _write(req: Any, s: st.ReqState, plan: Plan, own_start: int, dem: list) -> b
         target = _target_slots(req, s, plan, own_start)
         if target is None:
             return False
-        dem.append(recall.plan_demote(s, a, plan.slots, plan.keep))
+        dem.append(demote.plan_demote(s, a, plan.slots, plan.keep))
         new, spare = target[:k], target[k:]
         if stats is not None:
             slotstats.write(stats, new, _staged_stats(stats, plan))
@@ -308,6 +308,30 @@ def _write(req: Any, s: st.ReqState, plan: Plan, own_start: int, dem: list) -> b
     row[a + k : a + k + after.numel()] = after
     kv.kv_committed_len = kv.kv_allocated_len = a + k + after.numel()
     return True
+
+
+def own_region(req: Any, s: st.ReqState) -> bool:
+    """Make the request's region its own slots when it still starts in the tree (its prefill
+    compression did not fire, e.g. a short question turn): the region is copied, whole, into slots the
+    request owns, exactly as a compression that keeps every token would (`_write`); the
+    tree's copy stays as cache. Shared slots are never written. False when it cannot (nothing changed)."""
+    rt, kv, a = runtime.RT, req.kv, s.anchor_kv
+    if kv.cache_protected_len <= a:
+        return True
+    if kv.kv_allocated_len != kv.kv_committed_len or s.pending is not None:
+        return False
+    n = int(kv.kv_committed_len) - a
+    slots = rt.req_to_token[kv.req_pool_idx, a : a + n].to(torch.int64)
+    keep = torch.arange(n, device=slots.device).view(1, 1, n).expand(rt.n_layers, rt.n_kv_heads, n)
+    plan = Plan(
+        slots=slots,
+        keep=keep,
+        views=[],
+        tail=0,
+        dense_k=[rt.k_buffer(layer)[slots] for layer in range(rt.n_layers)],
+        dense_v=[rt.v_buffer(layer)[slots] for layer in range(rt.n_layers)],
+    )
+    return _write(req, s, plan, int(kv.cache_protected_len), [])
 
 
 def _staged_stats(stats: torch.Tensor, plan: Plan) -> torch.Tensor:

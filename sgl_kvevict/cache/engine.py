@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from sgl_kvevict.cache import capture, compressor, engine_lagkv, ragged, recall, runtime, slotstats
+from sgl_kvevict.cache import capture, compressor, demote, engine_lagkv, ragged, runtime, slotstats
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.compressor import Job
 from sgl_kvevict.policies.base import Phase
@@ -208,7 +208,7 @@ def _run_group(jobs: list[Job]) -> list[int]:
 
     # demote (recall on): the entries each request evicts, copied to host columns before any write
     dems = [
-        recall.plan_demote(j.s, j.a, slots_pad[r, : j.n], keep[r, :, :, :k]) if recall.enabled(j.s) else None
+        demote.plan_demote(j.s, j.a, slots_pad[r, : j.n], keep[r, :, :, :k]) if demote.enabled(j.s) else None
         for r, (j, k) in enumerate(zip(jobs, ks, strict=True))
     ]
     # commit: nothing below can fail on valid indices; a failure above left everything as it was
@@ -228,7 +228,7 @@ def _run_group(jobs: list[Job]) -> list[int]:
     evicted = slots_pad.reshape(-1).index_select(0, _tail_index(ks, ns, nmax, dev))
     rt.allocator.free(evicted)
     for j, d in zip(jobs, dems, strict=True):
-        recall.commit_demote(j.s, d, True)
+        demote.commit_demote(j.s, d, True)
 
     # host bookkeeping per request; the tensor state (carried scores, row offsets) in one op each
     for j in jobs:

@@ -1,10 +1,5 @@
-"""Demote and recall: the stage after a policy's selection that makes eviction non-final.
-
-*Demote* (inside a compression's commit): the entries a compression evicts, per layer and KV head, are
-written to freshly allocated host columns (`host.py`) before their device slots are freed. The columns
-are written in the plan (they belong to no branch yet, so nobody sees them) and attached to the
-request's `HostEntries` only once the commit went through; a commit that does not happen gives them
-back.
+"""Recall: the stage after a policy's selection that makes eviction non-final (`demote.py` keeps what
+a compression evicts on the host tier; this brings back what a new turn needs).
 
 *Recall* (right after the prefill-phase compression of a turn, before its first decode step): the
 turn's captured window queries score the kept history and the branch's host entries together
@@ -22,109 +17,14 @@ Every failure here degrades the request's recall only (logged, counted); its com
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from sgl_kvevict.cache import capture, host, runtime, slotstats
+from sgl_kvevict.cache import capture, compressor, demote, host, runtime, slotstats
 from sgl_kvevict.cache import state as st
 
 logger = logging.getLogger("sgl_kvevict")
-
-
-def enabled(s: st.ReqState | None) -> bool:
-    return s is not None and s.recall > 0 and s.active and host.POOL is not None
-
-
-def evicted_indices(keep: torch.Tensor, n: int) -> torch.Tensor:
-    """`[..., n - k]` region indices not in `keep` (`[..., k]`), ascending per row (no host sync)."""
-    mask = torch.zeros(*keep.shape[:-1], n, dtype=torch.int8, device=keep.device)
-    mask.scatter_(-1, keep.to(torch.int64), 1)
-    order = torch.sort(mask, dim=-1, stable=True).indices  # evicted (0) first, in index order
-    return order[..., : n - keep.shape[-1]]
-
-
-def take(s: st.ReqState) -> None:
-    """The request takes the host entries of the compressed node it adopted (they move, never shared)."""
-    src = s.host_src
-    s.host_src = None
-    got = getattr(src, "kvevict_host", None) if src is not None else None
-    if got is None:
-        return
-    src.kvevict_host = None
-    if s.host is None or s.host.count == 0:
-        s.host = got
-    elif host.POOL is not None:  # already holds some (a retracted request coming back): merge
-        host.POOL.append(s.host, got.cols, got.positions if s.host.positions is not None else None)
-        host.POOL.lru.pop(id(got), None)
-        got.cols = torch.zeros(0, dtype=torch.int64)
-    if host.POOL is not None:
-        host.POOL.touch(s.host)
-
-
-@dataclass
-class Demotion:
-    cols: torch.Tensor
-    positions: torch.Tensor | None
-
-
-def plan_demote(s: st.ReqState, a: int, slots: torch.Tensor, keep: torch.Tensor) -> Demotion | None:
-    """Copy the entries a compression of region `slots` (starting at row index `a`) evicts into new host
-    columns, before anything in the pool is written. None when recall is off or the host cannot hold
-    them (they are then lost, as without the tier). `keep`: `[L, H, k]` kept region indices."""
-    if not enabled(s):
-        return None
-    try:
-        pool, rt = host.POOL, runtime.RT
-        n, k = int(slots.numel()), int(keep.shape[-1])
-        if k >= n:
-            return None
-        if s.host is None:
-            s.host = host.HostEntries()
-        cols = pool.alloc(n - k, keep=s.host)
-        if cols is None:
-            return None
-        ev = evicted_indices(keep, n)  # [L, H, e]
-        heads = torch.arange(ev.shape[1], device=slots.device).unsqueeze(-1)
-        for layer in range(rt.n_layers):
-            src = slots[ev[layer].to(slots.device)]  # [H, e]
-            pool.write(
-                cols,
-                layer,
-                rt.k_buffer(layer)[src, heads].transpose(0, 1),
-                rt.v_buffer(layer)[src, heads].transpose(0, 1),
-            )
-        pos = _positions(s, a + n)[..., a:].gather(-1, ev.cpu()) if st.DEBUG else None
-        return Demotion(cols, pos)
-    except Exception:
-        _fail(s, "demotion")
-        return None
-
-
-def _positions(s: st.ReqState, kv_len: int) -> torch.Tensor:
-    """Debug: `[L, H, kv_len]` logical positions of the row's first slots."""
-    rt = runtime.RT
-    pos = s.debug_positions(kv_len)
-    return pos.view(1, 1, -1).expand(rt.n_layers, rt.n_kv_heads, -1) if pos.dim() == 1 else pos
-
-
-def commit_demote(s: st.ReqState, d: Demotion | None, committed: bool) -> None:
-    if d is None or host.POOL is None:
-        return
-    if not committed or s.host is None:
-        host.POOL.give_back(d.cols)
-        return
-    host.POOL.append(s.host, d.cols, d.positions)
-    host.POOL.totals.demoted += int(d.cols.numel())
-    s.host_peak = max(s.host_peak, s.host.count)
-
-
-def _fail(s: st.ReqState, what: str) -> None:
-    s.recall = 0
-    if host.POOL is not None:
-        host.POOL.totals.recall_failures += 1
-    logger.exception("kvevict: %s failed; the request continues without recall", what)
 
 
 def due(req: Any) -> bool:
@@ -138,12 +38,12 @@ def safe_recall(req: Any) -> int:
     if s is None:
         return 0
     s.recall_due = False
-    if not enabled(s):
+    if not demote.enabled(s):
         return 0
     try:
         return recall(req, s)
     except Exception:
-        _fail(s, "recall")
+        demote.fail(s, "recall")
         return 0
 
 
@@ -174,42 +74,16 @@ def _scores(
     return torch.stack(row_out), torch.stack(host_out)
 
 
-def _own_region(req: Any, s: st.ReqState) -> bool:
-    """Make the request's region its own slots when it still starts in the tree (its prefill
-    compression did not fire, e.g. a short question turn): the region is copied, whole, into slots the
-    request owns, exactly as a compression that keeps every token would (`compressor._write`); the
-    tree's copy stays as cache. Shared slots are never written. False when it cannot (nothing changed)."""
-    from sgl_kvevict.cache import compressor
-
-    rt, kv, a = runtime.RT, req.kv, s.anchor_kv
-    if kv.cache_protected_len <= a:
-        return True
-    if kv.kv_allocated_len != kv.kv_committed_len or s.pending is not None:
-        return False
-    n = int(kv.kv_committed_len) - a
-    slots = rt.req_to_token[kv.req_pool_idx, a : a + n].to(torch.int64)
-    keep = torch.arange(n, device=slots.device).view(1, 1, n).expand(rt.n_layers, rt.n_kv_heads, n)
-    plan = compressor.Plan(
-        slots=slots,
-        keep=keep,
-        views=[],
-        tail=0,
-        dense_k=[rt.k_buffer(layer)[slots] for layer in range(rt.n_layers)],
-        dense_v=[rt.v_buffer(layer)[slots] for layer in range(rt.n_layers)],
-    )
-    return compressor._write(req, s, plan, int(kv.cache_protected_len), [])
-
-
 def recall(req: Any, s: st.ReqState) -> int:
     """Swap the best host entries into the lowest-scored displaceable kept slots (see the module)."""
-    take(s)
+    demote.take(s)
     rt, pool = runtime.RT, host.POOL
     kv = req.kv
     a = s.anchor_kv
     if s.host is None or s.host.count == 0 or s.pending is not None or s.comp_slots == 0:
         s.recall_skipped += 1  # nothing on the host (or no compacted history to swap into)
         return 0
-    if not _own_region(req, s):
+    if not compressor.own_region(req, s):
         s.recall_skipped += 1  # the history sits in shared slots and no own copy could be made
         return 0
     kv_len = int(kv.kv_committed_len)
@@ -246,7 +120,7 @@ def recall(req: Any, s: st.ReqState) -> int:
         writes.append((dslot, hcol, vals))
     pos = None
     if st.DEBUG and s.host.positions is not None:
-        pos = _positions(s, kv_len).clone()
+        pos = demote.positions(s, kv_len).clone()
         hpos = s.host.positions.clone()
         didx = (cidx + lo).cpu()
         dp, hp = pos.gather(-1, didx), hpos.gather(-1, hidx.cpu())

@@ -1,0 +1,113 @@
+"""Demote: the entries a compression evicts go to the host tier instead of being dropped.
+
+Inside a compression's commit, the entries it evicts, per layer and KV head, are written to freshly
+allocated host columns (`host.py`) before their device slots are freed. The columns are written in the
+plan (they belong to no branch yet, so nobody sees them) and join the request's `HostEntries` only once
+the commit went through; a commit that does not happen gives them back. `recall.py` brings them back.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from sgl_kvevict.cache import host, runtime
+from sgl_kvevict.cache import state as st
+
+logger = logging.getLogger("sgl_kvevict")
+
+
+def enabled(s: st.ReqState | None) -> bool:
+    return s is not None and s.recall > 0 and s.active and host.POOL is not None
+
+
+def evicted_indices(keep: torch.Tensor, n: int) -> torch.Tensor:
+    """`[..., n - k]` region indices not in `keep` (`[..., k]`), ascending per row (no host sync)."""
+    mask = torch.zeros(*keep.shape[:-1], n, dtype=torch.int8, device=keep.device)
+    mask.scatter_(-1, keep.to(torch.int64), 1)
+    order = torch.sort(mask, dim=-1, stable=True).indices  # evicted (0) first, in index order
+    return order[..., : n - keep.shape[-1]]
+
+
+def take(s: st.ReqState) -> None:
+    """The request takes the host entries of the compressed node it adopted (they move, never shared)."""
+    src = s.host_src
+    s.host_src = None
+    got = getattr(src, "kvevict_host", None) if src is not None else None
+    if got is None:
+        return
+    src.kvevict_host = None
+    if s.host is None or s.host.count == 0:
+        s.host = got
+    elif host.POOL is not None:  # already holds some (a retracted request coming back): merge
+        host.POOL.append(s.host, got.cols, got.positions if s.host.positions is not None else None)
+        host.POOL.lru.pop(id(got), None)
+        got.cols = torch.zeros(0, dtype=torch.int64)
+    if host.POOL is not None:
+        host.POOL.touch(s.host)
+
+
+@dataclass
+class Demotion:
+    cols: torch.Tensor
+    positions: torch.Tensor | None
+
+
+def plan_demote(s: st.ReqState, a: int, slots: torch.Tensor, keep: torch.Tensor) -> Demotion | None:
+    """Copy the entries a compression of region `slots` (starting at row index `a`) evicts into new host
+    columns, before anything in the pool is written. None when recall is off or the host cannot hold
+    them (they are then lost, as without the tier). `keep`: `[L, H, k]` kept region indices."""
+    if not enabled(s):
+        return None
+    try:
+        pool, rt = host.POOL, runtime.RT
+        n, k = int(slots.numel()), int(keep.shape[-1])
+        if k >= n:
+            return None
+        if s.host is None:
+            s.host = host.HostEntries()
+        cols = pool.alloc(n - k, keep=s.host)
+        if cols is None:
+            return None
+        ev = evicted_indices(keep, n)  # [L, H, e]
+        heads = torch.arange(ev.shape[1], device=slots.device).unsqueeze(-1)
+        for layer in range(rt.n_layers):
+            src = slots[ev[layer].to(slots.device)]  # [H, e]
+            pool.write(
+                cols,
+                layer,
+                rt.k_buffer(layer)[src, heads].transpose(0, 1),
+                rt.v_buffer(layer)[src, heads].transpose(0, 1),
+            )
+        pos = positions(s, a + n)[..., a:].gather(-1, ev.cpu()) if st.DEBUG else None
+        return Demotion(cols, pos)
+    except Exception:
+        fail(s, "demotion")
+        return None
+
+
+def positions(s: st.ReqState, kv_len: int) -> torch.Tensor:
+    """Debug: `[L, H, kv_len]` logical positions of the row's first slots."""
+    rt = runtime.RT
+    pos = s.debug_positions(kv_len)
+    return pos.view(1, 1, -1).expand(rt.n_layers, rt.n_kv_heads, -1) if pos.dim() == 1 else pos
+
+
+def commit_demote(s: st.ReqState, d: Demotion | None, committed: bool) -> None:
+    if d is None or host.POOL is None:
+        return
+    if not committed or s.host is None:
+        host.POOL.give_back(d.cols)
+        return
+    host.POOL.append(s.host, d.cols, d.positions)
+    host.POOL.totals.demoted += int(d.cols.numel())
+    s.host_peak = max(s.host_peak, s.host.count)
+
+
+def fail(s: st.ReqState, what: str) -> None:
+    s.recall = 0
+    if host.POOL is not None:
+        host.POOL.totals.recall_failures += 1
+    logger.exception("kvevict: %s failed; the request continues without recall", what)
