@@ -21,7 +21,7 @@ import requests
 
 from sgl_kvevict.serverproc import Server
 
-from .helpers import _server, chat_ids, long_text
+from .helpers import _server, chat_ids, long_text, speed, watchdog
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_soak import flush_until_whole, run_soak  # noqa: E402
@@ -71,7 +71,7 @@ def tracebacks(srv: Server) -> list[str]:
     return [b[:400] for b in text.split("Traceback")[1:]]
 
 
-def stream(srv: Server, ids: list[int], kv: dict, rid: str, n: int = 300):
+def stream(srv: Server, ids: list[int], kv: dict, rid: str, n: int = 300, timeout: float = 600):
     body = {
         "rid": rid,
         "input_ids": ids,
@@ -83,7 +83,7 @@ def stream(srv: Server, ids: list[int], kv: dict, rid: str, n: int = 300):
             "custom_params": {"kvevict": kv},
         },
     }
-    return requests.post(srv.url + "/generate", json=body, stream=True, timeout=600)
+    return requests.post(srv.url + "/generate", json=body, stream=True, timeout=timeout)
 
 
 def read_chunks(lines, k: int) -> list[dict]:
@@ -113,12 +113,16 @@ def test_aborts_under_every_policy(small_server: Server):
     }
     results: dict[tuple[str, str], tuple[str, int]] = {}
     lock = threading.Lock()
+    # Timeouts from this server's measured speed (a loaded machine is many times slower than an idle one):
+    # every prompt prefilled and every stream run to its 300 tokens, one after another, bounds the test.
+    work = (sum(len(p) for p in prompt.values()), 300 * len(cases))
+    timeout = speed(small_server).timeout(*work)
 
     def one(item: tuple[str, str]) -> None:
         policy, how = item
         kv = {"policy": policy} if policy == "none" else {"policy": policy, "budget": 64}
         rid = f"abort-{policy}-{how}"
-        with stream(small_server, prompt[item], kv, rid) as r:
+        with stream(small_server, prompt[item], kv, rid, timeout=timeout) as r:
             assert r.status_code == 200, r.text[:300]
             lines = r.iter_lines()
             got = read_chunks(lines, 3)
@@ -139,7 +143,10 @@ def test_aborts_under_every_policy(small_server: Server):
         with lock:
             results[item] = (outcome, compressions)
 
-    with ThreadPoolExecutor(len(cases)) as ex:
+    with (
+        watchdog(small_server, "aborts", speed(small_server).expected(*work)),
+        ThreadPoolExecutor(len(cases)) as ex,
+    ):
         list(ex.map(one, cases))
     assert len(results) == len(cases)
     assert all(results[(p, "endpoint")][0] == "abort" for p in names), results
@@ -148,7 +155,9 @@ def test_aborts_under_every_policy(small_server: Server):
     # Healthy: fresh requests complete and compress.
     for i, p in enumerate(("snapkv", "d2o")):
         ids = chat_ids([{"role": "user", "content": long_text(400, seed=350 + i)}])
-        out = small_server.generate(input_ids=ids, max_new_tokens=8, kv={"policy": p, "budget": 64})
+        out = small_server.generate(
+            input_ids=ids, max_new_tokens=8, kv={"policy": p, "budget": 64}, timeout=timeout
+        )
         assert kvinfo(out)["evicted"] > 0 and not kvinfo(out)["failed"]
     assert whole(small_server)["policy_failures"] == failures0
     assert len(tracebacks(small_server)) == before, tracebacks(small_server)[before:]
@@ -193,18 +202,24 @@ def test_memory_pressure_every_policy_retracts_and_finishes(small_server: Server
     deferred0 = small_server.server_info()["internal_states"][0]["kvevict"]["compressions_deferred"]
     cases = [(p, j) for p in [*POLICIES, "none"] for j in range(2)]
     seeds = {c: 900 + i for i, c in enumerate(cases)}
+    # Serial bound: every request prefilled twice (a retraction re-prefills) and decoded to N_NEW.
+    work = (2 * len(cases) * (220 + N_NEW), len(cases) * N_NEW)
+    timeout = speed(small_server).timeout(*work)
 
     def one(item: tuple[str, int]) -> tuple[str, int, dict]:
         policy = item[0]
         kv = {"policy": policy} if policy == "none" else {"policy": policy, "budget": "90%"}
         ids = chat_ids([{"role": "user", "content": long_text(200, seed=seeds[item])}])
         # min_new_tokens, not ignore_eos: SGLang reserves all of an ignore_eos request's tokens at admission
-        out = small_server.generate(input_ids=ids, max_new_tokens=N_NEW, min_new_tokens=N_NEW, kv=kv)
+        out = small_server.generate(
+            input_ids=ids, max_new_tokens=N_NEW, min_new_tokens=N_NEW, kv=kv, timeout=timeout
+        )
         assert len(out["output_ids"]) == N_NEW, policy
         return policy, len(ids), out["meta_info"]
 
-    with ThreadPoolExecutor(len(cases)) as ex:
-        runs = list(ex.map(one, cases))
+    with watchdog(small_server, "memory pressure", speed(small_server).expected(*work)):
+        with ThreadPoolExecutor(len(cases)) as ex:
+            runs = list(ex.map(one, cases))
     retracted: dict[str, int] = {}
     for policy, n_ids, meta in runs:
         retracted[policy] = retracted.get(policy, 0) + meta["num_retractions"]
