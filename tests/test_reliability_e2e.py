@@ -116,7 +116,8 @@ def test_aborts_under_every_policy(small_server: Server):
     # Timeouts from this server's measured speed (a loaded machine is many times slower than an idle one):
     # every prompt prefilled and every stream run to its 300 tokens, one after another, bounds the test.
     work = (sum(len(p) for p in prompt.values()), 300 * len(cases))
-    timeout = speed(small_server).timeout(*work)
+    rate = speed(small_server)
+    timeout = rate.timeout(*work)
 
     def one(item: tuple[str, str]) -> None:
         policy, how = item
@@ -144,7 +145,7 @@ def test_aborts_under_every_policy(small_server: Server):
             results[item] = (outcome, compressions)
 
     with (
-        watchdog(small_server, "aborts", speed(small_server).expected(*work)),
+        watchdog(small_server, "aborts", rate.expected(*work)),
         ThreadPoolExecutor(len(cases)) as ex,
     ):
         list(ex.map(one, cases))
@@ -204,7 +205,8 @@ def test_memory_pressure_every_policy_retracts_and_finishes(small_server: Server
     seeds = {c: 900 + i for i, c in enumerate(cases)}
     # Serial bound: every request prefilled twice (a retraction re-prefills) and decoded to N_NEW.
     work = (2 * len(cases) * (220 + N_NEW), len(cases) * N_NEW)
-    timeout = speed(small_server).timeout(*work)
+    rate = speed(small_server)
+    timeout = rate.timeout(*work)
 
     def one(item: tuple[str, int]) -> tuple[str, int, dict]:
         policy = item[0]
@@ -217,7 +219,7 @@ def test_memory_pressure_every_policy_retracts_and_finishes(small_server: Server
         assert len(out["output_ids"]) == N_NEW, policy
         return policy, len(ids), out["meta_info"]
 
-    with watchdog(small_server, "memory pressure", speed(small_server).expected(*work)):
+    with watchdog(small_server, "memory pressure", rate.expected(*work)):
         with ThreadPoolExecutor(len(cases)) as ex:
             runs = list(ex.map(one, cases))
     retracted: dict[str, int] = {}
