@@ -21,7 +21,7 @@ import requests
 
 from sgl_kvevict.serverproc import Server
 
-from .helpers import _server, chat_ids, long_text, speed, watchdog
+from .helpers import _server, chat_ids, long_text, scheduler_report, speed, watchdog
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_soak import flush_until_whole, run_soak  # noqa: E402
@@ -162,6 +162,25 @@ def test_aborts_under_every_policy(small_server: Server):
         assert kvinfo(out)["evicted"] > 0 and not kvinfo(out)["failed"]
     assert whole(small_server)["policy_failures"] == failures0
     assert len(tracebacks(small_server)) == before, tracebacks(small_server)[before:]
+
+
+# ---- the watchdog's report -------------------------------------------------------------------------
+def test_watchdog_report_names_a_running_request(small_server: Server):
+    """What a late request's watchdog prints: the request in the running batch, with its progress and
+    its compression state, and the scheduler's last steps."""
+    whole(small_server)
+    ids = chat_ids([{"role": "user", "content": long_text(300, seed=77)}])
+    rid = "watchdog-probe"
+    with stream(small_server, ids, {"policy": "snapkv", "budget": 64}, rid) as r:
+        assert len(read_chunks(r.iter_lines(), 2)) == 2
+        report = scheduler_report(small_server)
+        requests.post(small_server.url + "/abort_request", json={"rid": rid}, timeout=60)
+    queues = json.loads(report.split("\n", 1)[0])["queues"]
+    mine = [q for q in queues["running"] + queues["waiting"] if q["rid"] == rid]
+    assert len(mine) == 1 and mine[0]["input"] == len(ids) and mine[0]["output"] >= 1, queues
+    assert mine[0]["kvevict"]["policy"] == "snapkv", mine
+    assert "Prefill batch" in report, report
+    whole(small_server)
 
 
 # ---- a policy fault in the middle of a staged compaction ----------------------------------------------
