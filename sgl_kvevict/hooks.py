@@ -374,7 +374,8 @@ def queues(scheduler: Any) -> dict[str, Any] | None:
         chunked = getattr(scheduler, "chunked_req", None)
         out["chunked"] = _req_view(chunked) if chunked is not None else None
         last = getattr(scheduler, "last_batch", None)
-        out["last_batch"] = None if last is None else {"mode": str(last.forward_mode), "size": len(last.reqs)}
+        mode = None if last is None else getattr(last.forward_mode, "name", str(last.forward_mode))
+        out["last_batch"] = None if last is None else {"mode": mode, "size": len(last.reqs)}
         out["result_queue"] = len(getattr(scheduler, "result_queue", ()) or ())
     except Exception as e:  # a debug view must never fail the /server_info call
         out["error"] = repr(e)
