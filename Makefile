@@ -6,7 +6,7 @@ ARGS ?=
 WORKERS ?= 2
 ENV := bash scripts/env.sh
 
-.PHONY: env serve serve-cluster test test-fast lint model-path bench-kernels bench-fidelity bench-compress bench-replay bench-kvpress
+.PHONY: env serve serve-cluster test test-fast lint model-path bench-kernels bench-fidelity bench-compress bench-replay bench-kvpress docs docs-serve
 
 env:
 	@$(ENV) >/dev/null
@@ -34,7 +34,15 @@ lint:
 model-path:
 	@PY=$$($(ENV)) && $$PY -m sgl_kvevict.model
 
-## Peer cross-check against kvpress (its own venv, scripts/kvpress_env.sh); writes results/kvpress/. Slow: not in `make test`.
+## Peer cross-check against kvpress (its own venv, scripts/kvpress_env.sh); writes results/kvpress-crosscheck/. Slow: not in `make test`.
 bench-kvpress:
 	@PY=$$($(ENV)) && bash scripts/kvpress_env.sh >/dev/null && \
 	  HF_HUB_OFFLINE=1 TQDM_DISABLE=1 nice -n 10 $$PY benchmarks/kvpress_check.py $(ARGS)
+
+## Build docs/ into a site (site/) with mkdocs + material, in a venv of their own (scripts/docs_env.sh). Not part of `make test`.
+docs:
+	@DPY=$$(bash scripts/docs_env.sh) && $$DPY -m mkdocs build -q
+
+## Serve the docs site at http://127.0.0.1:8000 (reloads on edits).
+docs-serve:
+	@DPY=$$(bash scripts/docs_env.sh) && $$DPY -m mkdocs serve

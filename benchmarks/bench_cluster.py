@@ -1,7 +1,7 @@
 """One worker vs N workers behind sglang-router: the replay benchmark through the router, side by side.
 
     HF_HUB_OFFLINE=1 python benchmarks/bench_cluster.py --workers 1,2 --policies none,lagkv \\
-        --sessions 16 --turns 3 --out results/cluster
+        --sessions 16 --turns 3 --out results/router-workers
 
 For each worker count and each policy (`NAME[=BUDGET]`) it starts a cluster (`sgl_kvevict.cluster`:
 workers started with `--kv-policy NAME --kv-budget BUDGET`, behind the router), replays the agent
@@ -61,7 +61,7 @@ def main() -> None:
     p.add_argument("--tool-tokens", default="300,900")
     p.add_argument("--max-total-tokens", type=int, default=12000, help="KV pool of each worker")
     p.add_argument("--policy-config", default='{"lagkv": {"lag": 32}}')
-    p.add_argument("--out", default="results/cluster")
+    p.add_argument("--out", default="results/router-workers")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

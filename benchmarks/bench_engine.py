@@ -5,7 +5,7 @@ layers) goes through the scheduler's compression hook once (`hooks._compress_bat
 `check_decode_mem` calls), and the step is measured three ways, each on a fresh batch:
 
 - aten ops: top-level `aten::` events in the torch profiler (ops called by other aten ops not counted);
-- host syncs: ops that make the host wait for the device on CUDA (`sgl_kvevict.pools.SyncCounter`:
+- host syncs: ops that make the host wait for the device on CUDA (`sgl_kvevict.tools.pools.SyncCounter`:
   `aten::_local_scalar_dense` = `.item()`/`int(t)`/`bool(t)`, data-dependent shapes, `.tolist()`);
 - wall time of the step, divided by the requests it compressed (best of `--reps`).
 
@@ -14,7 +14,7 @@ layer's `RadixAttention.forward`, `capture.Store.write`) at the same batch sizes
 host syncs and wall time for all layers. The capture used to push per request and layer (B x layers
 pushes per forward); the store writes once per layer, whatever the batch.
 
-`HF_HUB_OFFLINE=1 nice -n 10 python benchmarks/bench_engine.py --capture --out results/engine/after.txt`
+`HF_HUB_OFFLINE=1 nice -n 10 python benchmarks/bench_engine.py --capture --out results/engine-batch/after.txt`
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ from types import SimpleNamespace
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from sgl_kvevict import capture, hooks
-from sgl_kvevict import state as st
-from sgl_kvevict.pools import Pools, SyncCounter
+from sgl_kvevict.cache import capture
+from sgl_kvevict.cache import state as st
+from sgl_kvevict.serve import hooks
+from sgl_kvevict.tools.pools import Pools, SyncCounter
 
 POLICIES = {
     "streaming": {},

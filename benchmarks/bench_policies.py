@@ -20,13 +20,13 @@ Two steps per policy and N: `first` (a fresh region, as after prefill) and `deco
 N - period tokens kept by a previous compression whose policy state it reuses, period new tokens), and
 the peak resident memory a step adds above its start (its transient memory).
 
-Run (from the repo root; results/bench_policies.md holds both tables, torch's default decode threads and
+Run (from the repo root; results/compress-vs-decode-step.md holds both tables, torch's default decode threads and
 one decode thread, since on a loaded 2-core machine the default can be many times slower):
-    HF_HUB_OFFLINE=1 python benchmarks/bench_policies.py --out results/bench_policies.md
-    HF_HUB_OFFLINE=1 python benchmarks/bench_policies.py --decode-threads 1 --out results/bench_policies.md --append
+    HF_HUB_OFFLINE=1 python benchmarks/bench_policies.py --out results/compress-vs-decode-step.md
+    HF_HUB_OFFLINE=1 python benchmarks/bench_policies.py --decode-threads 1 --out results/compress-vs-decode-step.md --append
 GraphKV and CriticalKV beside their earlier implementations (dense graph, recomputed norms), one run:
     HF_HUB_OFFLINE=1 python benchmarks/bench_policies.py --sizes 8192 --policies snapkv graphkv criticalkv --side-by-side --decode-threads 1
-CriticalKV with the per-slot ||v W_O||_1 statistic (`sgl_kvevict.slotstats`, what the server runs):
+CriticalKV with the per-slot ||v W_O||_1 statistic (`sgl_kvevict.cache.slotstats`, what the server runs):
     HF_HUB_OFFLINE=1 python benchmarks/bench_policies.py --sizes 8192 --policies snapkv criticalkv --slot-stats --decode-threads 1
 `criticalkv-slotstats` reads the norms the forward pass wrote (precomputed here, outside the timed step,
 as the server's hook computes them when it writes each value) and moves them with compaction; the
@@ -52,8 +52,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from sgl_kvevict import kernels, policies, slotstats
-from sgl_kvevict.compressor import THREADS, select_layers
+from sgl_kvevict import kernels, policies
+from sgl_kvevict.cache import slotstats
+from sgl_kvevict.cache.compressor import THREADS, select_layers
 from sgl_kvevict.config import KvConfig
 from sgl_kvevict.model import default_model_path
 from sgl_kvevict.policies import LayerView, Policy

@@ -7,7 +7,7 @@ after the first, over the time from the first to the last. `none` runs first and
 baseline of the ratio column.
 
     HF_HUB_OFFLINE=1 python benchmarks/bench_server.py --prompt-tokens 2000 --decode-tokens 300 \
-        --budget 512 --out results/bench_server
+        --budget 512 --out results/server-one-request
 
 Run it alone on the machine: decode speed on a 2-core CPU halves when anything else runs.
 """
@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 
 from sgl_kvevict.model import default_model_path
 from sgl_kvevict.scenarios.text import log_text
-from sgl_kvevict.serverproc import Server
+from sgl_kvevict.serve.serverproc import Server
 
 POLICIES = ["none", "streaming", "knorm", "h2o", "snapkv", "lagkv", "d2o", "graphkv", "criticalkv", "none"]
 

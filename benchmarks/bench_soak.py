@@ -36,7 +36,7 @@ from transformers import AutoTokenizer
 
 from sgl_kvevict.model import default_model_path
 from sgl_kvevict.scenarios.text import log_text
-from sgl_kvevict.serverproc import Server
+from sgl_kvevict.serve.serverproc import Server
 
 POLICIES = ["none", "streaming", "knorm", "h2o", "snapkv", "lagkv", "d2o", "graphkv", "criticalkv"]
 BUDGETS: list[Any] = ["50%", "25%", 64, 128, 256, {"tokens": 96}, {"ratio": 0.3}]

@@ -14,7 +14,7 @@ Each server configuration runs every scenario `--repeats` times; one server per 
 `NAME=FLAGS` (e.g. `cap=--kv-compress-step-tokens 2048`), the configurations one after the other.
 
     HF_HUB_OFFLINE=1 nice -n 10 python benchmarks/bench_stall.py --heavy 3 --heavy-tokens 2000 \
-        --config "nocap=" --config "cap=--kv-compress-step-tokens 2048" --out results/stall
+        --config "nocap=" --config "cap=--kv-compress-step-tokens 2048" --out results/stall-prefill-and-compression
 
 The heavy prefill stalls the small streams too (SGLang runs a chunked prefill's chunks back to back), and
 on a CPU it dwarfs a compression. `--warm` takes it out: the heavy prompts are cached first (`none`, one
@@ -26,7 +26,7 @@ before they finish:
 
     HF_HUB_OFFLINE=1 nice -n 10 python benchmarks/bench_stall.py --warm --heavy 1 --heavy-tokens 4000 \
         --heavy-new 40 --config "whole=" --config "split=--kv-compress-step-tokens 256" \
-        --out results/stall-split
+        --out results/stall-split-compression
 
 Numbers depend on the machine's load: compare configurations measured in the same run.
 """
@@ -48,7 +48,7 @@ from transformers import AutoTokenizer
 
 from sgl_kvevict.model import default_model_path
 from sgl_kvevict.scenarios.text import log_text
-from sgl_kvevict.serverproc import Server
+from sgl_kvevict.serve.serverproc import Server
 
 
 def stream_gaps(url: str, ids: list[int], n: int, started: threading.Event, out: list[float]) -> None:
@@ -174,7 +174,7 @@ def main() -> None:
     ap.add_argument("--small", type=int, default=4)
     ap.add_argument("--small-tokens", type=int, default=250)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=Path("results/stall"))
+    ap.add_argument("--out", type=Path, default=Path("results/stall-prefill-and-compression"))
     args = ap.parse_args()
     configs = [c.split("=", 1) for c in (args.config or ["nocap="])]
     args.out.mkdir(parents=True, exist_ok=True)

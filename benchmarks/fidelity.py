@@ -29,11 +29,11 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from sgl_kvevict import oracle
 from sgl_kvevict import policies as P
 from sgl_kvevict.kernels import window_attention
 from sgl_kvevict.model import default_model_path
 from sgl_kvevict.policies.base import LayerView
+from sgl_kvevict.tools import oracle
 
 MODEL = str(default_model_path())
 SINKS, RECENT, WINDOW = 4, 32, 32
@@ -95,7 +95,7 @@ QUESTION = "\nQuestion: what is the emergency vault code for this week?\nAnswer:
 FACT = "4817"
 
 
-# -- masked attention: sgl_kvevict.oracle (shared with the eviction-path oracle test) ----------------------
+# -- masked attention: sgl_kvevict.tools.oracle (shared with the eviction-path oracle test) ----------------------
 
 
 def cache_from(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:

@@ -71,7 +71,7 @@ def _server_flags(url: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sgl_kvevict.serverproc import Server
+    from sgl_kvevict.serve.serverproc import Server
 
     rows: list[dict[str, Any]] = []
     ident_prompts = _prompts(4, 60)

@@ -29,7 +29,7 @@ same kept sets under the masked evaluation, the project's lagkv, and the variant
 difference (no chunk recursion; kvpress's per-partition count), with the share of the fact's tokens kept.
 
 Options: --ratios 0.5,0.25, --policies knorm,..., --tokens, --filler-turns, --recall-sessions,
---study-tokens, --out DIR (default results/kvpress: table.md and check.json).
+--study-tokens, --out DIR (default results/kvpress-crosscheck: table.md and check.json).
 """
 
 from __future__ import annotations
@@ -52,13 +52,13 @@ from transformers import AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fidelity  # noqa: E402  (the generic operations-log prompt and the masked forwards)
 
-from sgl_kvevict import oracle  # noqa: E402
 from sgl_kvevict import policies as P  # noqa: E402
 from sgl_kvevict.kernels import window_attention  # noqa: E402
 from sgl_kvevict.model import default_model_path  # noqa: E402
 from sgl_kvevict.policies.base import LayerView  # noqa: E402
 from sgl_kvevict.scenarios import recall  # noqa: E402
 from sgl_kvevict.scenarios.base import fill, rng_for  # noqa: E402
+from sgl_kvevict.tools import oracle  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = str(default_model_path())
@@ -310,7 +310,7 @@ def main() -> None:
     ap.add_argument("--recall-sessions", type=int, default=12, help="LagKV recall study (0: skip)")
     ap.add_argument("--study-tokens", type=int, default=1024, help="LagKV recall study: log length")
     ap.add_argument("--skip-table", action="store_true", help="only the LagKV recall study")
-    ap.add_argument("--out", default=str(ROOT / "results/kvpress"))
+    ap.add_argument("--out", default=str(ROOT / "results/kvpress-crosscheck"))
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(2)

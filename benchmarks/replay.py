@@ -15,7 +15,7 @@ Full CPU benchmark (SmolLM2-135M, 2 cores, alone on the machine; about 30-40 min
         --scenarios agent,recall --sessions 4 --turns 4 --concurrency 4 --max-new-tokens 24 \\
         --tool-tokens 300,900 --filler-tokens 200 --max-total-tokens 9000 \\
         --policies none,streaming,knorm,h2o,snapkv,lagkv,d2o,graphkv,criticalkv --budgets 0.5 \\
-        --bench-serving --out results/smollm2-cpu
+        --bench-serving --out results/replay-mixed
 
 Small plumbing check (two policies, one server; ~5 min):
 
@@ -32,7 +32,7 @@ Long sessions, request vs branch scope side by side (`--policies` entries are NA
 
     HF_HUB_OFFLINE=1 OMP_WAIT_POLICY=PASSIVE python benchmarks/replay.py --scenarios long --sessions 2 \\
         --turns 30 --concurrency 2 --max-new-tokens 8 --system-tokens 300 --tool-tokens 50,600 \\
-        --max-total-tokens 20000 --budgets 512 --server-mode shared --out results/long-sessions \\
+        --max-total-tokens 20000 --budgets 512 --server-mode shared --out results/long-sessions-request-scope \\
         --policies none,snapkv@request,snapkv@branch,lagkv@request,lagkv@branch,d2o@branch,snapkv@request=0.5,snapkv@branch=0.5
 
 Every turn records the KV the session holds (`kv_tokens`) and its branch's own part (`branch_kv_tokens`);
@@ -401,7 +401,7 @@ def warmup(url: str, chat: rc.ChatIds, kv: dict | None) -> None:
 
 
 def start_server(cfg: BenchConfig, spec: RunSpec, budget: float | int | None, log: Path) -> Any:
-    from sgl_kvevict.serverproc import Server
+    from sgl_kvevict.serve.serverproc import Server
 
     args = ["--kv-policy", spec.policy, "--max-total-tokens", str(cfg.max_total_tokens), *cfg.server_args]
     if budget is not None:

@@ -32,6 +32,19 @@ API (implemented in the modules below; this list is the contract the policies an
     o_proj: [Hq, D, hidden]; || v_{h_kv} @ o_proj[h_q] ||_1 per token and query head, mean over the group.
     `vo_norms_rows(v, o_proj)`: the same for `[T, Hkv, D]` rows not in the pool (`-> [Hkv, T]`).
 
+- page_summaries(keys, page) -> (kmin, kmax, kmean) each [ceil(e/page), Hkv, D] float32
+    keys: [e, Hkv, D] one layer's host-tier columns; the last page may be partial.
+    `page_summaries_append(kmin, kmax, kmean, n_old, keys_new, page)` extends them when demotion appends
+    columns; `refresh_pages(...)` rewrites the pages a swap changed (torch only).
+- page_scores(q, kmin, kmax, kmean, mode, scale, agg="max") -> [Hkv, p] float32
+    q: [W, Hq, D]. mode "minmax": Quest bound sum_d max(q_d min_d, q_d max_d); "mean": q . kmean; scaled,
+    then max (a sound bound) or sum over the W queries and the G query heads of each KV head.
+    `select_pages(scores, n) -> [Hkv, n]` ascending page ids, `gather_columns(ids, page, n_cols)` -> column
+    ids and validity (torch only, no host sync).
+- host_swap(k_buffers, v_buffers, dev_slots, host_k, host_v, host_cols) -> None   (in place)
+    dev_slots, host_cols: [L, Hkv, r]; host_k/v: [L, cols, Hkv, D]. Exchanges dev[l][slot, h] with
+    host[l, col, h] for K and V. `host_fetch`: the same ids, host to device only.
+
 Every op also exists as `<op>_ref` (torch, fp32 accumulation, bf16 or fp32 buffers) and `<op>_triton`.
 The re-exported functions shadow their modules' names here: reach a module (e.g. to tune a chunk size)
 with `importlib.import_module("sgl_kvevict.kernels.vo_norms")`.
@@ -40,7 +53,27 @@ with `importlib.import_module("sgl_kvevict.kernels.vo_norms")`.
 from .compact import compact, compact_ref, compact_triton
 from .d2o_merge import d2o_merge, d2o_merge_ref, d2o_merge_triton
 from .dispatch import use_triton
+from .host_swap import (
+    host_fetch,
+    host_fetch_ref,
+    host_fetch_triton,
+    host_swap,
+    host_swap_ref,
+    host_swap_triton,
+)
 from .lag_scores import lag_scores, lag_scores_ref, lag_scores_triton
+from .page_scores import (
+    gather_columns,
+    page_scores,
+    page_scores_ref,
+    page_scores_triton,
+    page_summaries,
+    page_summaries_append,
+    page_summaries_ref,
+    page_summaries_triton,
+    refresh_pages,
+    select_pages,
+)
 from .vo_norms import vo_norms, vo_norms_ref, vo_norms_rows, vo_norms_triton
 from .window_attention import window_attention, window_attention_ref, window_attention_triton
 
@@ -51,9 +84,25 @@ __all__ = [
     "d2o_merge",
     "d2o_merge_ref",
     "d2o_merge_triton",
+    "gather_columns",
+    "host_fetch",
+    "host_fetch_ref",
+    "host_fetch_triton",
+    "host_swap",
+    "host_swap_ref",
+    "host_swap_triton",
     "lag_scores",
     "lag_scores_ref",
     "lag_scores_triton",
+    "page_scores",
+    "page_scores_ref",
+    "page_scores_triton",
+    "page_summaries",
+    "page_summaries_append",
+    "page_summaries_ref",
+    "page_summaries_triton",
+    "refresh_pages",
+    "select_pages",
     "use_triton",
     "vo_norms",
     "vo_norms_ref",

@@ -110,7 +110,7 @@ def vo_norms(v_buffer: torch.Tensor, slots: torch.Tensor, o_proj: torch.Tensor) 
 def vo_norms_rows(v: torch.Tensor, o_proj: torch.Tensor) -> torch.Tensor:
     """`[Hkv, T]` norms of value rows not yet in the pool (`v`: `[T, Hkv, D]`, e.g. the rows a forward is
     about to write): the same computation as `vo_norms` over slots holding these rows. No host read and
-    shapes fixed by T, so it can run inside a CUDA graph (`sgl_kvevict.slotstats`)."""
+    shapes fixed by T, so it can run inside a CUDA graph (`sgl_kvevict.cache.slotstats`)."""
     t = v.shape[0]
     if use_triton(v):
         return vo_norms_triton(v, torch.arange(t, device=v.device), o_proj)

@@ -1,6 +1,6 @@
 """The policy contract: what a policy sees, what it decides, and when it runs.
 
-A policy never touches SGLang. The runner (`sgl_kvevict/compressor.py`) hands it a `LayerView` of one
+A policy never touches SGLang. The runner (`sgl_kvevict/cache/compressor.py`) hands it a `LayerView` of one
 request's *compressible region* for one layer: the row slots after the protected (tree-shared) prefix.
 
 Region layout, per KV head, in position order (index 0 = first slot after the protected prefix):

@@ -24,7 +24,7 @@ Readings chosen: alpha = 0.5 (paper text and code; Alg. 1's header says 0.25) = 
   as the only reading; not measured against the per-head form.
 
 ||v W_O||_1 is O(n x Hq x D x hidden) per compression if recomputed (`kernels.vo_norms`). In the server
-it is a per-slot statistic written when the value is written (`sgl_kvevict.slotstats`: one norm per
+it is a per-slot statistic written when the value is written (`sgl_kvevict.cache.slotstats`: one norm per
 token, KV head and layer, computed in the forward pass and moved with its row by every compaction), handed
 to the policy as `view.vo`: every compression, the first included, reads O(n) numbers. Rows whose
 statistic is stale (D2O's merge rewrote the value) or was never written are NaN there and computed here

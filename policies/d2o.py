@@ -17,7 +17,7 @@ Threshold (`threshold`). 'max': per KV head, the step's best similarity as the E
 paper's Eq. 10 as written); 'mean': one scalar per layer, the mean of per-token best similarities (the
 authors' released code).
 
-Defaults are chosen from the recall measurement in the README (merge on/off, both score and threshold
+Defaults are chosen from the recall measurement in docs/benchmarks.md (merge on/off, both score and threshold
 readings, at equal KV): see its D2O section for the numbers and the command.
 
 Recent window: the paper splits the layer budget N:M = 3:1 between heavy hitters and recent tokens.

@@ -40,7 +40,7 @@ where it is what keeps a session under its budget at all.
 
 Ambiguities chosen: sinks 16 by default (the paper's S; kvpress uses 4, the other policies here 4):
 measured a little better on the fidelity benchmark, KL 0.142 vs 0.147 at 50% and 0.63 vs 0.73 at 25%
-(see the README); K and V scores summed with
+(see docs/benchmarks.md); K and V scores summed with
 weight `score_v_ratio` (paper/original code; kvpress averages: same ranking at 1.0); eps 1e-6 in
 max - min; unbiased std; kept indices sorted.
 """
@@ -75,7 +75,7 @@ class LagKVConfig(PolicyConfig):
     ratio_from_budget: bool = Field(
         False,
         description="a ratio budget replaces `ratio` as the per-partition retention (off: r stays `ratio` "
-        "and the budget caps; measured better at equal KV, see the README)",
+        "and the budget caps; measured better at equal KV, see docs/benchmarks.md)",
     )
     score_v_ratio: float = Field(
         1.0, ge=0.0, le=1e3, description="weight of the V score added to the K score"

@@ -2,7 +2,7 @@
 and the last turn asks for it; the answer must contain the exact value.
 
 Calibrated so that SmolLM2-135M-Instruct gets it right with a full cache (19-20/20 offline, see
-results/README.md "Recall calibration"): only then does a miss under compression measure what
+docs/benchmarks.md "Recall calibration"): only then does a miss under compression measure what
 compression costs. What made the difference, measured on 20 chats:
 
 - the plant is one short statement with nothing to do ("Remember this: the vault code is 4817."):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import requests
 
-from sgl_kvevict.serverproc import Server, free_port
+from sgl_kvevict.serve.serverproc import Server, free_port
 
 ROUTER_POLICIES = ("cache_aware", "manual", "round_robin", "random", "power_of_two")
 # A worker busy on a small CPU answers /health slowly; the router's defaults (a few seconds, three

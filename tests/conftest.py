@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from sgl_kvevict.serverproc import Server
+from sgl_kvevict.serve.serverproc import Server
 
 from .helpers import POOL, _server
 

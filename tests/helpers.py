@@ -16,7 +16,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from sgl_kvevict.model import default_model_path
 from sgl_kvevict.scenarios.text import log_text
-from sgl_kvevict.serverproc import Server
+from sgl_kvevict.serve.serverproc import Server
 
 CHECKED_ENV = {
     "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1",

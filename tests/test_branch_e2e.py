@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import sglang as sgl
 
-from sgl_kvevict.serverproc import Server
+from sgl_kvevict.serve.serverproc import Server
 
 from .helpers import CHECKED_ENV, chat_ids, long_text, tokenizer
 

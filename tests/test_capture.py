@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from sgl_kvevict import capture
-from sgl_kvevict.pools import SyncCounter
+from sgl_kvevict.cache import capture
+from sgl_kvevict.tools.pools import SyncCounter
 
 H, D = 2, 3
 ROWS, SLOTS = 8, 4

@@ -67,8 +67,8 @@ def check_in_process(monkeypatch, capsys, args: list[str], model: str = MISSING_
 
     from sglang.srt.server_args import ServerArgs
 
-    from sgl_kvevict import plugin
     from sgl_kvevict.config import ENV_VAR, SETTINGS_ENV_VAR
+    from sgl_kvevict.serve import plugin
 
     monkeypatch.setenv(ENV_VAR, "")  # restored after the test: from_cli_args publishes into os.environ
     monkeypatch.setenv(SETTINGS_ENV_VAR, "")
@@ -245,7 +245,7 @@ def test_unsupported_model_exits_2_before_load(tmp_path: Path):
 
 def test_supported_model_configs_pass_the_check():
     """The refusals do not catch ordinary models (Qwen2-style disabled sliding window, plain Llama)."""
-    from sgl_kvevict import modelcheck
+    from sgl_kvevict.serve import modelcheck
 
     assert modelcheck.refusal(LLAMA) is None
     assert modelcheck.refusal({**LLAMA, "sliding_window": 32768, "use_sliding_window": False}) is None
@@ -268,7 +268,7 @@ def test_supported_model_configs_pass_the_check():
 )
 def test_capture_buffer_only_when_a_request_may_capture(policy: str, overrides: dict, capture: bool) -> None:
     from sgl_kvevict.config import KvConfig, OverridePolicy, ServerSettings
-    from sgl_kvevict.plugin import capture_needed
+    from sgl_kvevict.serve.plugin import capture_needed
 
     cfg = KvConfig.model_validate({"policy": policy, "budget": 0.5})
     settings = ServerSettings(overrides=OverridePolicy(**overrides))

@@ -12,7 +12,7 @@ import pytest
 import requests
 import sglang as sgl
 
-from sgl_kvevict.serverproc import Server
+from sgl_kvevict.serve.serverproc import Server
 
 from .helpers import chat_ids, long_text, not_collapsed, tokenizer
 

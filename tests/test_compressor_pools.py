@@ -19,10 +19,10 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from sgl_kvevict import capture, compressor, runtime
-from sgl_kvevict import state as st
-from sgl_kvevict.pools import runtime_for
-from sgl_kvevict.tree import KvEvictRadixCache, Region, is_compressed
+from sgl_kvevict.cache import capture, compressor, runtime
+from sgl_kvevict.cache import state as st
+from sgl_kvevict.cache.tree import KvEvictRadixCache, Region, is_compressed
+from sgl_kvevict.tools.pools import runtime_for
 
 L, HKV, GROUP, D = 2, 4, 2, 16  # layers, KV heads (2 per rank), query heads per KV head, head dim
 POOL, PROMPT, DECODE = 1024, 160, 40

@@ -90,7 +90,7 @@ def test_bare_one_is_refused_saying_what_to_write(one):
 
 
 def test_equal_budgets_written_differently_are_one_budget():
-    from sgl_kvevict.state import fingerprint
+    from sgl_kvevict.cache.state import fingerprint
 
     prints = set()
     for spelling in ("50%", 0.5, "0.5", {"ratio": 0.5}, '{"ratio": 0.5}'):

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from sgl_kvevict import compressor, engine, engine_lagkv, hooks
-from sgl_kvevict import state as st
-from sgl_kvevict.pools import Pools, SyncCounter
+from sgl_kvevict.cache import compressor, engine, engine_lagkv
+from sgl_kvevict.cache import state as st
+from sgl_kvevict.serve import hooks
+from sgl_kvevict.tools.pools import Pools, SyncCounter
 
 LAYERS, TOKENS = 3, 160
 CONFIGS = {
@@ -240,7 +241,7 @@ def test_batched_lagkv_equals_per_request(key: str, caplog: pytest.LogCaptureFix
 def test_batched_lagkv_layer_chunks(key: str, caplog: pytest.LogCaptureFixture, monkeypatch) -> None:
     """The same with the gathers bounded to one layer at a time (what long regions and large batches
     get): the scores of each layer chunk land in the right place."""
-    from sgl_kvevict import engine_lagkv as el
+    from sgl_kvevict.cache import engine_lagkv as el
 
     monkeypatch.setattr(el, "MAX_GATHER", 1)
     monkeypatch.setattr(el, "MAX_GATHER_CPU", 1)

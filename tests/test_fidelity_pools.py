@@ -17,8 +17,8 @@ import math
 import pytest
 import torch
 
-from sgl_kvevict import compressor
-from sgl_kvevict import state as st
+from sgl_kvevict.cache import compressor
+from sgl_kvevict.cache import state as st
 from tests.test_compressor_pools import DECODE, HKV, PROMPT, Rank, _append, _start, _tree_keys
 
 BETA = 0.7

@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from sgl_kvevict import plugin, policies
+from sgl_kvevict import policies
 from sgl_kvevict.config import MAX_BUDGET_TOKENS, KvConfig, OverridePolicy, ServerSettings, request_override
+from sgl_kvevict.serve import plugin
 
 MB = "x" * (1 << 20)
 MAX_MSG = 2000  # an error message never echoes a megabyte of input

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from sgl_kvevict import oracle
 from sgl_kvevict.model import default_model_path
+from sgl_kvevict.tools import oracle
 
 from .helpers import long_text, tokenizer
 

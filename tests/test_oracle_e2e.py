@@ -2,7 +2,7 @@
 exactly the same kept sets masked at the true positions (fp32 on both sides).
 
 The server (KVEVICT_DEBUG=1) reports, per finished request, the timeline of what every layer / KV head
-held after each admission and compression (`meta_info["kvevict"][0]["kept_timeline"]`). `sgl_kvevict.oracle`
+held after each admission and compression (`meta_info["kvevict"][0]["kept_timeline"]`). `sgl_kvevict.tools.oracle`
 turns it into per-query mask rows and runs HF once per conversation; every output token must be HF's
 argmax, except at near-ties (HF's own top choice beats the server's token by less than TIE_TOL logits),
 which are counted and reported, and the server's log-probability of every output token must equal HF's
@@ -22,14 +22,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from sgl_kvevict import oracle
-from sgl_kvevict.serverproc import Server
+from sgl_kvevict.serve.serverproc import Server
+from sgl_kvevict.tools import oracle
 
 from .helpers import _server, chat_ids, long_text, tokenizer
 
 pytestmark = pytest.mark.server
 
-# Without eviction the server's fp32 log-probabilities match HF's to ~1e-5 (README, "The eviction-path
+# Without eviction the server's fp32 log-probabilities match HF's to ~1e-5 (docs/tests.md, "The eviction-path
 # oracle"): both tolerances leave a 100x margin, and a wrong kept set moves them by far more.
 TIE_TOL = 1e-3  # logits: a flip is a near-tie only if HF's top choice beats the server's by less
 LOGPROB_TOL = 1e-3  # |server - HF| log-probability of every output token

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from sgl_kvevict.serverproc import Server
+from sgl_kvevict.serve.serverproc import Server
 
 from .helpers import POOL, _server, chat_ids, long_text
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from sgl_kvevict.serverproc import Server
+from sgl_kvevict.serve.serverproc import Server
 
 from .helpers import _server, chat_ids, long_text, scheduler_report, speed, watchdog
 

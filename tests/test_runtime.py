@@ -8,7 +8,7 @@ import math
 import torch
 from sglang.srt.layers.radix_attention import RadixAttention
 
-from sgl_kvevict.runtime import attention_scale
+from sgl_kvevict.cache.runtime import attention_scale
 
 
 class TinyModel(torch.nn.Module):
@@ -37,7 +37,7 @@ def test_trim_heap_gives_freed_memory_back():
 
     The live neighbours matter: glibc's free() itself gives back memory at the heap's top, so a test
     that frees everything measures only what happened to sit below some other live block."""
-    from sgl_kvevict.runtime import trim_heap
+    from sgl_kvevict.cache.runtime import trim_heap
 
     trim_heap()  # start from a trimmed heap: earlier tests' free blocks would take these allocations
     blocks = [torch.ones(16 * 1024) for _ in range(4000)]  # 4,000 x 64 KiB = 250 MiB, below mmap's threshold

@@ -17,10 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from sgl_kvevict import plugin
 from sgl_kvevict.cluster import Cluster
 from sgl_kvevict.config import ENV_VAR
-from sgl_kvevict.serverproc import Server
+from sgl_kvevict.serve import plugin
+from sgl_kvevict.serve.serverproc import Server
 
 from .helpers import CHECKED_ENV, long_text, tokenizer
 

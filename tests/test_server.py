@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from sgl_kvevict.model import default_model_path
-from sgl_kvevict.serverproc import Server
+from sgl_kvevict.serve.serverproc import Server
 
 from .helpers import POOL, _server, chat_ids, tokenizer
 

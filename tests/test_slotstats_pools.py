@@ -1,4 +1,4 @@
-"""The per-slot ||v W_O||_1 statistic (`sgl_kvevict.slotstats`) on SGLang's real pools, without a server.
+"""The per-slot ||v W_O||_1 statistic (`sgl_kvevict.cache.slotstats`) on SGLang's real pools, without a server.
 
 Values reach the pool as in a forward pass: the statistic's own hook (`slotstats.before_attention`, with
 SGLang's `ForwardMode`) runs on the values, then they are written. After every compression step (batched
@@ -17,10 +17,11 @@ import pytest
 import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-from sgl_kvevict import compressor, engine, kernels, slotstats
-from sgl_kvevict import state as st
+from sgl_kvevict import kernels
+from sgl_kvevict.cache import compressor, engine, slotstats
+from sgl_kvevict.cache import state as st
 from sgl_kvevict.config import KvConfig, OverridePolicy, ServerSettings
-from sgl_kvevict.pools import Pools, SyncCounter
+from sgl_kvevict.tools.pools import Pools, SyncCounter
 
 from .test_compressor_pools import DECODE, PROMPT, L, Rank, _append, _finish_and_check_no_leak, _kvq, _start
 

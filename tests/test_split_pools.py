@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_kvevict import compressor, engine
-from sgl_kvevict import state as st
-from sgl_kvevict.tree import Region
+from sgl_kvevict.cache import compressor, engine
+from sgl_kvevict.cache import state as st
+from sgl_kvevict.cache.tree import Region
 
 from .test_compressor_pools import (
     DECODE,

@@ -12,7 +12,7 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from sgl_kvevict.tree import KvEvictRadixCache, is_compressed
+from sgl_kvevict.cache.tree import KvEvictRadixCache, is_compressed
 
 POOL = 512
 FP = "fp-a"  # the fingerprint of the config that compressed the history in `build_history`
@@ -160,7 +160,7 @@ def test_uncompressed_copy_wins_for_other_configs_even_when_shorter(tree):
 def branch_req(scope: str = "branch", shared_prefix: int = 0):
     from types import SimpleNamespace
 
-    from sgl_kvevict import state as st
+    from sgl_kvevict.cache import state as st
 
     kv = {"policy": "snapkv", "budget": 8, "config": {"scope": scope, "shared_prefix": shared_prefix}}
     req = SimpleNamespace(rid="r", lock=None, sampling_params=SimpleNamespace(custom_params={"kvevict": kv}))
@@ -249,7 +249,7 @@ def test_kv_events_cover_compressed_nodes_and_add_up_to_slots():
     from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored, KVEventBatch
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
-    from sgl_kvevict.events import event_slots
+    from sgl_kvevict.cache.events import event_slots
 
     t = _events_tree(KvEvictRadixCache)
     _, c_node, _, _ = build_history(t)

@@ -32,8 +32,8 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
-from sgl_kvevict import events
-from sgl_kvevict import state as st
+from sgl_kvevict.cache import events
+from sgl_kvevict.cache import state as st
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -83,7 +83,7 @@ class KvEvictRadixCache(RadixCache):
     def reset(self) -> None:
         """`/flush_cache`: the tree empties, and the C heap's free memory goes back to the OS."""
         super().reset()
-        from sgl_kvevict import runtime
+        from sgl_kvevict.cache import runtime
 
         if runtime.RT is not None and runtime.RT.tree is self:
             runtime.RT.totals.heap_mib_trimmed += runtime.trim_heap()
@@ -286,7 +286,7 @@ class KvEvictRadixCache(RadixCache):
 
     def _path_positions(self, path: list[TreeNode]) -> torch.Tensor | None:
         """Debug: `[L, H, slots]` logical positions held along a matched path (for the test oracle)."""
-        from sgl_kvevict import runtime
+        from sgl_kvevict.cache import runtime
 
         rt = runtime.RT
         if rt is None:
@@ -306,7 +306,7 @@ class KvEvictRadixCache(RadixCache):
         """SHA-1 of the K/V rows of `slots` in every layer (debug: proves a shared prefix is untouched)."""
         import hashlib
 
-        from sgl_kvevict import runtime
+        from sgl_kvevict.cache import runtime
 
         h = hashlib.sha1()
         rt = runtime.RT
@@ -443,7 +443,8 @@ class KvEvictRadixCache(RadixCache):
         req.last_node = node
 
     def on_release(self, req: Req, *, checkpointed: bool) -> None:
-        from sgl_kvevict import capture, hooks
+        from sgl_kvevict.cache import capture
+        from sgl_kvevict.serve import hooks
 
         row = req.kv.req_pool_idx
         if row is not None:
@@ -469,7 +470,7 @@ class KvEvictRadixCache(RadixCache):
 
 def build_tree_cache(ctx: TreeCacheBuildContext) -> KvEvictRadixCache:
     """Factory registered as `--radix-cache-backend kvevict` (chosen automatically by `--kv-policy`)."""
-    from sgl_kvevict import runtime
+    from sgl_kvevict.cache import runtime
 
     params = ctx.params
     if params.page_size != 1:

@@ -39,8 +39,9 @@ from typing import Any
 
 import torch
 
-from sgl_kvevict import capture, kernels, runtime, slotstats
-from sgl_kvevict import state as st
+from sgl_kvevict import kernels
+from sgl_kvevict.cache import capture, runtime, slotstats
+from sgl_kvevict.cache import state as st
 from sgl_kvevict.policies import LayerView, Policy
 from sgl_kvevict.policies.base import Phase
 

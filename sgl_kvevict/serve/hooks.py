@@ -34,8 +34,8 @@ import torch
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sgl_kvevict import capture, compressor, engine, runtime, slotstats
-from sgl_kvevict import state as st
+from sgl_kvevict.cache import capture, compressor, engine, runtime, slotstats
+from sgl_kvevict.cache import state as st
 from sgl_kvevict.config import KvConfig, server_settings
 
 logger = logging.getLogger("sgl_kvevict")

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sgl_kvevict import capture, runtime
-from sgl_kvevict import state as st
-from sgl_kvevict.runtime import Runtime, Totals
+from sgl_kvevict.cache import capture, runtime
+from sgl_kvevict.cache import state as st
+from sgl_kvevict.cache.runtime import Runtime, Totals
 
 # Ops that make the host wait for the device on CUDA: a scalar read (`.item()`, `int(t)`, `bool(t)`,
 # `.any()` in an `if`), or an output whose size depends on the data (`nonzero`, boolean-mask indexing,
@@ -112,7 +112,7 @@ class Pools:
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
-        from sgl_kvevict.tree import KvEvictRadixCache
+        from sgl_kvevict.cache.tree import KvEvictRadixCache
 
         size = max_reqs * max_len
         self.layers, self.kv_heads, self.q_heads, self.head_dim = layers, kv_heads, kv_heads * group, head_dim
@@ -137,7 +137,7 @@ class Pools:
         """A fresh decode batch of `n_reqs` requests, each holding an own region of `n_tokens` slots (the
         previous batch's slots and rings are dropped first). Returns an object with SGLang's
         `ScheduleBatch` fields the compression hook reads (`reqs`, `seq_lens`, `seq_lens_cpu`)."""
-        from sgl_kvevict.tree import Region
+        from sgl_kvevict.cache.tree import Region
 
         runtime.RT = self.rt
         self.alloc.clear()

@@ -117,7 +117,7 @@ class Runtime:
         self.totals = Totals()
         self.metrics = None
         if getattr(ctx.params, "enable_metrics", False):
-            from sgl_kvevict.metrics import Metrics, labels_for
+            from sgl_kvevict.serve.metrics import Metrics, labels_for
 
             self.metrics = Metrics(labels_for(ctx.server_args, int(ctx.tp_rank)))
 
@@ -192,8 +192,9 @@ def trim_heap() -> float:
 
 def attach(cache: Any, ctx: Any) -> None:
     global RT
-    from sgl_kvevict import capture, hooks, modelcheck, slotstats
+    from sgl_kvevict.cache import capture, slotstats
     from sgl_kvevict.config import server_config, server_settings
+    from sgl_kvevict.serve import hooks, modelcheck
 
     hf = ctx.model_config.hf_config
     why = modelcheck.refusal(hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf)))

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sgl_kvevict import ragged, runtime
-from sgl_kvevict.compressor import Job
+from sgl_kvevict.cache import ragged, runtime
+from sgl_kvevict.cache.compressor import Job
 
 # Bound on the gathered K (or V) elements scored at once: the layers are scored in chunks below it. On a
 # CPU, chunks that stay in cache are faster (measured on bench_engine's lagkv at batch 8 and 32: about

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
+from sgl_kvevict.cache.runtime import LazyCount
 from sgl_kvevict.config import KvConfig, request_override, server_config
 from sgl_kvevict.policies import Policy
-from sgl_kvevict.runtime import LazyCount
 
 logger = logging.getLogger("sgl_kvevict")
 ATTR = "_kvevict"

@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from sgl_kvevict import capture, compressor, engine_lagkv, ragged, runtime, slotstats
-from sgl_kvevict import state as st
-from sgl_kvevict.compressor import Job
+from sgl_kvevict.cache import capture, compressor, engine_lagkv, ragged, runtime, slotstats
+from sgl_kvevict.cache import state as st
+from sgl_kvevict.cache.compressor import Job
 from sgl_kvevict.policies.base import Phase
 
 logger = logging.getLogger("sgl_kvevict")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sgl_kvevict import runtime
+from sgl_kvevict.cache import runtime
 from sgl_kvevict.policies import LayerView, Policy, register
 from sgl_kvevict.policies.knorm import KNormPolicy
 

@@ -20,7 +20,7 @@ import sys
 from pydantic import ValidationError
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sgl_kvevict import modelcheck, policies
+from sgl_kvevict import policies
 from sgl_kvevict.config import (
     ENV_VAR,
     MAX_CAPTURE,
@@ -38,6 +38,7 @@ from sgl_kvevict.config import (
     spelling,
 )
 from sgl_kvevict.policies.base import PolicyConfig
+from sgl_kvevict.serve import modelcheck
 
 logger = logging.getLogger("sgl_kvevict")
 BACKEND_NAME = "kvevict"
@@ -401,7 +402,7 @@ def _register_backend() -> None:
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
 
     if get_radix_cache_factory(BACKEND_NAME) is None:
-        from sgl_kvevict.tree import build_tree_cache
+        from sgl_kvevict.cache.tree import build_tree_cache
 
         register_radix_cache_backend(BACKEND_NAME, build_tree_cache)
 
@@ -409,7 +410,7 @@ def _register_backend() -> None:
 def load() -> None:
     """Entry point. Cheap and idempotent; SGLang applies the registered hooks right after."""
     if os.environ.get("KVEVICT_TEST_POLICIES") == "1" and "test_raise" not in policies.REGISTRY:
-        from sgl_kvevict import testing  # noqa: F401
+        from sgl_kvevict.tools import testing  # noqa: F401
     HookRegistry.register(f"{_SERVER_ARGS}.add_cli_args", add_cli_args, HookType.AFTER)
     HookRegistry.register(f"{_SERVER_ARGS}.from_cli_args", from_cli_args, HookType.BEFORE)
     HookRegistry.register(
@@ -419,6 +420,6 @@ def load() -> None:
     _patch_engine()
     cfg = server_config()
     if cfg.active:
-        from sgl_kvevict import hooks
+        from sgl_kvevict.serve import hooks
 
         hooks.install(cfg)

@@ -1,0 +1,199 @@
+"""Batched exchange of device KV entries with host-tier columns (recall by swap), and a fetch-only copy.
+
+For each layer l, KV head h and i < r (K and V alike):
+    dev[l][dev_slots[l, h, i], h]  <->  host[l, host_cols[l, h, i], h]
+`host_swap` exchanges the two rows (the displaced device entry goes to the host column it came from:
+the host keeps the same number of columns, the device row keeps its length); `host_fetch` only copies the
+host row to the device slot (recall into slots the request owns but that hold nothing yet).
+
+Pairs must be distinct within a (layer, head): each program of the Triton kernel reads both rows before
+it writes them, and no other program touches them, so the exchange needs no temporary.
+
+Shapes: device buffers per layer `[slots, Hkv, D]` (SGLang's `k_buffer[l]`), host store `[L, cols, Hkv, D]`,
+ids `[L, Hkv, r]` int64. One launch per layer, no host sync: sizes come from shapes only.
+
+On a GPU the Triton kernel is meant to read and write a pinned host store directly (a pinned tensor's
+pointer is mapped into the device's address space), so the ids chosen on the device never travel to the
+host. That path is not exercised on this CPU-only machine (the interpreter runs both stores on the CPU).
+The torch reference moves ids to each buffer's device, which syncs when the devices differ.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._pool import head_rows, write_head_rows
+from .dispatch import next_pow2, use_triton
+
+
+def _check(
+    k_buffers: list[torch.Tensor], host_k: torch.Tensor, dev_slots: torch.Tensor, host_cols: torch.Tensor
+) -> None:
+    n_layers = len(k_buffers)
+    assert host_k.dim() == 4 and host_k.shape[0] == n_layers, "host store must be [L, cols, Hkv, D]"
+    assert dev_slots.dim() == 3 and dev_slots.shape == host_cols.shape, "ids must both be [L, Hkv, r]"
+    assert dev_slots.shape[0] == n_layers and dev_slots.shape[1] == host_k.shape[2], "ids: wrong L or Hkv"
+
+
+def _exchange_ref(
+    k_buffers: list[torch.Tensor],
+    v_buffers: list[torch.Tensor],
+    dev_slots: torch.Tensor,
+    host_k: torch.Tensor,
+    host_v: torch.Tensor,
+    host_cols: torch.Tensor,
+    swap: bool,
+) -> None:
+    _check(k_buffers, host_k, dev_slots, host_cols)
+    hkv = dev_slots.shape[1]
+    if dev_slots.shape[2] == 0 or not k_buffers:
+        return
+    dev = k_buffers[0].device
+    d_slots = dev_slots.to(dev)
+    h_cols = host_cols.to(host_k.device)
+    d_heads = torch.arange(hkv, device=dev)[:, None]
+    h_heads = torch.arange(hkv, device=host_k.device)[:, None]
+    for layer, (kb, vb) in enumerate(zip(k_buffers, v_buffers, strict=True)):
+        hk = head_rows(host_k[layer], h_cols[layer], h_heads)  # [Hkv, r, D] copies
+        hv = head_rows(host_v[layer], h_cols[layer], h_heads)
+        if swap:
+            dk = head_rows(kb, d_slots[layer], d_heads)
+            dv = head_rows(vb, d_slots[layer], d_heads)
+            write_head_rows(host_k[layer], h_cols[layer], h_heads, dk.to(host_k.device))
+            write_head_rows(host_v[layer], h_cols[layer], h_heads, dv.to(host_v.device))
+        write_head_rows(kb, d_slots[layer], d_heads, hk.to(dev))
+        write_head_rows(vb, d_slots[layer], d_heads, hv.to(dev))
+
+
+def host_swap_ref(
+    k_buffers: list[torch.Tensor],
+    v_buffers: list[torch.Tensor],
+    dev_slots: torch.Tensor,
+    host_k: torch.Tensor,
+    host_v: torch.Tensor,
+    host_cols: torch.Tensor,
+) -> None:
+    """Torch reference: gather both sides (copies), then write both, per layer."""
+    _exchange_ref(k_buffers, v_buffers, dev_slots, host_k, host_v, host_cols, swap=True)
+
+
+def host_fetch_ref(
+    k_buffers: list[torch.Tensor],
+    v_buffers: list[torch.Tensor],
+    dev_slots: torch.Tensor,
+    host_k: torch.Tensor,
+    host_v: torch.Tensor,
+    host_cols: torch.Tensor,
+) -> None:
+    """Torch reference of the copy-only recall: host rows to device slots, the host left as it was."""
+    _exchange_ref(k_buffers, v_buffers, dev_slots, host_k, host_v, host_cols, swap=False)
+
+
+@triton.jit
+def _swap_kernel(
+    k_ptr, v_ptr, hk_ptr, hv_ptr, slot_ptr, col_ptr, R, D,
+    s_s, s_h, hs_c, hs_h,
+    SWAP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """One program per (KV head, block of r): load the device and the host rows, write them crossed."""
+    h = tl.program_id(0)
+    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_r = offs_r < R
+    m2 = mask_r[:, None] & (offs_d < D)[None, :]
+    slot = tl.load(slot_ptr + h * R + offs_r, mask=mask_r, other=0)
+    col = tl.load(col_ptr + h * R + offs_r, mask=mask_r, other=0)
+    dptr = slot[:, None] * s_s + h * s_h + offs_d[None, :]
+    hptr = col[:, None] * hs_c + h * hs_h + offs_d[None, :]
+    hk = tl.load(hk_ptr + hptr, mask=m2)
+    hv = tl.load(hv_ptr + hptr, mask=m2)
+    if SWAP:
+        dk = tl.load(k_ptr + dptr, mask=m2)
+        dv = tl.load(v_ptr + dptr, mask=m2)
+        tl.store(hk_ptr + hptr, dk.to(hk.dtype), mask=m2)
+        tl.store(hv_ptr + hptr, dv.to(hv.dtype), mask=m2)
+    tl.store(k_ptr + dptr, hk.to(k_ptr.dtype.element_ty), mask=m2)
+    tl.store(v_ptr + dptr, hv.to(v_ptr.dtype.element_ty), mask=m2)
+
+
+def _exchange_triton(
+    k_buffers: list[torch.Tensor],
+    v_buffers: list[torch.Tensor],
+    dev_slots: torch.Tensor,
+    host_k: torch.Tensor,
+    host_v: torch.Tensor,
+    host_cols: torch.Tensor,
+    swap: bool,
+) -> None:
+    _check(k_buffers, host_k, dev_slots, host_cols)
+    n_layers, hkv, r = dev_slots.shape
+    if r == 0 or not k_buffers:
+        return
+    assert host_k.stride() == host_v.stride() and host_k.stride(3) == 1, "host K/V must share a dense layout"
+    slots = dev_slots.to(device=k_buffers[0].device, dtype=torch.int64).contiguous()
+    cols = host_cols.to(device=k_buffers[0].device, dtype=torch.int64).contiguous()
+    br = 64
+    for layer, (kb, vb) in enumerate(zip(k_buffers, v_buffers, strict=True)):
+        assert kb.stride() == vb.stride() and kb.stride(2) == 1, "device K/V must share a dense layout"
+        d = kb.shape[2]
+        _swap_kernel[(hkv, triton.cdiv(r, br))](
+            kb, vb, host_k[layer], host_v[layer], slots[layer], cols[layer], r, d,
+            kb.stride(0), kb.stride(1), host_k.stride(1), host_k.stride(2),
+            SWAP=swap, BLOCK_R=br, BLOCK_D=next_pow2(d),
+        )  # fmt: skip
+
+
+def host_swap_triton(
+    k_buffers: list[torch.Tensor],
+    v_buffers: list[torch.Tensor],
+    dev_slots: torch.Tensor,
+    host_k: torch.Tensor,
+    host_v: torch.Tensor,
+    host_cols: torch.Tensor,
+) -> None:
+    """Triton version: one launch per layer, K and V together."""
+    _exchange_triton(k_buffers, v_buffers, dev_slots, host_k, host_v, host_cols, swap=True)
+
+
+def host_fetch_triton(
+    k_buffers: list[torch.Tensor],
+    v_buffers: list[torch.Tensor],
+    dev_slots: torch.Tensor,
+    host_k: torch.Tensor,
+    host_v: torch.Tensor,
+    host_cols: torch.Tensor,
+) -> None:
+    """Triton version of the copy-only recall."""
+    _exchange_triton(k_buffers, v_buffers, dev_slots, host_k, host_v, host_cols, swap=False)
+
+
+def host_swap(
+    k_buffers: list[torch.Tensor],
+    v_buffers: list[torch.Tensor],
+    dev_slots: torch.Tensor,
+    host_k: torch.Tensor,
+    host_v: torch.Tensor,
+    host_cols: torch.Tensor,
+) -> None:
+    """Exchange `r` device entries with `r` host columns per (layer, head), in place; see the docstring."""
+    if k_buffers and use_triton(k_buffers[0]):
+        host_swap_triton(k_buffers, v_buffers, dev_slots, host_k, host_v, host_cols)
+    else:
+        host_swap_ref(k_buffers, v_buffers, dev_slots, host_k, host_v, host_cols)
+
+
+def host_fetch(
+    k_buffers: list[torch.Tensor],
+    v_buffers: list[torch.Tensor],
+    dev_slots: torch.Tensor,
+    host_k: torch.Tensor,
+    host_v: torch.Tensor,
+    host_cols: torch.Tensor,
+) -> None:
+    """Copy `r` host columns per (layer, head) into device slots, in place; the host is unchanged."""
+    if k_buffers and use_triton(k_buffers[0]):
+        host_fetch_triton(k_buffers, v_buffers, dev_slots, host_k, host_v, host_cols)
+    else:
+        host_fetch_ref(k_buffers, v_buffers, dev_slots, host_k, host_v, host_cols)

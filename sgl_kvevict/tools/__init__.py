@@ -1,0 +1,1 @@
+"""Developer and test tools: the attention oracle, real-pool fixtures, test-only hooks."""
