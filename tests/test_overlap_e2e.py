@@ -6,6 +6,10 @@ so what this checks is the host side: the same requests, one at a time, compress
 keep the same tokens and answer the same with overlap on (the `kv_server` fixture, SGLang's default) as
 on a second server started with `--disable-overlap-schedule`, including a multi-turn session whose
 next turn starts on the stored compressed history and a request that finishes at its budget.
+
+Compression is compared exactly, down to the positions each layer and KV head keeps (KVEVICT_DEBUG=1
+timelines). Greedy tokens may part only where both servers' top two candidates are within `TIE` of
+each other and swapped: a rounding flip, which the failure message tells apart from a real difference.
 """
 
 from __future__ import annotations
