@@ -78,14 +78,16 @@ class Speed:
     prefill_s: float
     decode_s: float
 
-    def expected(self, prefill_tokens: int, decode_tokens: int) -> float:
-        """Seconds a workload takes if its requests ran one after another: an upper bound, since batching
-        runs many decode steps in one (a retraction's re-prefill goes in `prefill_tokens`)."""
-        return prefill_tokens * self.prefill_s + decode_tokens * self.decode_s
+    def expected(self, prefill_tokens: int, decode_steps: int) -> float:
+        """Seconds a workload should take: every prompt token prefilled, and `decode_steps` scheduler
+        steps (a running batch advances all its requests by one token per step: count the steps of
+        the longest chain of admissions, not tokens). A batch's step costs more than a lone one's:
+        `timeout` leaves room for that."""
+        return prefill_tokens * self.prefill_s + decode_steps * self.decode_s
 
-    def timeout(self, prefill_tokens: int, decode_tokens: int) -> float:
-        """An HTTP timeout for that workload: four times the serial estimate, never under 600 s."""
-        return max(600.0, 4 * self.expected(prefill_tokens, decode_tokens))
+    def timeout(self, prefill_tokens: int, decode_steps: int) -> float:
+        """An HTTP timeout for that workload: eight times the estimate, never under 600 s."""
+        return max(600.0, 8 * self.expected(prefill_tokens, decode_steps))
 
 
 def speed(srv: Server) -> Speed:
