@@ -21,7 +21,7 @@ import requests
 
 from sgl_kvevict.serve.serverproc import Server
 
-from .helpers import _server, chat_ids, long_text
+from .helpers import _server, chat_ids, long_text, scheduler_report, speed, watchdog
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_soak import flush_until_whole, run_soak  # noqa: E402
@@ -71,7 +71,7 @@ def tracebacks(srv: Server) -> list[str]:
     return [b[:400] for b in text.split("Traceback")[1:]]
 
 
-def stream(srv: Server, ids: list[int], kv: dict, rid: str, n: int = 300):
+def stream(srv: Server, ids: list[int], kv: dict, rid: str, n: int = 300, timeout: float = 600):
     body = {
         "rid": rid,
         "input_ids": ids,
@@ -83,7 +83,7 @@ def stream(srv: Server, ids: list[int], kv: dict, rid: str, n: int = 300):
             "custom_params": {"kvevict": kv},
         },
     }
-    return requests.post(srv.url + "/generate", json=body, stream=True, timeout=600)
+    return requests.post(srv.url + "/generate", json=body, stream=True, timeout=timeout)
 
 
 def read_chunks(lines, k: int) -> list[dict]:
@@ -113,12 +113,17 @@ def test_aborts_under_every_policy(small_server: Server):
     }
     results: dict[tuple[str, str], tuple[str, int]] = {}
     lock = threading.Lock()
+    # Timeouts from this server's measured speed (a loaded machine is many times slower than an idle one):
+    # every prompt prefilled; 18 x ~530 tokens do not fit the pool at once, so two waves of 300 steps.
+    work = (sum(len(p) for p in prompt.values()), 2 * 300)
+    rate = speed(small_server)
+    timeout = rate.timeout(*work)
 
     def one(item: tuple[str, str]) -> None:
         policy, how = item
         kv = {"policy": policy} if policy == "none" else {"policy": policy, "budget": 64}
         rid = f"abort-{policy}-{how}"
-        with stream(small_server, prompt[item], kv, rid) as r:
+        with stream(small_server, prompt[item], kv, rid, timeout=timeout) as r:
             assert r.status_code == 200, r.text[:300]
             lines = r.iter_lines()
             got = read_chunks(lines, 3)
@@ -139,7 +144,10 @@ def test_aborts_under_every_policy(small_server: Server):
         with lock:
             results[item] = (outcome, compressions)
 
-    with ThreadPoolExecutor(len(cases)) as ex:
+    with (
+        watchdog(small_server, "aborts", rate.expected(*work)),
+        ThreadPoolExecutor(len(cases)) as ex,
+    ):
         list(ex.map(one, cases))
     assert len(results) == len(cases)
     assert all(results[(p, "endpoint")][0] == "abort" for p in names), results
@@ -148,10 +156,31 @@ def test_aborts_under_every_policy(small_server: Server):
     # Healthy: fresh requests complete and compress.
     for i, p in enumerate(("snapkv", "d2o")):
         ids = chat_ids([{"role": "user", "content": long_text(400, seed=350 + i)}])
-        out = small_server.generate(input_ids=ids, max_new_tokens=8, kv={"policy": p, "budget": 64})
+        out = small_server.generate(
+            input_ids=ids, max_new_tokens=8, kv={"policy": p, "budget": 64}, timeout=timeout
+        )
         assert kvinfo(out)["evicted"] > 0 and not kvinfo(out)["failed"]
     assert whole(small_server)["policy_failures"] == failures0
     assert len(tracebacks(small_server)) == before, tracebacks(small_server)[before:]
+
+
+# ---- the watchdog's report -------------------------------------------------------------------------
+def test_watchdog_report_names_a_running_request(small_server: Server):
+    """What a late request's watchdog prints: the request in the running batch, with its progress and
+    its compression state, and the scheduler's last steps."""
+    whole(small_server)
+    ids = chat_ids([{"role": "user", "content": long_text(300, seed=77)}])
+    rid = "watchdog-probe"
+    with stream(small_server, ids, {"policy": "snapkv", "budget": 64}, rid) as r:
+        assert len(read_chunks(r.iter_lines(), 2)) == 2
+        report = scheduler_report(small_server)
+        requests.post(small_server.url + "/abort_request", json={"rid": rid}, timeout=60)
+    queues = json.loads(report.split("\n", 1)[0])["queues"]
+    mine = [q for q in queues["running"] + queues["waiting"] if q["rid"] == rid]
+    assert len(mine) == 1 and mine[0]["input"] == len(ids) and mine[0]["output"] >= 1, queues
+    assert mine[0]["kvevict"]["policy"] == "snapkv", mine
+    assert "Prefill batch" in report, report
+    whole(small_server)
 
 
 # ---- a policy fault in the middle of a staged compaction ----------------------------------------------
@@ -193,18 +222,26 @@ def test_memory_pressure_every_policy_retracts_and_finishes(small_server: Server
     deferred0 = small_server.server_info()["internal_states"][0]["kvevict"]["compressions_deferred"]
     cases = [(p, j) for p in [*POLICIES, "none"] for j in range(2)]
     seeds = {c: 900 + i for i, c in enumerate(cases)}
+    # Every request prefilled twice (a retraction re-prefills); 18 x ~520 tokens outgrow the pool, so
+    # about three waves of N_NEW steps.
+    work = (2 * len(cases) * (220 + N_NEW), 3 * N_NEW)
+    rate = speed(small_server)
+    timeout = rate.timeout(*work)
 
     def one(item: tuple[str, int]) -> tuple[str, int, dict]:
         policy = item[0]
         kv = {"policy": policy} if policy == "none" else {"policy": policy, "budget": "90%"}
         ids = chat_ids([{"role": "user", "content": long_text(200, seed=seeds[item])}])
         # min_new_tokens, not ignore_eos: SGLang reserves all of an ignore_eos request's tokens at admission
-        out = small_server.generate(input_ids=ids, max_new_tokens=N_NEW, min_new_tokens=N_NEW, kv=kv)
+        out = small_server.generate(
+            input_ids=ids, max_new_tokens=N_NEW, min_new_tokens=N_NEW, kv=kv, timeout=timeout
+        )
         assert len(out["output_ids"]) == N_NEW, policy
         return policy, len(ids), out["meta_info"]
 
-    with ThreadPoolExecutor(len(cases)) as ex:
-        runs = list(ex.map(one, cases))
+    with watchdog(small_server, "memory pressure", rate.expected(*work)):
+        with ThreadPoolExecutor(len(cases)) as ex:
+            runs = list(ex.map(one, cases))
     retracted: dict[str, int] = {}
     for policy, n_ids, meta in runs:
         retracted[policy] = retracted.get(policy, 0) + meta["num_retractions"]

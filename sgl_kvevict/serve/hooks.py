@@ -339,8 +339,58 @@ def internal_state(result, *args, **kwargs):
         }
         if st.DEBUG or os.environ.get("KVEVICT_COUNT_OBJECTS") == "1":  # a soak's leak check (~0.1 s)
             result.internal_state[META_KEY]["python_objects"] = len(gc.get_objects())
+        if st.DEBUG and args:  # the tests' watchdog reads it when a request runs past its expected time
+            result.internal_state[META_KEY]["queues"] = queues(getattr(args[0], "scheduler", None))
         rt.publish_metrics()
     return result
+
+
+def _req_view(req: Any) -> dict[str, Any]:
+    """One request as the scheduler holds it: enough to tell a starved request from a stuck one."""
+    s = st.get(req)
+    kv = getattr(req, "kv", None)
+    view: dict[str, Any] = {
+        "rid": str(req.rid),
+        "input": len(req.origin_input_ids),
+        "output": len(req.output_ids),
+        "max_new": req.sampling_params.max_new_tokens,
+        "finished": req.finished(),
+        "to_finish": repr(req.to_finish) if req.to_finish else None,
+        "retracted": bool(getattr(req, "is_retracted", False)),
+        "retractions": int(getattr(req, "retraction_count", 0)),
+        "kv_committed": int(kv.kv_committed_len) if kv is not None else None,
+        "kv_allocated": int(kv.kv_allocated_len) if kv is not None else None,
+    }
+    if s is not None:
+        view["kvevict"] = {
+            "policy": s.cfg.policy,
+            "pending": s.pending is not None,
+            "deferred": s.deferred,
+            "compressions": s.compressions,
+            "failed": s.failed,
+            "offset": s.offset,
+        }
+    return view
+
+
+def queues(scheduler: Any) -> dict[str, Any] | None:
+    """The scheduler's running batch, waiting queue, chunked request and pending result (KVEVICT_DEBUG=1)."""
+    if scheduler is None:
+        return None
+    out: dict[str, Any] = {"forward_ct": int(getattr(scheduler, "forward_ct", -1))}
+    try:
+        running = getattr(scheduler, "running_batch", None)
+        out["running"] = [_req_view(r) for r in (running.reqs if running is not None else [])]
+        out["waiting"] = [_req_view(r) for r in getattr(scheduler, "waiting_queue", [])]
+        chunked = getattr(scheduler, "chunked_req", None)
+        out["chunked"] = _req_view(chunked) if chunked is not None else None
+        last = getattr(scheduler, "last_batch", None)
+        mode = None if last is None else getattr(last.forward_mode, "name", str(last.forward_mode))
+        out["last_batch"] = None if last is None else {"mode": mode, "size": len(last.reqs)}
+        out["result_queue"] = len(getattr(scheduler, "result_queue", ()) or ())
+    except Exception as e:  # a debug view must never fail the /server_info call
+        out["error"] = repr(e)
+    return out
 
 
 def _guard(fn, kind: HookType):
