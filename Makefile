@@ -22,7 +22,7 @@ serve-cluster:
 ## The whole test suite (unit, integration on SGLang's real pools, end-to-end on the real server).
 test:
 	@PY=$$($(ENV)) && echo "[test] ruff" && $$PY -m ruff check . && $$PY -m ruff format --check . && \
-	  echo "[test] pytest" && $$PY -m sgl_kvevict.model >/dev/null && $$PY -m pytest -v -rs tests
+	  echo "[test] pytest" && $$PY -m sgl_kvevict.model >/dev/null && $$PY -m pytest -v -rs --durations=25 tests
 
 ## Only the tests that need no server.
 test-fast:

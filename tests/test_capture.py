@@ -213,8 +213,21 @@ def test_first_forward_builds_the_store_from_sglangs_pools():
             q = torch.ones(1, H * D, dtype=torch.bfloat16)
             capture.before_attention(Layer(2), q, None, None, Batch([1], [0], None))
         store = capture.STORE
-        assert store is not None and store.buf.shape == (3, 3, 4, H, D) and store.buf.dtype == torch.bfloat16
+        assert store is not None and store.buf.shape == (3, 3, 5, H, D) and store.buf.dtype == torch.bfloat16
         assert store.slot_of_row.shape[0] == r2t.req_to_token.shape[0]
         assert float(store.buf[store.slots].abs().sum()) > 0  # the warm-up's write went to the dummy slot
     finally:
         capture.CONF, capture.STORE = old
+
+
+@pytest.mark.parametrize("window", [1, 4, 32])
+def test_an_in_flight_step_past_the_end_leaves_the_window_whole(window):
+    """Under overlap a finishing request has one more decode step in flight (position `length`): its
+    query must not overwrite the oldest of the `window` queries its last compression reads."""
+    store = new_store(window)
+    assert store.ensure(3, window, 0)
+    length = 3 * window + 2
+    step(store, 2, [(3, 0, length)], False)
+    before = held(store, 3, 0, length)
+    step(store, 2, [(3, length, 1)], True)  # the in-flight step, written before the compression reads
+    assert held(store, 3, 0, length) == before == [3000 + p for p in range(length - window, length)]

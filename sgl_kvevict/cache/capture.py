@@ -11,9 +11,13 @@ the step's data and nothing is read back, so a replayed graph performs the same 
 capture slot (other policies; padded rows of a graph batch, which use row 0, a row SGLang never hands
 to a request) write to the extra dummy slot `slots`, which nobody reads.
 
-The ring invariant: the query of logical position p of a request sits at `[slot, layer, p % window]`
+The ring invariant: the query of logical position p of a request sits at `[slot, layer, p % (window + 1)]`
 (positions are logical: evicted tokens still count, see `hooks.init_new`), so the last `window`
-positions are always the ones present, whatever the mix of prefill chunks and decode steps. The host
+positions are always the ones present, whatever the mix of prefill chunks and decode steps. The ring
+holds one query more than the window: under the overlap scheduler a request that finishes has one more
+decode step in flight, whose query (position `length`) lands before the request's last compression reads
+its window (positions `length - window .. length - 1`); with `window + 1` places it cannot overwrite
+the oldest of them, so overlap on and off score with the same queries. The host
 knows from which position a request's capture started (`Entry.start`), so "is the window full" and
 "in which order are the queries" are host arithmetic on the request's logical length.
 """
@@ -37,6 +41,11 @@ class Entry:
     window: int
     start: int
 
+    @property
+    def ring(self) -> int:
+        """Places in the ring: one more than the window (see the module docstring)."""
+        return self.window + 1
+
 
 class Store:
     """The preallocated capture buffer and the row -> slot map (both on the queries' device)."""
@@ -55,7 +64,7 @@ class Store:
     ) -> None:
         self.window, self.slots, self.start_layer = window, slots, start_layer
         self.heads, self.dim, self.layers = heads, dim, layers
-        self.buf = torch.zeros(slots + 1, layers, window, heads, dim, dtype=dtype, device=device)
+        self.buf = torch.zeros(slots + 1, layers, window + 1, heads, dim, dtype=dtype, device=device)
         self.slot_of_row = torch.full((rows,), slots, dtype=torch.int64, device=device)
         self.win_of_row = torch.ones(rows, dtype=torch.int64, device=device)
         self.free = list(range(slots - 1, -1, -1))
@@ -78,7 +87,7 @@ class Store:
         e = Entry(self.free.pop(), window, start)
         self.entries[row] = e
         self.slot_of_row[row] = e.slot  # a host-to-device write of one element, ordered before the forward
-        self.win_of_row[row] = window
+        self.win_of_row[row] = e.ring
         return True
 
     def drop(self, row: int) -> None:
@@ -102,8 +111,8 @@ class Store:
 
     def order(self, row: int, length: int, n: int) -> list[int]:
         """Buffer indices of the last `n` queries, oldest first (positions length-n .. length-1)."""
-        w = self.entries[row].window
-        return [(length - n + i) % w for i in range(n)]
+        ring = self.entries[row].ring
+        return [(length - n + i) % ring for i in range(n)]
 
     def get(self, row: int, layer: int, length: int) -> torch.Tensor:
         """`[heads, n, dim]`: the last n = `count` queries of one layer, oldest first."""
@@ -134,7 +143,7 @@ class Store:
         e = self.entries[row]
         keep = positions[-e.window :]
         self.buf[e.slot, layer].index_copy_(
-            0, keep.to(torch.int64) % e.window, q[-e.window :].to(self.buf.dtype)
+            0, keep.to(torch.int64) % e.ring, q[-e.window :].to(self.buf.dtype)
         )
 
     def write(self, layer: int, q: torch.Tensor, forward_batch: Any) -> None:
@@ -151,7 +160,7 @@ class Store:
             )
             slot, win = slot[tok], win[tok]
             within = torch.arange(qv.shape[0], device=rows.device) - forward_batch.extend_start_loc[tok]
-            # only a row's last `window` tokens may land: earlier ones share their buffer index
+            # only a row's last `ring` tokens may land: earlier ones share their buffer index
             slot = torch.where(within >= lens[tok] - win, slot, self.slots)
         layer_idx = torch.full_like(slot, layer - self.start_layer)
         self.buf.index_put_((slot, layer_idx, pos.to(torch.int64) % win), qv.to(self.buf.dtype))
