@@ -11,15 +11,14 @@ from __future__ import annotations
 import importlib
 import math
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sgl_kvevict import kernels as K
+
+from .interp import run_triton_tests
 
 # the package re-exports functions named like their modules, so fetch the modules themselves
 d2o_mod = importlib.import_module("sgl_kvevict.kernels.d2o_merge")
@@ -403,22 +402,7 @@ def _tol(dtype: torch.dtype) -> dict[str, float]:
 @pytest.mark.skipif(TRITON_READY, reason="Triton tests already run in this process")
 def test_interpreter_subprocess():
     """Run the `test_triton_*` tests below in a subprocess with TRITON_INTERPRET=1 and SGL_KVEVICT_TRITON=1."""
-    env = dict(os.environ, TRITON_INTERPRET="1", SGL_KVEVICT_TRITON="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-x",
-        "-p",
-        "no:cacheprovider",
-        __file__,
-        "-k",
-        "test_triton_",
-    ]
-    res = subprocess.run(cmd, env=env, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
-    assert " passed" in res.stdout and "skipped" not in res.stdout.splitlines()[-1], res.stdout[-2000:]
+    run_triton_tests(__file__)
 
 
 _FLOAT_ARGS = {"scale", "inv_count", "eps", "norm_eps", "euler", "inv_g"}

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import importlib
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from sgl_kvevict import kernels as K
 from sgl_kvevict.tools.pools import SyncCounter
+
+from .interp import run_triton_tests
 
 ps_mod = importlib.import_module("sgl_kvevict.kernels.page_scores")
 CUDA = torch.cuda.is_available()
@@ -241,22 +240,7 @@ def test_recall_path_has_no_host_sync():
 @pytest.mark.skipif(TRITON_READY, reason="Triton tests already run in this process")
 def test_interpreter_subprocess():
     """Run the `test_triton_*` tests below with TRITON_INTERPRET=1 and SGL_KVEVICT_TRITON=1."""
-    env = dict(os.environ, TRITON_INTERPRET="1", SGL_KVEVICT_TRITON="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-x",
-        "-p",
-        "no:cacheprovider",
-        __file__,
-        "-k",
-        "test_triton_",
-    ]
-    res = subprocess.run(cmd, env=env, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
-    assert " passed" in res.stdout and "skipped" not in res.stdout.splitlines()[-1], res.stdout[-2000:]
+    run_triton_tests(__file__)
 
 
 @triton_only
