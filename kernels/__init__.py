@@ -41,9 +41,10 @@ API (implemented in the modules below; this list is the contract the policies an
     then max (a sound bound) or sum over the W queries and the G query heads of each KV head.
     `select_pages(scores, n) -> [Hkv, n]` ascending page ids, `gather_columns(ids, page, n_cols)` -> column
     ids and validity (torch only, no host sync).
-- host_swap(k_buffers, v_buffers, dev_slots, host_k, host_v, host_cols) -> None   (in place)
+- host_swap(k_buffers, v_buffers, dev_slots, host_k, host_v, host_cols, counts=None) -> None   (in place)
     dev_slots, host_cols: [L, Hkv, r]; host_k/v: [L, cols, Hkv, D]. Exchanges dev[l][slot, h] with
-    host[l, col, h] for K and V. `host_fetch`: the same ids, host to device only.
+    host[l, col, h] for K and V; with counts ([L, Hkv]) only each head's first counts[l, h] pairs.
+    `host_fetch`: the same ids, host to device only.
 
 Every op also exists as `<op>_ref` (torch, fp32 accumulation, bf16 or fp32 buffers) and `<op>_triton`.
 The re-exported functions shadow their modules' names here: reach a module (e.g. to tune a chunk size)

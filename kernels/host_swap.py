@@ -9,6 +9,11 @@ host row to the device slot (recall into slots the request owns but that hold no
 Pairs must be distinct within a (layer, head): each program of the Triton kernel reads both rows before
 it writes them, and no other program touches them, so the exchange needs no temporary.
 
+`counts` (`[L, Hkv]` int64, optional) makes the exchange ragged without a host sync: only the first
+`counts[l, h]` pairs of each (layer, head) move, the rest are left as they are. Recall swaps a different
+number of entries per head (those whose host score beats the displaced one's), so it passes the counts
+and keeps the ids rectangular.
+
 Shapes: device buffers per layer `[slots, Hkv, D]` (SGLang's `k_buffer[l]`), host store `[L, cols, Hkv, D]`,
 ids `[L, Hkv, r]` int64. One launch per layer, no host sync: sizes come from shapes only.
 
@@ -45,6 +50,7 @@ def _exchange_ref(
     host_v: torch.Tensor,
     host_cols: torch.Tensor,
     swap: bool,
+    counts: torch.Tensor | None = None,
 ) -> None:
     _check(k_buffers, host_k, dev_slots, host_cols)
     hkv = dev_slots.shape[1]
@@ -55,16 +61,18 @@ def _exchange_ref(
     h_cols = host_cols.to(host_k.device)
     d_heads = torch.arange(hkv, device=dev)[:, None]
     h_heads = torch.arange(hkv, device=host_k.device)[:, None]
+    moves = None  # [L, Hkv, r, 1] on the device: which pairs move (None: all)
+    if counts is not None:
+        moves = (torch.arange(dev_slots.shape[2], device=dev) < counts.to(dev).unsqueeze(-1)).unsqueeze(-1)
     for layer, (kb, vb) in enumerate(zip(k_buffers, v_buffers, strict=True)):
-        hk = head_rows(host_k[layer], h_cols[layer], h_heads)  # [Hkv, r, D] copies
-        hv = head_rows(host_v[layer], h_cols[layer], h_heads)
-        if swap:
-            dk = head_rows(kb, d_slots[layer], d_heads)
-            dv = head_rows(vb, d_slots[layer], d_heads)
-            write_head_rows(host_k[layer], h_cols[layer], h_heads, dk.to(host_k.device))
-            write_head_rows(host_v[layer], h_cols[layer], h_heads, dv.to(host_v.device))
-        write_head_rows(kb, d_slots[layer], d_heads, hk.to(dev))
-        write_head_rows(vb, d_slots[layer], d_heads, hv.to(dev))
+        for buf, hbuf in ((kb, host_k), (vb, host_v)):
+            h_row = head_rows(hbuf[layer], h_cols[layer], h_heads).to(dev)  # [Hkv, r, D] copies
+            d_row = head_rows(buf, d_slots[layer], d_heads) if swap or moves is not None else None
+            new_d = h_row if moves is None else torch.where(moves[layer], h_row, d_row)
+            if swap:
+                new_h = d_row if moves is None else torch.where(moves[layer], d_row, h_row)
+                write_head_rows(hbuf[layer], h_cols[layer], h_heads, new_h.to(hbuf.device))
+            write_head_rows(buf, d_slots[layer], d_heads, new_d)
 
 
 def host_swap_ref(
@@ -74,9 +82,10 @@ def host_swap_ref(
     host_k: torch.Tensor,
     host_v: torch.Tensor,
     host_cols: torch.Tensor,
+    counts: torch.Tensor | None = None,
 ) -> None:
     """Torch reference: gather both sides (copies), then write both, per layer."""
-    _exchange_ref(k_buffers, v_buffers, dev_slots, host_k, host_v, host_cols, swap=True)
+    _exchange_ref(k_buffers, v_buffers, dev_slots, host_k, host_v, host_cols, True, counts)
 
 
 def host_fetch_ref(
@@ -86,14 +95,15 @@ def host_fetch_ref(
     host_k: torch.Tensor,
     host_v: torch.Tensor,
     host_cols: torch.Tensor,
+    counts: torch.Tensor | None = None,
 ) -> None:
     """Torch reference of the copy-only recall: host rows to device slots, the host left as it was."""
-    _exchange_ref(k_buffers, v_buffers, dev_slots, host_k, host_v, host_cols, swap=False)
+    _exchange_ref(k_buffers, v_buffers, dev_slots, host_k, host_v, host_cols, False, counts)
 
 
 @triton.jit
 def _swap_kernel(
-    k_ptr, v_ptr, hk_ptr, hv_ptr, slot_ptr, col_ptr, R, D,
+    k_ptr, v_ptr, hk_ptr, hv_ptr, slot_ptr, col_ptr, cnt_ptr, R, D,
     s_s, s_h, hs_c, hs_h,
     SWAP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
@@ -101,7 +111,7 @@ def _swap_kernel(
     h = tl.program_id(0)
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_r = offs_r < R
+    mask_r = offs_r < tl.load(cnt_ptr + h)  # counts[l, h] <= R: the pairs of this head that move
     m2 = mask_r[:, None] & (offs_d < D)[None, :]
     slot = tl.load(slot_ptr + h * R + offs_r, mask=mask_r, other=0)
     col = tl.load(col_ptr + h * R + offs_r, mask=mask_r, other=0)
@@ -126,6 +136,7 @@ def _exchange_triton(
     host_v: torch.Tensor,
     host_cols: torch.Tensor,
     swap: bool,
+    counts: torch.Tensor | None = None,
 ) -> None:
     _check(k_buffers, host_k, dev_slots, host_cols)
     n_layers, hkv, r = dev_slots.shape
@@ -134,12 +145,16 @@ def _exchange_triton(
     assert host_k.stride() == host_v.stride() and host_k.stride(3) == 1, "host K/V must share a dense layout"
     slots = dev_slots.to(device=k_buffers[0].device, dtype=torch.int64).contiguous()
     cols = host_cols.to(device=k_buffers[0].device, dtype=torch.int64).contiguous()
+    if counts is None:
+        cnt = torch.full((n_layers, hkv), r, dtype=torch.int64, device=slots.device)
+    else:
+        cnt = counts.to(device=slots.device, dtype=torch.int64).clamp(0, r).contiguous()
     br = 64
     for layer, (kb, vb) in enumerate(zip(k_buffers, v_buffers, strict=True)):
         assert kb.stride() == vb.stride() and kb.stride(2) == 1, "device K/V must share a dense layout"
         d = kb.shape[2]
         _swap_kernel[(hkv, triton.cdiv(r, br))](
-            kb, vb, host_k[layer], host_v[layer], slots[layer], cols[layer], r, d,
+            kb, vb, host_k[layer], host_v[layer], slots[layer], cols[layer], cnt[layer], r, d,
             kb.stride(0), kb.stride(1), host_k.stride(1), host_k.stride(2),
             SWAP=swap, BLOCK_R=br, BLOCK_D=next_pow2(d),
         )  # fmt: skip
@@ -152,9 +167,10 @@ def host_swap_triton(
     host_k: torch.Tensor,
     host_v: torch.Tensor,
     host_cols: torch.Tensor,
+    counts: torch.Tensor | None = None,
 ) -> None:
     """Triton version: one launch per layer, K and V together."""
-    _exchange_triton(k_buffers, v_buffers, dev_slots, host_k, host_v, host_cols, swap=True)
+    _exchange_triton(k_buffers, v_buffers, dev_slots, host_k, host_v, host_cols, True, counts)
 
 
 def host_fetch_triton(
@@ -164,9 +180,10 @@ def host_fetch_triton(
     host_k: torch.Tensor,
     host_v: torch.Tensor,
     host_cols: torch.Tensor,
+    counts: torch.Tensor | None = None,
 ) -> None:
     """Triton version of the copy-only recall."""
-    _exchange_triton(k_buffers, v_buffers, dev_slots, host_k, host_v, host_cols, swap=False)
+    _exchange_triton(k_buffers, v_buffers, dev_slots, host_k, host_v, host_cols, False, counts)
 
 
 def host_swap(
@@ -176,12 +193,13 @@ def host_swap(
     host_k: torch.Tensor,
     host_v: torch.Tensor,
     host_cols: torch.Tensor,
+    counts: torch.Tensor | None = None,
 ) -> None:
     """Exchange `r` device entries with `r` host columns per (layer, head), in place; see the docstring."""
     if k_buffers and use_triton(k_buffers[0]):
-        host_swap_triton(k_buffers, v_buffers, dev_slots, host_k, host_v, host_cols)
+        host_swap_triton(k_buffers, v_buffers, dev_slots, host_k, host_v, host_cols, counts)
     else:
-        host_swap_ref(k_buffers, v_buffers, dev_slots, host_k, host_v, host_cols)
+        host_swap_ref(k_buffers, v_buffers, dev_slots, host_k, host_v, host_cols, counts)
 
 
 def host_fetch(
@@ -191,9 +209,10 @@ def host_fetch(
     host_k: torch.Tensor,
     host_v: torch.Tensor,
     host_cols: torch.Tensor,
+    counts: torch.Tensor | None = None,
 ) -> None:
     """Copy `r` host columns per (layer, head) into device slots, in place; the host is unchanged."""
     if k_buffers and use_triton(k_buffers[0]):
-        host_fetch_triton(k_buffers, v_buffers, dev_slots, host_k, host_v, host_cols)
+        host_fetch_triton(k_buffers, v_buffers, dev_slots, host_k, host_v, host_cols, counts)
     else:
-        host_fetch_ref(k_buffers, v_buffers, dev_slots, host_k, host_v, host_cols)
+        host_fetch_ref(k_buffers, v_buffers, dev_slots, host_k, host_v, host_cols, counts)

@@ -156,10 +156,10 @@ def test_refresh_pages_after_a_change():
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
-def _naive_swap(kb, vb, slots, hk, hv, cols, swap):
+def _naive_swap(kb, vb, slots, hk, hv, cols, swap, counts=None):
     for layer in range(len(kb)):
         for h in range(slots.shape[1]):
-            for i in range(slots.shape[2]):
+            for i in range(slots.shape[2] if counts is None else int(counts[layer, h])):
                 s, c = int(slots[layer, h, i]), int(cols[layer, h, i])
                 for dev, host in ((kb[layer], hk), (vb[layer], hv)):
                     old = dev[s, h].clone()
@@ -200,6 +200,21 @@ def test_host_swap_ref_naive(swap, r):
     if swap and r:  # a second swap with the same ids restores both sides
         K.host_swap_ref(kb, vb, slots, hk, hv, cols)
         assert not torch.equal(kb[0], want[0][0])
+
+
+@pytest.mark.parametrize("swap", [True, False])
+def test_host_swap_counts_move_only_each_heads_first_pairs(swap):
+    """Ragged recall: counts[l, h] pairs move per (layer, head), the others stay where they are."""
+    kb, vb, slots, hk, hv, cols = _swap_case(3, 2, 7, torch.bfloat16, seed=21)
+    counts = torch.tensor([[0, 7], [3, 1], [7, 5]])
+    layer0 = kb[0].clone()
+    want = _clone(kb, vb, hk, hv)
+    _naive_swap(*want[:2], slots, *want[2:], cols, swap, counts)
+    (K.host_swap if swap else K.host_fetch)(kb, vb, slots, hk, hv, cols, counts)
+    for got, exp in zip([*kb, *vb, hk, hv], [*want[0], *want[1], want[2], want[3]], strict=True):
+        assert torch.equal(got, exp)
+    assert torch.equal(kb[0][:, 0], layer0[:, 0])  # counts 0: layer 0, head 0 as it was
+    assert not torch.equal(kb[0][:, 1], layer0[:, 1])
 
 
 def test_host_swap_twice_is_identity():
@@ -272,11 +287,13 @@ def test_triton_page_scores(mode, agg, hq, hkv, w, p):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("swap", [True, False])
 @pytest.mark.parametrize("r", [1, 7, 40])
-def test_triton_host_swap(dtype, swap, r):
+@pytest.mark.parametrize("ragged", [False, True])
+def test_triton_host_swap(dtype, swap, r, ragged):
     kb, vb, slots, hk, hv, cols = _swap_case(2, 3, r, dtype, seed=100 + r)
+    counts = torch.randint(0, r + 1, (2, 3), generator=torch.Generator().manual_seed(r)) if ragged else None
     want = _clone(kb, vb, hk, hv)
-    (K.host_swap_ref if swap else K.host_fetch_ref)(*want[:2], slots, *want[2:], cols)
-    (K.host_swap if swap else K.host_fetch)(kb, vb, slots, hk, hv, cols)  # dispatches to Triton here
+    (K.host_swap_ref if swap else K.host_fetch_ref)(*want[:2], slots, *want[2:], cols, counts)
+    (K.host_swap if swap else K.host_fetch)(kb, vb, slots, hk, hv, cols, counts)  # dispatches to Triton
     for got, exp in zip([*kb, *vb, hk, hv], [*want[0], *want[1], want[2], want[3]], strict=True):
         assert torch.equal(got, exp)
 
@@ -315,7 +332,7 @@ def test_kernel_compiles_for_gpu(kernel, consts, dtype, _):
     for name in fn.arg_names:
         if name in consts:
             sig[name] = "constexpr"
-        elif name in ("slot_ptr", "col_ptr"):
+        elif name in ("slot_ptr", "col_ptr", "cnt_ptr"):
             sig[name] = "*i64"
         elif name in ("min_ptr", "max_ptr", "mean_ptr", "out_ptr"):
             sig[name] = "*fp32"

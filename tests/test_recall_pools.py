@@ -129,7 +129,7 @@ def test_demote_then_recall_keeps_every_entry(pools: Pools, policy: str, path: s
     ks, vs = _held(p, req, s)
     assert torch.allclose(_tags(ks, vs, probe), want, atol=1e-4)  # still nothing lost, nothing duplicated
     assert s.recalled == swapped and s.bytes_moved == swapped * 2 * D * 4 * 2
-    recall.release_request(s)
+    s.drop_host()
     assert host.POOL.n_free == host.POOL.size
 
 

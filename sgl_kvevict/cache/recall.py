@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from sgl_kvevict import kernels as K
 from sgl_kvevict.cache import capture, compressor, demote, host, runtime, slotstats
 from sgl_kvevict.cache import state as st
 
@@ -49,26 +50,22 @@ def safe_recall(req: Any) -> int:
 
 def _scores(
     req: Any, s: st.ReqState, row_slots: torch.Tensor, w: int, length: int
-) -> tuple[torch.Tensor, ...]:
-    """`[L, H, kv_len]` and `[L, H, e]`: window attention of the last `w` queries over the row's keys
-    and the branch's host keys in one softmax (host keys precede every query)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[L, H, kv_len]` and `[L, H, e]`: window attention of the last `w` queries over the branch's host
+    keys and the row's keys in one softmax, the host keys first (they precede every query)."""
     rt, pool = runtime.RT, host.POOL
-    H, D = rt.n_kv_heads, rt.head_dim  # noqa: N806
-    g = rt.n_q_heads // H
     kv_len = int(row_slots.numel())
     cols = s.host.cols.to(pool.k.device)
     e = int(cols.numel())
     dev = row_slots.device
-    qpos = torch.arange(kv_len - w, kv_len, device=dev).view(w, 1)
-    hidden = torch.arange(kv_len, device=dev).view(1, kv_len) > qpos  # [w, kv_len] causal
-    mask = torch.cat([torch.zeros(w, e, dtype=torch.bool, device=dev), hidden], dim=1)
+    every = torch.arange(e + kv_len, device=dev)
     row_out, host_out = [], []
     for layer in range(rt.n_layers):
         q = capture.STORE.get(req.kv.req_pool_idx, layer, length)[:, -w:]  # [Hq, w, D]
-        keys = torch.cat([pool.k[layer].index_select(0, cols).to(dev), rt.k_buffer(layer)[row_slots]])
-        qh = q.float().reshape(H, g, w, D)
-        logits = torch.einsum("hgwd,nhd->hgwn", qh, keys.float()) * rt.scale
-        p = torch.softmax(logits.masked_fill(mask, float("-inf")), dim=-1).mean(dim=(1, 2))  # [H, e+kv]
+        keys = torch.cat(
+            [pool.k[layer].index_select(0, cols).to(dev), rt.k_buffer(layer).index_select(0, row_slots)]
+        )
+        p = K.window_attention(q, keys, every, rt.scale, causal=True)  # [H, e + kv_len]
         host_out.append(p[:, :e])
         row_out.append(p[:, e:])
     return torch.stack(row_out), torch.stack(host_out)
@@ -103,21 +100,9 @@ def recall(req: Any, s: st.ReqState) -> int:
     hs, hidx = host_sc.topk(r, dim=-1)  # [L, H, r] best host entries, best first
     cs, cidx = (-row_sc[..., lo:hi]).topk(r, dim=-1)  # lowest-scored displaceable kept entries
     swap = hs > -cs  # [L, H, r]: the i-th best host entry beats the i-th worst kept one
-    cand = row_slots[lo:hi]
-    H = rt.n_kv_heads  # noqa: N806
-    heads = torch.arange(H, device=row_slots.device).unsqueeze(-1)
-    hcols = s.host.cols.to(pool.k.device)
-    writes = []
-    for layer in range(rt.n_layers):
-        dslot = cand[cidx[layer]]  # [H, r]
-        hcol = hcols[hidx[layer].to(pool.k.device)]
-        m = swap[layer].unsqueeze(-1)
-        vals = []
-        for buf, hbuf in ((rt.k_buffer(layer), pool.k[layer]), (rt.v_buffer(layer), pool.v[layer])):
-            d_old = buf[dslot, heads]  # [H, r, D]
-            h_old = hbuf[hcol, heads.to(hbuf.device)].to(buf.device)
-            vals.append((buf, hbuf, torch.where(m, h_old, d_old), torch.where(m, d_old, h_old)))
-        writes.append((dslot, hcol, vals))
+    counts = swap.sum(-1)  # [L, H]: hs falls and the displaced score rises with i, so swap is a prefix
+    dev_slots = row_slots[lo:hi][cidx]  # [L, H, r]
+    host_cols = s.host.cols.to(pool.k.device)[hidx.to(pool.k.device)]
     pos = None
     if st.DEBUG and s.host.positions is not None:
         pos = demote.positions(s, kv_len).clone()
@@ -127,15 +112,22 @@ def recall(req: Any, s: st.ReqState) -> int:
         sw = swap.cpu()
         pos.scatter_(-1, didx, torch.where(sw, hp, dp))
         hpos.scatter_(-1, hidx.cpu(), torch.where(sw, dp, hp))
-    # commit: plain indexing writes
-    for dslot, hcol, vals in writes:
-        for buf, hbuf, new_d, new_h in vals:
-            buf[dslot, heads] = new_d
-            hbuf[hcol, heads.to(hbuf.device)] = new_h.to(hbuf.device, hbuf.dtype)
+    # commit: one ragged exchange per layer
+    layers = range(rt.n_layers)
+    K.host_swap(
+        [rt.k_buffer(i) for i in layers],
+        [rt.v_buffer(i) for i in layers],
+        dev_slots,
+        pool.k,
+        pool.v,
+        host_cols,
+        counts,
+    )
     if slotstats.STATS is not None:  # a recalled slot's ||v W_O|| is another value's: stale
-        for layer, (dslot, _, _) in enumerate(writes):
-            old = slotstats.STATS[layer][dslot, heads]
-            slotstats.STATS[layer][dslot, heads] = torch.where(swap[layer], float("nan"), old)
+        heads = torch.arange(rt.n_kv_heads, device=dev_slots.device).unsqueeze(-1)
+        for layer in layers:
+            old = slotstats.STATS[layer][dev_slots[layer], heads]
+            slotstats.STATS[layer][dev_slots[layer], heads] = torch.where(swap[layer], float("nan"), old)
     if pos is not None:
         s.host.positions = hpos
         s.debug_event(pos, length)
@@ -149,10 +141,3 @@ def recall(req: Any, s: st.ReqState) -> int:
     tot.bytes_moved += moved
     tot.recalls += 1
     return swapped
-
-
-def release_request(s: st.ReqState | None) -> None:
-    """A finished request's entries that no tree node took (it stored no compressed history)."""
-    if s is not None and s.host is not None:
-        host.release(s.host)
-        s.host = None

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from sgl_kvevict.cache import host as host_tier
 from sgl_kvevict.cache.counts import LazyCount
 from sgl_kvevict.cache.nodes import is_compressed
 from sgl_kvevict.config import KvConfig, request_override, server_config, server_settings
@@ -91,12 +92,17 @@ class ReqState:
     # host tier (recall.py): entries per (layer, head) per request, at most this many per turn
     recall: int = 0
     recall_due: bool = False  # a prefill ran: recall once its compression has committed
-    host: Any = None  # host.HostEntries this request owns
+    host: host_tier.HostEntries | None = None  # the host entries this request owns
     host_src: Any = None  # the adopted compressed node whose entries it takes at its first commit
     host_peak: int = 0
     recalled: int = 0
     bytes_moved: int = 0
     recall_skipped: int = 0
+
+    def drop_host(self) -> None:
+        """Give the request's host entries back to the pool: no stored history took them."""
+        host_tier.release(self.host)
+        self.host = None
 
     @property
     def merged(self) -> int:

@@ -422,8 +422,7 @@ class KvEvictRadixCache(RadixCache):
             cpos = s.debug_positions(kpos + s.comp_slots)[..., kpos:] if st.DEBUG else None
             res = self._insert_compressed(node, rkey(tpos, tpos + s.comp_tokens), cval, priority, s.fp, cpos)
             if res is None:  # a different history with the same tokens is stored: keep it, free ours
-                host.release(s.host)
-                s.host = None
+                s.drop_host()
                 self.relock(req, node, kpos)
                 return
             cnode, dup = res
@@ -529,7 +528,6 @@ class KvEvictRadixCache(RadixCache):
                 self.release_report(req)
             except Exception:
                 logger.exception("kvevict: could not report stats for request %s", req.rid)
-        if s is not None and s.host is not None:  # no stored history took them
-            host.release(s.host)
-            s.host = None
+        if s is not None:  # host entries no stored history took
+            s.drop_host()
         st.drop(req)
