@@ -33,6 +33,10 @@ MAX_STEP_TOKENS = 1 << 24
 MAX_RECALL_TOKENS = 4096  # bound on --kv-recall-tokens and a request's recall_tokens (per layer and head)
 MAX_HOST_TOKENS = 1 << 21  # bound on --kv-host-tokens (host columns)
 DEFAULT_HOST_TOKENS = 16384
+MAX_RECALL_PAGE = 256  # bound on --kv-recall-page (host columns per page)
+MAX_RECALL_EVERY = 4096  # bound on --kv-recall-every (decode steps)
+DEFAULT_RECALL_PAGE = 1
+DEFAULT_RECALL_EVERY = 0
 MAX_CAPTURE = 4096  # bound on --kv-capture-window and --kv-capture-slots (the buffer is their product)
 _BUDGET_FORMS = 'tokens (e.g. 256), a percent of the suffix (e.g. "50%"), or {"tokens": N} / {"ratio": R}'
 _AMBIGUOUS_ONE = (
@@ -290,6 +294,20 @@ class ServerSettings(BaseModel):
         ge=1,
         le=MAX_HOST_TOKENS,
         description="host tier capacity in columns, one evicted entry per layer and KV head each (--kv-host-tokens)",
+    )
+    recall_page: int = Field(
+        DEFAULT_RECALL_PAGE,
+        ge=1,
+        le=MAX_RECALL_PAGE,
+        description="host columns per recall page: an entry is ranked by the best entry of its page, so a "
+        "recall brings an attended token's neighbours with it (--kv-recall-page)",
+    )
+    recall_every: int = Field(
+        DEFAULT_RECALL_EVERY,
+        ge=0,
+        le=MAX_RECALL_EVERY,
+        description="decode steps between recalls with the newest window queries; 0: only at a turn's "
+        "start (--kv-recall-every)",
     )
 
     def to_env(self) -> str:

@@ -151,3 +151,12 @@ def test_host_pool_lru_drops_whole_branches():
 def test_evicted_indices_are_the_complement():
     keep = torch.tensor([[[0, 2, 5]], [[1, 3, 4]]])
     assert demote.evicted_indices(keep, 6).tolist() == [[[1, 3, 4]], [[0, 2, 5]]]
+
+
+def test_page_max_ranks_an_entry_by_its_pages_best():
+    sc = torch.tensor([[[0.1, 0.9, 0.2, 0.3, 0.05, 0.0, 0.4]]])  # one layer, one head, 7 host entries
+    assert torch.equal(recall.page_scores(sc, 1), sc)
+    want = torch.tensor([[[0.9, 0.9, 0.9, 0.3, 0.3, 0.3, 0.4]]])  # pages of 3, the last one partial
+    assert torch.equal(recall.page_scores(sc, 3), want)
+    top = recall.page_scores(sc, 3).topk(3, dim=-1).indices.sort().values
+    assert top.tolist() == [[[0, 1, 2]]]  # the attended entry brings its neighbours

@@ -24,8 +24,22 @@ import torch
 from sgl_kvevict import kernels as K
 from sgl_kvevict.cache import capture, compressor, demote, host, runtime, slotstats
 from sgl_kvevict.cache import state as st
+from sgl_kvevict.config import server_settings
 
 logger = logging.getLogger("sgl_kvevict")
+
+
+def tick(req: Any) -> None:
+    """A decode step of a request with recall on: every `--kv-recall-every` steps its newest window
+    queries recall again (a turn's answer may need what its prompt did not look at)."""
+    s = st.get(req)
+    every = server_settings().recall_every
+    if s is None or not s.recall or not every:
+        return
+    s.recall_steps += 1
+    if s.recall_steps >= every:
+        s.recall_steps = 0
+        s.recall_due = True
 
 
 def due(req: Any) -> bool:
@@ -71,6 +85,17 @@ def _scores(
     return torch.stack(row_out), torch.stack(host_out)
 
 
+def page_scores(sc: torch.Tensor, page: int) -> torch.Tensor:
+    """Each host entry scored by the best entry of its page (`page` consecutive columns of a head)."""
+    if page <= 1:
+        return sc
+    e = sc.shape[-1]
+    n = -(-e // page)
+    padded = torch.nn.functional.pad(sc, (0, n * page - e), value=float("-inf"))
+    best = padded.view(*sc.shape[:-1], n, page).amax(-1)
+    return best.repeat_interleave(page, dim=-1)[..., :e]
+
+
 def recall(req: Any, s: st.ReqState) -> int:
     """Swap the best host entries into the lowest-scored displaceable kept slots (see the module)."""
     demote.take(s)
@@ -97,7 +122,9 @@ def recall(req: Any, s: st.ReqState) -> int:
     row_slots = rt.req_to_token[kv.req_pool_idx, :kv_len].to(torch.int64)
     # plan: scores, pairs and every new value, nothing written
     row_sc, host_sc = _scores(req, s, row_slots, w, length)
-    hs, hidx = host_sc.topk(r, dim=-1)  # [L, H, r] best host entries, best first
+    hs, hidx = page_scores(host_sc, server_settings().recall_page).topk(
+        r, dim=-1
+    )  # [L, H, r] best host entries, best first
     cs, cidx = (-row_sc[..., lo:hi]).topk(r, dim=-1)  # lowest-scored displaceable kept entries
     swap = hs > -cs  # [L, H, r]: the i-th best host entry beats the i-th worst kept one
     counts = swap.sum(-1)  # [L, H]: hs falls and the displaced score rises with i, so swap is a prefix

@@ -98,6 +98,7 @@ class ReqState:
     recalled: int = 0
     bytes_moved: int = 0
     recall_skipped: int = 0
+    recall_steps: int = 0
 
     def drop_host(self) -> None:
         """Give the request's host entries back to the pool: no stored history took them."""

@@ -135,7 +135,9 @@ def _compress_batch(batch) -> None:
     t0 = time.perf_counter()
     with compressor.one_thread():
         freed = engine.compress_batch(items, cap)
-        for r in reqs:  # a turn's recall, once its prefill compression has committed
+        for r, (_, phase) in zip(reqs, items, strict=True):  # after this step's compressions committed
+            if phase == "decode":
+                recall.tick(r)
             if recall.due(r):
                 recall.safe_recall(r)
     rt.totals.step_seconds_max = max(rt.totals.step_seconds_max, time.perf_counter() - t0)

@@ -22,9 +22,13 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from sgl_kvevict import policies
 from sgl_kvevict.config import (
+    DEFAULT_RECALL_EVERY,
+    DEFAULT_RECALL_PAGE,
     ENV_VAR,
     MAX_CAPTURE,
     MAX_HOST_TOKENS,
+    MAX_RECALL_EVERY,
+    MAX_RECALL_PAGE,
     MAX_RECALL_TOKENS,
     MAX_STEP_TOKENS,
     REQUEST_KEY,
@@ -163,6 +167,21 @@ def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
         help="host tier capacity in columns (one evicted entry per layer and KV head each; default "
         "16384, needs --kv-recall-tokens); branches are dropped least-recently-used beyond it",
     )
+    group.add_argument(
+        "--kv-recall-page",
+        type=_page_arg,
+        default=None,
+        help="host columns per recall page: an entry is ranked by the best entry of its page, so recall "
+        f"brings an attended token's neighbours with it (default {DEFAULT_RECALL_PAGE}; at most "
+        f"{MAX_RECALL_PAGE}; needs --kv-recall-tokens)",
+    )
+    group.add_argument(
+        "--kv-recall-every",
+        type=_every_arg,
+        default=None,
+        help="decode steps between recalls with the newest window queries (default "
+        f"{DEFAULT_RECALL_EVERY}; 0: only at each turn's start; at most {MAX_RECALL_EVERY}; needs --kv-recall-tokens)",
+    )
     return result
 
 
@@ -185,6 +204,8 @@ _capture_arg = _int_arg(MAX_CAPTURE)
 _step_tokens_arg = _int_arg(MAX_STEP_TOKENS, "an integer number of tokens")
 _recall_arg = _int_arg(MAX_RECALL_TOKENS, "an integer number of tokens", lo=0)
 _host_arg = _int_arg(MAX_HOST_TOKENS, "an integer number of columns")
+_page_arg = _int_arg(MAX_RECALL_PAGE, "an integer number of columns")
+_every_arg = _int_arg(MAX_RECALL_EVERY, "an integer number of decode steps", lo=0)
 
 
 _in_engine = False  # set while validating an offline Engine's keyword arguments: errors raise instead
@@ -255,8 +276,15 @@ def _server_settings(ns: argparse.Namespace, model_cfg: dict | None) -> ServerSe
     tokens, ratio = min_budget if min_budget is not None else (None, None)
     recall = getattr(ns, "kv_recall_tokens", None) or 0
     host_tokens = getattr(ns, "kv_host_tokens", None)
-    if host_tokens is not None and not recall:
-        _fail("--kv-host-tokens sizes the host tier, which is on only with --kv-recall-tokens N (N >= 1)")
+    page = getattr(ns, "kv_recall_page", None)
+    every = getattr(ns, "kv_recall_every", None)
+    for flag, val in (
+        ("--kv-host-tokens", host_tokens),
+        ("--kv-recall-page", page),
+        ("--kv-recall-every", every),
+    ):
+        if val is not None and not recall:
+            _fail(f"{flag} shapes the host tier, which is on only with --kv-recall-tokens N (N >= 1)")
     quant = None
     for flag in ("quantization", "modelopt_quant"):
         if getattr(ns, flag, None):
@@ -273,6 +301,8 @@ def _server_settings(ns: argparse.Namespace, model_cfg: dict | None) -> ServerSe
             step_tokens=getattr(ns, "kv_compress_step_tokens", None),
             recall_tokens=recall,
             **({"host_tokens": host_tokens} if host_tokens is not None else {}),
+            **({"recall_page": page} if page is not None else {}),
+            **({"recall_every": every} if every is not None else {}),
         )
     except ValidationError as e:  # the argparse types check first; this is a second line
         err = e.errors()[0]
