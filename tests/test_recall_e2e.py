@@ -166,7 +166,10 @@ def test_bad_request_recall_is_http_400(recall_server: Server, kv: dict, needle:
         (["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-page", "0"], "[1, 256]"),
         (["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-page", "257"], "[1, 256]"),
         (["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-every", "-1"], "[0, 4096]"),
-        (["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-every", "1.5"], "--kv-recall-every"),
+        (
+            ["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-every", "1.5"],
+            "--kv-recall-every",
+        ),
         (["--kv-policy", "snapkv", "--kv-recall-page", "8"], "--kv-recall-tokens"),
         (["--kv-policy", "snapkv", "--kv-recall-every", "4"], "--kv-recall-tokens"),
         (["--kv-recall-tokens", "8"], "--kv-policy"),

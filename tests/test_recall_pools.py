@@ -8,6 +8,7 @@ import torch
 
 from sgl_kvevict.cache import capture, compressor, demote, engine, host, recall
 from sgl_kvevict.cache import state as st
+from sgl_kvevict.config import SETTINGS_ENV_VAR, ServerSettings
 from sgl_kvevict.tools.pools import Pools
 
 L, H, G, D, N, W, R = 3, 2, 2, 16, 160, 16, 6
@@ -68,8 +69,9 @@ def _held(p: Pools, req, s) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return ks, vs
 
 
-def _reference_swaps(p: Pools, req, s) -> list[list[set]]:
-    """Which host columns each (layer, head) should hold on the device after recall, by plain loops."""
+def _reference_swaps(p: Pools, req, s, page: int = 1, w: int = W) -> list[list[set]]:
+    """Which host columns each (layer, head) should hold on the device after recall, by plain loops:
+    the last `w` window queries score, and a host entry ranks by the best score of its page."""
     kv_len = req.kv.kv_committed_len
     slots = p.r2t.req_to_token[0, :kv_len].long()
     n_sink = min(s.policy.config.sinks, s.comp_slots)
@@ -84,12 +86,14 @@ def _reference_swaps(p: Pools, req, s) -> list[list[set]]:
             rk = p.kv.get_key_buffer(ly)[slots, h].float()
             tot = torch.zeros(hk.shape[0] + kv_len)
             for g in range(G):
-                for i in range(W):
+                for i in range(W - w, W):
                     logits = torch.cat([hk, rk]) @ q[h * G + g, i].float() / D**0.5
                     logits[hk.shape[0] + kv_len - W + i + 1 :] = float("-inf")
                     tot += torch.softmax(logits, 0)
             hs, ds = tot[: hk.shape[0]], tot[hk.shape[0] + lo : hk.shape[0] + hi]
-            hbest = hs.argsort(descending=True)[:R].tolist()
+            pm = [float(hs[c - c % page : c - c % page + page].max()) for c in range(hs.numel())]
+            hbest = sorted(range(hs.numel()), key=lambda c: (-pm[c], -float(hs[c])))[:R]
+            hs = torch.tensor(pm)
             dworst = ds.argsort()[:R].tolist()
             per.append({int(s.host.cols[c]) for c, d in zip(hbest, dworst, strict=True) if hs[c] > ds[d]})
         out.append(per)
@@ -98,7 +102,12 @@ def _reference_swaps(p: Pools, req, s) -> list[list[set]]:
 
 @pytest.mark.parametrize("policy", ["streaming", "snapkv", "lagkv"])
 @pytest.mark.parametrize("path", ["batched", "single"])
-def test_demote_then_recall_keeps_every_entry(pools: Pools, policy: str, path: str):
+@pytest.mark.parametrize(("page", "fresh"), [(1, 0), (4, 0), (4, 3)])
+def test_demote_then_recall_keeps_every_entry(
+    pools: Pools, policy: str, path: str, page: int, fresh: int, monkeypatch
+):
+    """`fresh` > 0: a decode-time recall, which scores with the queries of the last `fresh` steps only."""
+    monkeypatch.setenv(SETTINGS_ENV_VAR, ServerSettings(recall_tokens=R, recall_page=page).to_env())
     p = pools
     batch, req, s, heads, orig_k, orig_v = _setup(p, policy)
     probe = torch.randn(D, generator=p.gen)
@@ -113,8 +122,9 @@ def test_demote_then_recall_keeps_every_entry(pools: Pools, policy: str, path: s
     assert s.host.count == freed and host.POOL.n_free == before_free - freed
     ks, vs = _held(p, req, s)
     assert torch.allclose(_tags(ks, vs, probe), want, atol=1e-4)  # nothing lost: device + host = the region
-    expect = _reference_swaps(p, req, s)
+    expect = _reference_swaps(p, req, s, page, fresh or W)
     host_k = [host.POOL.k[ly][s.host.cols].clone() for ly in range(L)]
+    s.recall_steps = fresh
     swapped = recall.recall(req, s)
     assert swapped == sum(len(x) for per in expect for x in per)
     assert swapped > 0
@@ -158,5 +168,6 @@ def test_page_max_ranks_an_entry_by_its_pages_best():
     assert torch.equal(recall.page_scores(sc, 1), sc)
     want = torch.tensor([[[0.9, 0.9, 0.9, 0.3, 0.3, 0.3, 0.4]]])  # pages of 3, the last one partial
     assert torch.equal(recall.page_scores(sc, 3), want)
-    top = recall.page_scores(sc, 3).topk(3, dim=-1).indices.sort().values
-    assert top.tolist() == [[[0, 1, 2]]]  # the attended entry brings its neighbours
+    vals, idx = recall.best_entries(sc, 3, 4)
+    assert idx.tolist() == [[[1, 2, 0, 6]]]  # the attended entry brings its page, best first; then the next
+    assert torch.allclose(vals, torch.tensor([[[0.9, 0.9, 0.9, 0.4]]]))

@@ -38,7 +38,6 @@ def tick(req: Any) -> None:
         return
     s.recall_steps += 1
     if s.recall_steps >= every:
-        s.recall_steps = 0
         s.recall_due = True
 
 
@@ -96,6 +95,16 @@ def page_scores(sc: torch.Tensor, page: int) -> torch.Tensor:
     return best.repeat_interleave(page, dim=-1)[..., :e]
 
 
+def best_entries(sc: torch.Tensor, page: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `r` best host entries per (layer, head), `(page scores, indices)`, best first: by their page's
+    score, then, inside a page, by their own (so a page cut by `r` gives its best entries)."""
+    ranked = page_scores(sc, page)
+    order = sc.argsort(dim=-1, descending=True, stable=True)
+    by_page = ranked.gather(-1, order).argsort(dim=-1, descending=True, stable=True)
+    idx = order.gather(-1, by_page)[..., :r]
+    return ranked.gather(-1, idx), idx
+
+
 def recall(req: Any, s: st.ReqState) -> int:
     """Swap the best host entries into the lowest-scored displaceable kept slots (see the module)."""
     demote.take(s)
@@ -112,7 +121,10 @@ def recall(req: Any, s: st.ReqState) -> int:
     n_sink = max(0, min(s.policy.config.sinks - s.anchor_tokens, s.comp_slots))
     lo, hi = a + n_sink, a + s.comp_slots
     length = s.tokens_for(kv_len)
-    w = min(capture.count(kv.req_pool_idx, length), kv_len - hi)
+    # a turn's start scores with its whole window; a decode-time recall with the queries of the steps
+    # since the last recall only (the answer forming now, not the prompt the turn's start already used)
+    fresh, s.recall_steps = s.recall_steps, 0
+    w = min(capture.count(kv.req_pool_idx, length), kv_len - hi, fresh or kv_len)
     e = s.host.count
     r = min(s.recall, hi - lo, e)
     if r <= 0 or w <= 0:
@@ -120,11 +132,9 @@ def recall(req: Any, s: st.ReqState) -> int:
         return 0
     pool.touch(s.host)
     row_slots = rt.req_to_token[kv.req_pool_idx, :kv_len].to(torch.int64)
-    # plan: scores, pairs and every new value, nothing written
+    # plan: scores and pairs, nothing written
     row_sc, host_sc = _scores(req, s, row_slots, w, length)
-    hs, hidx = page_scores(host_sc, server_settings().recall_page).topk(
-        r, dim=-1
-    )  # [L, H, r] best host entries, best first
+    hs, hidx = best_entries(host_sc, server_settings().recall_page, r)  # [L, H, r], best first
     cs, cidx = (-row_sc[..., lo:hi]).topk(r, dim=-1)  # lowest-scored displaceable kept entries
     swap = hs > -cs  # [L, H, r]: the i-th best host entry beats the i-th worst kept one
     counts = swap.sum(-1)  # [L, H]: hs falls and the displaced score rises with i, so swap is a prefix

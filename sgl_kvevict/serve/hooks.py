@@ -87,6 +87,7 @@ def _after_extend_alloc(reqs: list, offs: list[int]) -> None:
             continue
         s.after_extend = True
         s.recall_due = s.recall > 0
+        s.recall_steps = 0
         needs_window = "attn" in s.policy.needs or s.recall > 0
         if needs_window and not capture.ensure(row, s.policy.config.window, r.prefix_len):
             if "attn" not in s.policy.needs:  # only recall needed the queries: compress without it
