@@ -7,12 +7,13 @@ A request's tokens are addressed by slot ids taken from its `req_to_token` row.
 
 API (implemented in the modules below; this list is the contract the policies and the runner use):
 
-- window_attention(q, k_buffer, slots, scale, causal=False) -> [Hkv, N] float32
+- window_attention(q, k_buffer, slots, scale, causal=False, reduce="mean") -> [Hkv, N] float32
     q: [Hq, W, D] post-RoPE window queries; slots: [N] int64, *all* of the request's tokens.
     softmax(q k^T * scale) per query over the N tokens, mean over the W queries, then mean over the
     G = Hq // Hkv query heads of each KV head (query head h reads KV head h // G). Each row sums to 1.
     causal=True: the queries are the last W tokens (query i at position N - W + i) and do not see
-    later keys, as in the real forward pass (needs W <= N).
+    later keys, as in the real forward pass (needs W <= N). reduce="max": the largest probability over
+    the W queries and the G heads instead of the mean.
 - lag_scores(buf, slots, lag) -> [H, P-1, lag] float32
     slots: [P*lag] (P >= 2); partition p (tokens p*lag..) is min-max normalised per channel with the
     min/max of partition p+1, std over channels (unbiased), softmax over the partition's tokens.

@@ -2,7 +2,9 @@
 
 The decode kernels (FlashInfer, Triton paged attention) never return probabilities, so the policies
 recompute softmax(q k^T) for the last W queries. Output is `[Hkv, N]`: mean over the W queries and over
-the G = Hq // Hkv query heads that share each KV head; every row sums to 1.
+the G = Hq // Hkv query heads that share each KV head; every row sums to 1. `reduce="max"` takes the
+largest probability over them instead (recall: a token any query of the turn leans on is worth bringing
+back, however few the queries).
 """
 
 from __future__ import annotations
@@ -23,7 +25,12 @@ def _check(w: int, n: int, causal: bool) -> None:
 
 
 def window_attention_ref(
-    q: torch.Tensor, k_buffer: torch.Tensor, slots: torch.Tensor, scale: float, causal: bool = False
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+    causal: bool = False,
+    reduce: str = "mean",
 ) -> torch.Tensor:
     """Torch reference (used on CPU in production). q: [Hq, W, D]; k_buffer: [pool, Hkv, D]; slots: [N].
 
@@ -45,7 +52,8 @@ def window_attention_ref(
         if causal:
             future = torch.ones(w, w, dtype=torch.bool, device=k.device).triu_(1)  # [query, key in window]
             logits.view(h1 - h0, g, w, n)[..., n - w :].masked_fill_(future, float("-inf"))
-        out[h0:h1] = torch.softmax(logits, dim=-1).mean(dim=1)
+        p = torch.softmax(logits, dim=-1)
+        out[h0:h1] = p.amax(dim=1) if reduce == "max" else p.mean(dim=1)
     return out
 
 
@@ -95,8 +103,10 @@ def _wa_prob_kernel(
     q_ptr, k_ptr, slots_ptr, lse_ptr, out_ptr, N, W, D, G, scale, inv_count,
     sq_h, sq_w, sk_s, sk_h,
     BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    MAX: tl.constexpr,
 ):  # fmt: skip
-    """Pass 2, one program per (KV head, token block): sum of probabilities over the group's queries."""
+    """Pass 2, one program per (KV head, token block): sum (or max) of probabilities over the group's
+    queries."""
     hkv = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_w = tl.arange(0, BLOCK_W)
@@ -126,12 +136,20 @@ def _wa_prob_kernel(
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= (N - W + offs_w)[:, None])
         p = tl.where(visible, p, 0.0)
-        acc += tl.sum(p, axis=0)
+        if MAX:
+            acc = tl.maximum(acc, tl.max(p, axis=0))
+        else:
+            acc += tl.sum(p, axis=0)
     tl.store(out_ptr + hkv * N + offs_n, acc * inv_count, mask=mask_n)
 
 
 def window_attention_triton(
-    q: torch.Tensor, k_buffer: torch.Tensor, slots: torch.Tensor, scale: float, causal: bool = False
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+    causal: bool = False,
+    reduce: str = "mean",
 ) -> torch.Tensor:
     """Two-pass Triton version (LSE, then probabilities); never materialises [Hq, W, N]."""
     hq, w, d = q.shape
@@ -154,17 +172,23 @@ def window_attention_triton(
         BLOCK_W=bw, BLOCK_N=bn, BLOCK_D=bd, CAUSAL=causal,
     )  # fmt: skip
     _wa_prob_kernel[(hkv, triton.cdiv(n, bn))](
-        q, k_buffer, slots, lse, out, n, w, d, g, float(scale), 1.0 / (g * w),
+        q, k_buffer, slots, lse, out, n, w, d, g, float(scale), 1.0 if reduce == "max" else 1.0 / (g * w),
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
-        BLOCK_W=bw, BLOCK_N=bn, BLOCK_D=bd, CAUSAL=causal,
+        BLOCK_W=bw, BLOCK_N=bn, BLOCK_D=bd, CAUSAL=causal, MAX=reduce == "max",
     )  # fmt: skip
     return out
 
 
 def window_attention(
-    q: torch.Tensor, k_buffer: torch.Tensor, slots: torch.Tensor, scale: float, causal: bool = False
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+    causal: bool = False,
+    reduce: str = "mean",
 ) -> torch.Tensor:
     """`[Hkv, N]` float32 window attention; see the package docstring for the contract."""
+    assert reduce in ("mean", "max"), f"reduce must be mean or max, got {reduce!r}"
     if use_triton(k_buffer):
-        return window_attention_triton(q, k_buffer, slots, scale, causal)
-    return window_attention_ref(q, k_buffer, slots, scale, causal)
+        return window_attention_triton(q, k_buffer, slots, scale, causal, reduce)
+    return window_attention_ref(q, k_buffer, slots, scale, causal, reduce)

@@ -62,7 +62,7 @@ def _rows(buf: torch.Tensor, slots: torch.Tensor, h: int) -> list[list[float]]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _naive_window_attention(q, k_buffer, slots, scale, causal=False):
+def _naive_window_attention(q, k_buffer, slots, scale, causal=False, reduce="mean"):
     hq, w, _ = q.shape
     hkv = k_buffer.shape[1]
     g = hq // hkv
@@ -79,7 +79,10 @@ def _naive_window_attention(q, k_buffer, slots, scale, causal=False):
                 ex = [x if j <= n - w + i else 0.0 for j, x in enumerate(ex)]
             s = sum(ex)
             for j in range(n):
-                out[h // g][j] += ex[j] / s / (g * w)
+                if reduce == "max":
+                    out[h // g][j] = max(out[h // g][j], ex[j] / s)
+                else:
+                    out[h // g][j] += ex[j] / s / (g * w)
     return torch.tensor(out)
 
 
@@ -99,6 +102,9 @@ def test_window_attention_ref_naive(monkeypatch, dtype, hq, hkv, chunked, causal
     want = _naive_window_attention(q, k_buffer, slots, 0.3, causal)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got.sum(-1), torch.ones(hkv), rtol=1e-5, atol=1e-5)
+    most = K.window_attention_ref(q, k_buffer, slots, 0.3, causal=causal, reduce="max")
+    torch.testing.assert_close(most, _naive_window_attention(q, k_buffer, slots, 0.3, causal, "max"))
+    assert (most >= got - 1e-6).all()
 
 
 def test_window_attention_ref_large_n_cpu():
@@ -418,7 +424,16 @@ _INDEX_PTRS = {
 _FP32_PTRS = {"lse_ptr", "out_ptr", "u_ptr"}
 _GPU_KERNELS = [
     ("window_attention", "_wa_lse_kernel", {"BLOCK_W": 32, "BLOCK_N": 64, "BLOCK_D": 64, "CAUSAL": True}),
-    ("window_attention", "_wa_prob_kernel", {"BLOCK_W": 32, "BLOCK_N": 64, "BLOCK_D": 64, "CAUSAL": False}),
+    (
+        "window_attention",
+        "_wa_prob_kernel",
+        {"BLOCK_W": 32, "BLOCK_N": 64, "BLOCK_D": 64, "CAUSAL": False, "MAX": False},
+    ),
+    (
+        "window_attention",
+        "_wa_prob_kernel",
+        {"BLOCK_W": 32, "BLOCK_N": 64, "BLOCK_D": 64, "CAUSAL": True, "MAX": True},
+    ),
     ("lag_scores", "_lag_kernel", {"BLOCK_L": 64, "BLOCK_D": 64}),
     ("compact", "_gather_kernel", {"BLOCK_B": 64, "BLOCK_D": 64}),
     ("compact", "_scatter_kernel", {"BLOCK_B": 64, "BLOCK_D": 64}),
@@ -471,12 +486,13 @@ def test_triton_dispatch_env():
 @pytest.mark.parametrize("hq,hkv", GQA)
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("causal", [False, True])
-def test_triton_window_attention(n, hq, hkv, dtype, causal):
+@pytest.mark.parametrize("reduce", ["mean", "max"])
+def test_triton_window_attention(n, hq, hkv, dtype, causal, reduce):
     d, w = 40, min(n, 5) if n != 129 else 32
     k_buffer, slots = _pool(n, hkv, d, dtype, seed=n)
     q = torch.randn(hq, w, d, generator=torch.Generator().manual_seed(n + 1)).to(dtype).to(DEVICE)
-    got = K.window_attention(q, k_buffer, slots, d**-0.5, causal=causal)  # dispatches to Triton here
-    want = K.window_attention_ref(q, k_buffer, slots, d**-0.5, causal=causal)
+    got = K.window_attention(q, k_buffer, slots, d**-0.5, causal, reduce)  # dispatches to Triton here
+    want = K.window_attention_ref(q, k_buffer, slots, d**-0.5, causal, reduce)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
