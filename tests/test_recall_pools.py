@@ -71,7 +71,8 @@ def _held(p: Pools, req, s) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 def _reference_swaps(p: Pools, req, s, page: int = 1, w: int = W) -> list[list[set]]:
     """Which host columns each (layer, head) should hold on the device after recall, by plain loops:
-    the last `w` window queries score, and a host entry ranks by the best score of its page."""
+    the last `w` window queries score (the largest probability any of them gives), and a host entry ranks
+    by the best score of its page."""
     kv_len = req.kv.kv_committed_len
     slots = p.r2t.req_to_token[0, :kv_len].long()
     n_sink = min(s.policy.config.sinks, s.comp_slots)
@@ -89,7 +90,7 @@ def _reference_swaps(p: Pools, req, s, page: int = 1, w: int = W) -> list[list[s
                 for i in range(W - w, W):
                     logits = torch.cat([hk, rk]) @ q[h * G + g, i].float() / D**0.5
                     logits[hk.shape[0] + kv_len - W + i + 1 :] = float("-inf")
-                    tot += torch.softmax(logits, 0)
+                    tot = torch.maximum(tot, torch.softmax(logits, 0))  # the most any query leans on it
             hs, ds = tot[: hk.shape[0]], tot[hk.shape[0] + lo : hk.shape[0] + hi]
             pm = [float(hs[c - c % page : c - c % page + page].max()) for c in range(hs.numel())]
             hbest = sorted(range(hs.numel()), key=lambda c: (-pm[c], -float(hs[c])))[:R]

@@ -1,15 +1,26 @@
 """Recall: the stage after a policy's selection that makes eviction non-final (`demote.py` keeps what
 a compression evicts on the host tier; this brings back what a new turn needs).
 
-*Recall* (right after the prefill-phase compression of a turn, before its first decode step): the
-turn's captured window queries score the kept history and the branch's host entries together
-(softmax over the row's keys and the host keys, averaged over queries and the query heads of each KV
-head, as the attention policies score), and per layer and KV head the `R` best host entries that beat
-the lowest-scored displaceable kept ones swap places with them, in the request's own slots: the
-displaced entries go to the host in exchange, so the row keeps its length and the request's offset
-does not change. Sinks and the uncompressed tail (the recent window, where the queries sit) are never
-displaced. Shared slots are never written (invariant 1): recall runs only when the compacted history
-is the request's own (after a prefill compression it always is).
+*When*: right after the prefill-phase compression of a turn, before its first decode step; with
+`--kv-recall-every N`, again every N decode steps.
+
+*Scores*: the captured window queries attend over the branch's host keys and the row's keys in one
+softmax; an entry's score is the largest probability any of those queries (and query heads of its KV
+head) gives it: a fact one query of the question leans on is worth bringing back, however many other
+queries ignore it (the mean the policies use dilutes it by the window's length). A turn's start scores
+with its whole window; a decode-time recall with the queries of the steps since the last recall.
+
+*Pages*: a host entry ranks by the best score of its page (`--kv-recall-page` consecutive host columns of
+its head, which hold tokens evicted together, mostly neighbours), so the token a query finds brings its
+neighbours: the query of "the vault code is" finds "code", and the digits come with it.
+
+*Swap*: per layer and KV head, the `R` best-ranked host entries that beat the lowest-scored displaceable
+kept ones swap places with them in the request's own slots (`kernels.host_swap`): the displaced entries
+go to the host in exchange, so the row keeps its length and the request's offset does not change. A
+decode-time recall moves at most one page per step since the last recall. Sinks and the uncompressed
+tail (the recent window, where the queries sit) are never displaced. Shared slots are never written
+(invariant 1): recall runs only when the compacted history is the request's own (after a prefill
+compression it always is).
 
 Every failure here degrades the request's recall only (logged, counted); its compression continues.
 """
@@ -78,7 +89,7 @@ def _scores(
         keys = torch.cat(
             [pool.k[layer].index_select(0, cols).to(dev), rt.k_buffer(layer).index_select(0, row_slots)]
         )
-        p = K.window_attention(q, keys, every, rt.scale, causal=True)  # [H, e + kv_len]
+        p = K.window_attention(q, keys, every, rt.scale, causal=True, reduce="max")  # [H, e + kv_len]
         host_out.append(p[:, :e])
         row_out.append(p[:, e:])
     return torch.stack(row_out), torch.stack(host_out)
@@ -127,6 +138,8 @@ def recall(req: Any, s: st.ReqState) -> int:
     w = min(capture.count(kv.req_pool_idx, length), kv_len - hi, fresh or kv_len)
     e = s.host.count
     r = min(s.recall, hi - lo, e)
+    if fresh:  # during decode: at most one page per step since the last recall (bounds a step's bytes)
+        r = min(r, fresh * server_settings().recall_page)
     if r <= 0 or w <= 0:
         s.recall_skipped += 1
         return 0
