@@ -275,3 +275,41 @@ def plots(runs: list[dict], summaries: list[dict], out: Path) -> list[str]:
     ax.tick_params(axis="x", rotation=45, labelsize=7)
     files.append(_save(fig, ax, out, "throughput.png", "policy@budget", "output tokens/s (whole replay)"))
     return files
+
+
+def recall_markdown(runs: list[dict]) -> str:
+    """Per run, the question turns of a recall scenario: answered, device vs logical KV, the host tier."""
+    head = (
+        "| run | answered | device KV / logical at the question (mean) | host tokens at the question (mean) "
+        "| recalled per turn (mean entries) | bytes moved per turn (mean) |\n|---|---|---|---|---|---|"
+    )
+    rows = [head]
+    for r in runs:
+        q = [t for t in r["turns"] if t.get("expect")]
+        if not q:
+            continue
+        ok = sum(bool(t["correct"]) for t in q)
+        kv, lg = mean([t["kv_tokens"] for t in q]), mean([t["logical_tokens"] for t in q])
+        host = mean([t.get("host_tokens") for t in q])
+        rec = mean([t.get("recalled") for t in r["turns"]])
+        moved = mean([t.get("bytes_moved") for t in r["turns"]])
+        share = f"{kv:.0f} / {lg:.0f} ({100 * kv / lg:.0f}%)" if kv is not None and lg else "-"
+        rows.append(
+            f"| {r['label']} | {ok} of {len(q)} | {share} | {fmt(host, '{:.0f}')} | "
+            f"{fmt(rec, '{:.0f}') if rec else '-'} | {f'{moved / 1e6:.2f} MB' if moved else '-'} |"
+        )
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description="tables from a replay.json")
+    ap.add_argument("replay_json", type=Path)
+    ap.add_argument("--recall", action="store_true", help="the recall scenario's question-turn table")
+    a = ap.parse_args()
+    data = json.loads(a.replay_json.read_text())
+    if not a.recall:
+        ap.error("only --recall is available here; replay.md holds the other tables")
+    print(recall_markdown(data["runs"]))
