@@ -1,0 +1,103 @@
+"""Where a planted fact is at the question: the recall scenario sent turn by turn as raw ids to a live
+server with debug positions on, one server per host-tier setting, and per session the planted value's
+(layer, head, position) entries on the device over the question turn's kept-timeline events, the answer
+and the entries recalled.
+
+    HF_HUB_OFFLINE=1 python benchmarks/recall_probe.py --sessions 8 --variants off,1:0,8:0,8:1,none
+
+A variant is `off` (recall_tokens 0), `none` (the full cache, on its own server so no compressed run
+reuses its stored prefixes) or `PAGE:EVERY` (`--kv-recall-page PAGE --kv-recall-every EVERY`, R =
+`--recall`). The chat format is the raw ChatML of tests/test_recall_e2e.py (system prompt, user turns),
+not the replay client's, so the full cache answers fewer sessions here than in `benchmarks/replay.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from sgl_kvevict.scenarios import recall as rs  # noqa: E402
+from sgl_kvevict.scenarios.base import ScenarioConfig, Session  # noqa: E402
+from sgl_kvevict.serve.serverproc import Server  # noqa: E402
+from tests.helpers import CHECKED_ENV, chat_ids, tokenizer  # noqa: E402
+
+SYSTEM = [{"role": "system", "content": "You are a helpful assistant."}]
+
+
+def user(text: str) -> list[int]:
+    return tokenizer().encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def fact_positions(sess: Session) -> set[int]:
+    first = chat_ids(SYSTEM) + user(sess.turns[0].inputs[0].content)
+    code = tokenizer().encode(" " + sess.turns[-1].expect, add_special_tokens=False)
+    start = next(i for i in range(len(first)) if first[i : i + len(code)] == code)
+    return set(range(start, start + len(code)))
+
+
+def run_session(srv: Server, kv: dict, sess: Session) -> list[dict]:
+    ids = chat_ids(SYSTEM)
+    infos = []
+    for turn in sess.turns:
+        ids = ids + user(turn.inputs[0].content)
+        out = srv.generate(input_ids=ids, max_new_tokens=turn.max_new_tokens or 8, kv=kv)
+        infos.append({**(out["meta_info"].get("kvevict") or [{}])[0], "output_ids": out["output_ids"]})
+        ids = ids + out["output_ids"]
+    return infos
+
+
+def held(info: dict, fact: set[int]) -> list[int]:
+    return [
+        sum(len(fact.intersection(row)) for layer in ev["positions"] for row in layer)
+        for ev in info.get("kept_timeline") or []
+    ]
+
+
+def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the server on the way out
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sessions", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--budget", type=int, default=64)
+    ap.add_argument("--recall", type=int, default=64, help="R, per layer and KV head")
+    ap.add_argument("--policy", default="snapkv")
+    ap.add_argument("--variants", default="off,1:0,8:0,8:1,none")
+    a = ap.parse_args()
+    scenario = rs.build(ScenarioConfig(sessions=a.sessions, turns=a.turns, seed=0, filler_tokens=150))
+    for var in a.variants.split(","):
+        extra = []
+        if var not in ("off", "none"):
+            page, every = var.split(":")
+            extra = [f"--kv-recall-page={page}", f"--kv-recall-every={every}"]
+        args = ["--max-total-tokens", "30000", "--kv-policy", a.policy, "--kv-budget", str(a.budget)]
+        args += ["--kv-policy-config", '{"scope": "branch"}', "--kv-recall-tokens", str(a.recall)]
+        args += ["--kv-host-tokens", "200000", *extra]
+        if var == "none":
+            kv = {"policy": "none"}
+        else:
+            kv = {"policy": a.policy, "budget": a.budget, "config": {"scope": "branch"}}
+            kv["recall_tokens"] = 0 if var == "off" else a.recall
+        with Server(args, env=CHECKED_ENV, timeout=1200) as srv:
+            ok, ends, moved = 0, [], []
+            for sess in scenario.sessions:
+                infos = run_session(srv, kv, sess)
+                q = infos[-1]
+                answer = tokenizer().decode(q["output_ids"])
+                good = rs.correct(answer, sess.turns[-1].expect)
+                ok += good
+                h = held(q, fact_positions(sess)) if var != "none" else []
+                ends.append(h[-1] if h else None)
+                moved.append(sum(i.get("recalled", 0) for i in infos))
+                print(
+                    f"  {var} {sess.id}: correct={good} held={h} answer={answer.strip()[:30]!r}", flush=True
+                )
+            print(
+                f"== {var}: {ok}/{len(scenario.sessions)} answered; held at the end {ends}; recalled/session {moved}"
+            )
+
+
+if __name__ == "__main__":
+    main()
