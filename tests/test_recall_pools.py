@@ -166,9 +166,9 @@ def test_evicted_indices_are_the_complement():
 
 def test_page_max_ranks_an_entry_by_its_pages_best():
     sc = torch.tensor([[[0.1, 0.9, 0.2, 0.3, 0.05, 0.0, 0.4]]])  # one layer, one head, 7 host entries
-    assert torch.equal(recall.page_scores(sc, 1), sc)
+    assert torch.equal(recall.page_best(sc, 1), sc)
     want = torch.tensor([[[0.9, 0.9, 0.9, 0.3, 0.3, 0.3, 0.4]]])  # pages of 3, the last one partial
-    assert torch.equal(recall.page_scores(sc, 3), want)
+    assert torch.equal(recall.page_best(sc, 3), want)
     vals, idx = recall.best_entries(sc, 3, 4)
     assert idx.tolist() == [[[1, 2, 0, 6]]]  # the attended entry brings its page, best first; then the next
     assert torch.allclose(vals, torch.tensor([[[0.9, 0.9, 0.9, 0.4]]]))

@@ -44,8 +44,10 @@ def tick(req: Any) -> None:
     """A decode step of a request with recall on: every `--kv-recall-every` steps its newest window
     queries recall again (a turn's answer may need what its prompt did not look at)."""
     s = st.get(req)
+    if s is None or not s.recall:
+        return
     every = server_settings().recall_every
-    if s is None or not s.recall or not every:
+    if not every:
         return
     s.recall_steps += 1
     if s.recall_steps >= every:
@@ -95,7 +97,7 @@ def _scores(
     return torch.stack(row_out), torch.stack(host_out)
 
 
-def page_scores(sc: torch.Tensor, page: int) -> torch.Tensor:
+def page_best(sc: torch.Tensor, page: int) -> torch.Tensor:
     """Each host entry scored by the best entry of its page (`page` consecutive columns of a head)."""
     if page <= 1:
         return sc
@@ -109,7 +111,7 @@ def page_scores(sc: torch.Tensor, page: int) -> torch.Tensor:
 def best_entries(sc: torch.Tensor, page: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The `r` best host entries per (layer, head), `(page scores, indices)`, best first: by their page's
     score, then, inside a page, by their own (so a page cut by `r` gives its best entries)."""
-    ranked = page_scores(sc, page)
+    ranked = page_best(sc, page)
     order = sc.argsort(dim=-1, descending=True, stable=True)
     by_page = ranked.gather(-1, order).argsort(dim=-1, descending=True, stable=True)
     idx = order.gather(-1, by_page)[..., :r]

@@ -275,16 +275,15 @@ def _server_settings(ns: argparse.Namespace, model_cfg: dict | None) -> ServerSe
         _fail(f"{other} has no effect with --kv-disable-request-override (no override is allowed): drop one")
     tokens, ratio = min_budget if min_budget is not None else (None, None)
     recall = getattr(ns, "kv_recall_tokens", None) or 0
-    host_tokens = getattr(ns, "kv_host_tokens", None)
-    page = getattr(ns, "kv_recall_page", None)
-    every = getattr(ns, "kv_recall_every", None)
-    for flag, val in (
-        ("--kv-host-tokens", host_tokens),
-        ("--kv-recall-page", page),
-        ("--kv-recall-every", every),
-    ):
-        if val is not None and not recall:
+    tier = {}  # the host tier's settings given on the command line (--kv-host-tokens -> host_tokens, ...)
+    for field in ("host_tokens", "recall_page", "recall_every"):
+        val = getattr(ns, f"kv_{field}", None)
+        if val is None:
+            continue
+        if not recall:
+            flag = "--kv-" + field.replace("_", "-")
             _fail(f"{flag} shapes the host tier, which is on only with --kv-recall-tokens N (N >= 1)")
+        tier[field] = val
     quant = None
     for flag in ("quantization", "modelopt_quant"):
         if getattr(ns, flag, None):
@@ -300,9 +299,7 @@ def _server_settings(ns: argparse.Namespace, model_cfg: dict | None) -> ServerSe
             quantization=quant,
             step_tokens=getattr(ns, "kv_compress_step_tokens", None),
             recall_tokens=recall,
-            **({"host_tokens": host_tokens} if host_tokens is not None else {}),
-            **({"recall_page": page} if page is not None else {}),
-            **({"recall_every": every} if every is not None else {}),
+            **tier,
         )
     except ValidationError as e:  # the argparse types check first; this is a second line
         err = e.errors()[0]
