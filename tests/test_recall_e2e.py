@@ -87,6 +87,14 @@ def test_budget_covering_the_context_is_token_identical(recall_server: Server):
     assert all(r["evicted"] == 0 and r["recalled"] == 0 for r in big)
 
 
+def _planted(first_turn: str, value: str) -> set[int]:
+    """Positions of ` value`'s tokens in a session's first turn, as `session` sends it."""
+    first = chat_ids([{"role": "system", "content": "You are a helpful assistant."}]) + _user(first_turn)
+    code = tokenizer().encode(" " + value, add_special_tokens=False)
+    start = next(i for i in range(len(first)) if first[i : i + len(code)] == code)
+    return set(range(start, start + len(code)))
+
+
 def _fact_entries(info: dict, fact_pos: set[int]) -> int:
     """The most (layer, head, planted position) entries held on the device, over the request's events."""
     return max(
@@ -105,10 +113,7 @@ def test_a_short_question_turn_recalls_into_its_own_copy(recall_server: Server):
     question with and without recall (printed; see notes/tier.md for why recall can hold fewer)."""
     kv = {"policy": "lagkv", "budget": BUDGET, "config": {"scope": "branch", "lag": 16}}
     turns = [FACT, *fillers(11), "What is the vault code? Answer with the number only."]
-    first = chat_ids([{"role": "system", "content": "You are a helpful assistant."}]) + _user(FACT)
-    code = tokenizer().encode(" 4817", add_special_tokens=False)
-    start = next(i for i in range(len(first)) if first[i : i + len(code)] == code)
-    fact_pos = set(range(start, start + len(code)))
+    fact_pos = _planted(FACT, "4817")
     on, _ = session(recall_server, kv, turns)
     off, _ = session(recall_server, {**kv, "recall_tokens": 0}, turns)
     q_on, q_off = on[-1], off[-1]
@@ -131,10 +136,7 @@ def test_recall_brings_the_planted_fact_back_to_the_device(recall_server: Server
     asserted: recall did not raise the answer rate in the benchmark."""
     sess = recall_scenario.build(ScenarioConfig(sessions=8, turns=4, seed=0, filler_tokens=150)).sessions[6]
     turns, expect = [t.inputs[0].content for t in sess.turns], sess.turns[-1].expect
-    first = chat_ids([{"role": "system", "content": "You are a helpful assistant."}]) + _user(turns[0])
-    code = tokenizer().encode(" " + expect, add_special_tokens=False)
-    start = next(i for i in range(len(first)) if first[i : i + len(code)] == code)
-    fact_pos = set(range(start, start + len(code)))
+    fact_pos = _planted(turns[0], expect)
     held, answers = {}, {}
     for name, kv in (("off", {**SNAP, "recall_tokens": 0}), ("on", SNAP)):
         recall_server.flush()  # no run starts from another's stored prefix
