@@ -46,7 +46,7 @@ POLICIES: dict[str, dict] = {
     "graphkv": {},
     "criticalkv": {},
 }
-SESSIONS = ["streaming", "snapkv", "lagkv", "d2o", "snapkv-branch"]
+SESSIONS = ["streaming", "snapkv", "lagkv", "d2o", "snapkv-branch", "snapkv-branch-recall"]
 FOLLOW_UPS = ["Which host appears most often?", "And which user restarted a service last?"]
 SUMMARY: dict[str, oracle.TokenCheck] = {}
 
@@ -55,14 +55,19 @@ SUMMARY: dict[str, oracle.TokenCheck] = {}
 VARIANTS: dict[str, tuple[str, dict]] = {
     "d2o-merge": ("d2o", {}),  # merge on: the oracle must notice
     "snapkv-branch": ("snapkv", {"scope": "branch"}),  # earlier turns re-compressed with the new tokens
+    # and evicted entries recalled from the host tier: in each prefill layer by layer, and in every
+    # decode step (the server's `--kv-recall-every 1`); every swap is a timeline event
+    "snapkv-branch-recall": ("snapkv", {"scope": "branch"}),
 }
+RECALL = 16  # entries per layer and KV head a turn may recall (only the `-recall` labels; the rest 0)
 
 
 def kv_override(label: str) -> dict:
     if label == "none":
         return {"policy": "none"}
     policy, cfg = VARIANTS.get(label, (label, POLICIES.get(label, {})))
-    return {"policy": policy, "budget": BUDGET, "config": {"interval": 6, **cfg}}
+    recall = RECALL if label.endswith("-recall") else 0
+    return {"policy": policy, "budget": BUDGET, "config": {"interval": 6, **cfg}, "recall_tokens": recall}
 
 
 def timeline_of(out: dict) -> oracle.Timeline:
@@ -111,6 +116,7 @@ def session(srv: Server, policy: str, seed: int) -> list[oracle.Turn]:
 def oracle_server() -> Iterator[Server]:
     yield from _server(
         ["--max-total-tokens", "16000", "--dtype", "float32", "--kv-policy", "streaming", "--kv-budget", "64"]
+        + ["--kv-recall-tokens", str(RECALL), "--kv-recall-every", "1", "--kv-host-tokens", "8000"]
     )
 
 
@@ -180,10 +186,18 @@ def test_multi_turn_under_eviction_equals_hf(runs, model, policy: str):
         # request scope: the matched history is the tree's, never evicted again (a short new turn
         # may not compress at all); branch scope: it is re-compressed with the new tokens
         history = [sum(1 for x in ev["positions"][0][0] if x < t) for ev in turn.timeline[1:]]
-        if policy.endswith("-branch"):
+        if "-branch" in policy:
             assert history and min(history) < held, (
                 f"branch scope kept the whole history: {held} -> {history}"
             )
+            if policy.endswith("-recall"):  # the prefill brought back entries the admission did not hold
+                at_prefill = [ev for ev in turn.timeline[1:] if int(ev["tokens"]) == t]
+                assert at_prefill and any(
+                    set(p) - set(a)
+                    for ev in at_prefill
+                    for lp, la in zip(ev["positions"], adm["positions"], strict=True)
+                    for p, a in zip(lp, la, strict=True)
+                ), "no entry recalled inside the prefill"
         else:
             assert all(h == held for h in history), (
                 f"request scope evicted from the matched history: {history}"

@@ -310,17 +310,22 @@ def _write(req: Any, s: st.ReqState, plan: Plan, own_start: int, dem: list) -> b
     return True
 
 
-def own_region(req: Any, s: st.ReqState) -> bool:
+def own_region(req: Any, s: st.ReqState, upto: int | None = None) -> bool:
     """Make the request's region its own slots when it still starts in the tree (its prefill
     compression did not fire, e.g. a short question turn): the region is copied, whole, into slots the
     request owns, exactly as a compression that keeps every token would (`_write`); the
-    tree's copy stays as cache. Shared slots are never written. False when it cannot (nothing changed)."""
+    tree's copy stays as cache. Shared slots are never written. False when it cannot (nothing changed).
+
+    `upto`: copy only the row's first `upto` slots (the tree part, before a prefill's forward has written
+    the slots allocated for its new tokens; those stay where they are)."""
     rt, kv, a = runtime.RT, req.kv, s.anchor_kv
     if kv.cache_protected_len <= a:
         return True
     if kv.kv_allocated_len != kv.kv_committed_len or s.pending is not None:
         return False
-    n = int(kv.kv_committed_len) - a
+    n = int(kv.kv_committed_len if upto is None else upto) - a
+    if n <= 0:
+        return True
     slots = rt.req_to_token[kv.req_pool_idx, a : a + n].to(torch.int64)
     keep = torch.arange(n, device=slots.device).view(1, 1, n).expand(rt.n_layers, rt.n_kv_heads, n)
     plan = Plan(

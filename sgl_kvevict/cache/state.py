@@ -99,6 +99,9 @@ class ReqState:
     bytes_moved: int = 0
     recall_skipped: int = 0
     recall_steps: int = 0
+    # a recall swapped entries into the compacted history since it was last formed: it is no longer
+    # the stored node it was adopted from (the tree must not treat it as a duplicate of that node)
+    recalled_into_history: bool = False
 
     def drop_host(self) -> None:
         """Give the request's host entries back to the pool: no stored history took them."""
@@ -131,6 +134,7 @@ class ReqState:
         """A compression kept `k` of the region's `n` slots, its last `tail` kept ones raw (the region's
         newest tokens): the compacted history ends before them."""
         tokens = self.region_tokens(n)
+        self.recalled_into_history = False  # re-formed: its tokens name a new history
         self.comp_slots = k - tail
         self.comp_tokens = tokens - tail
         self.own_evicted += n - k
@@ -236,6 +240,7 @@ def on_match(req: Any, region: Any, prefix_pos: torch.Tensor | None = None) -> R
     s = ensure(req)
     s.anchor, s.anchor_tokens, s.anchor_kv = region.anchor, region.anchor_tokens, region.anchor_kv
     s.own_evicted = s.inherited_evicted = s.comp_slots = s.comp_tokens = 0
+    s.recalled_into_history = False
     s.reused_evicted = region.tokens - region.kv
     s.releasing = False
     s.pending = None  # planned against slots the request no longer holds

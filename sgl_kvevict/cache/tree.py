@@ -417,6 +417,11 @@ class KvEvictRadixCache(RadixCache):
         def rkey(a: int, b: int) -> RadixKey:
             return RadixKey(token_ids[a:b], req.extra_key, cache_salt=req.cache_salt)
 
+        if s.comp_tokens > 0 and s.recalled_into_history:
+            # a recall changed the adopted history in place: the node with its tokens holds what it was
+            # before, so it is no duplicate of this one; the request keeps its own (and its host entries)
+            self.relock(req, node, kpos)
+            return
         if s.comp_tokens > 0:  # (may hold 0 slots: e.g. streaming keeps only the newest tokens)
             cval = row[kpos : kpos + s.comp_slots].to(torch.int64)
             cpos = s.debug_positions(kpos + s.comp_slots)[..., kpos:] if st.DEBUG else None

@@ -12,8 +12,9 @@ Each hook is one of the places where SGLang assumes "one KV slot per token", whi
 - `ForwardBatch.init_new` (AFTER): positions become logical: slot position + evicted tokens.
 - `release_kv_cache` (BEFORE): a last compression when the turn ends, so the stored history is small.
 - `Req.owned_kv_len`, `_release_overallocated_kv_indices` (AROUND): slot counts for compressed requests.
-- `RadixAttention.forward` (BEFORE, two hooks): capture the last W queries for attention-based policies;
-  write the per-slot ||v W_O||_1 statistic of the values being written (`slotstats`, CriticalKV).
+- `RadixAttention.forward` (BEFORE, three hooks): capture the last W queries for attention-based policies;
+  write the per-slot ||v W_O||_1 statistic of the values being written (`slotstats`, CriticalKV); recall
+  host entries inside a prefill, layer by layer (`recall.before_attention`).
 - `Scheduler.get_next_batch_to_run`, `process_batch_result` (AROUND): under the overlap scheduler, a
   step in which a compression is due processes the previous step's results first (overlap off for that
   step only); a finished request gives back the slot of its in-flight last token before its last
@@ -103,6 +104,14 @@ def _after_extend_alloc(reqs: list, offs: list[int]) -> None:
                 capture.STORE.slots if capture.STORE is not None else 0,
                 s.policy.config.window,
             )
+            continue
+        if s.recall_due:
+            try:
+                if recall.arm(r, s):
+                    s.recall_due = False  # it recalls inside its prefill, layer by layer
+            except Exception:
+                recall.ARMED.pop(row, None)
+                logger.exception("kvevict: arming the prefill recall of %s failed; it recalls after", r.rid)
 
 
 def prepare_for_extend(result, batch, *args, **kwargs):
@@ -137,10 +146,7 @@ def _compress_batch(batch) -> None:
     with compressor.one_thread():
         freed = engine.compress_batch(items, cap)
         for r, (_, phase) in zip(reqs, items, strict=True):  # after this step's compressions committed
-            if phase == "decode":
-                recall.tick(r)
-            if recall.due(r):
-                recall.safe_recall(r)
+            recall.after_compress(r, phase == "decode")
     rt.totals.step_seconds_max = max(rt.totals.step_seconds_max, time.perf_counter() - t0)
     if any(freed):
         delta = torch.tensor(freed, dtype=batch.seq_lens_cpu.dtype)
@@ -258,15 +264,16 @@ DRAINED = Drained()
 
 
 def get_next_batch_to_run(original, scheduler, *args, **kwargs):
-    """Overlap off for exactly the steps that compress: when a request of the step whose results are
-    still pending is due to compress (`compressor.due`), process those results first, as the
+    """Overlap off for exactly the steps that compress or recall: when a request of the step whose
+    results are still pending is due to compress (`compressor.due`) or to recall during decode
+    (`recall.due_next_step`), process those results first, as the
     non-overlapped loop does, then prepare the next step. Its compression then sees the same requests
     (finished ones gone) and the same tree (a prefill's prompt inserted, so a shared prefix stays
     uncompressed and reusable) as without overlap; every other step keeps overlapping."""
     q = getattr(scheduler, "result_queue", None)
     if q and runtime.RT is not None and q[0][0] is not DRAINED:
         try:
-            drain = any(compressor.due(r) for r in q[0][0].reqs)
+            drain = any(compressor.due(r) or recall.due_next_step(r) for r in q[0][0].reqs)
         except Exception:
             logger.exception("kvevict: compression check before an overlapped step failed")
             drain = False
@@ -425,6 +432,7 @@ HOOKS: list[tuple[str, Any, HookType]] = [
     ("sglang.srt.mem_cache.common._release_overallocated_kv_indices", release_overallocated, HookType.AROUND),
     ("sglang.srt.layers.radix_attention.RadixAttention.forward", capture.before_attention, HookType.BEFORE),
     ("sglang.srt.layers.radix_attention.RadixAttention.forward", slotstats.before_attention, HookType.BEFORE),
+    ("sglang.srt.layers.radix_attention.RadixAttention.forward", recall.before_attention, HookType.BEFORE),
     ("sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run", get_next_batch_to_run, HookType.AROUND),
     ("sglang.srt.managers.scheduler.Scheduler.process_batch_result", process_batch_result, HookType.AROUND),
     (
