@@ -36,7 +36,7 @@ DEFAULT_HOST_TOKENS = 16384
 MAX_RECALL_PAGE = 256  # bound on --kv-recall-page (host columns per page)
 MAX_RECALL_EVERY = 4096  # bound on --kv-recall-every (decode steps)
 DEFAULT_RECALL_PAGE = 8
-DEFAULT_RECALL_EVERY = 0
+DEFAULT_RECALL_EVERY = 1  # the step's own query finds what the token it produces needs (measured)
 MAX_CAPTURE = 4096  # bound on --kv-capture-window and --kv-capture-slots (the buffer is their product)
 _BUDGET_FORMS = 'tokens (e.g. 256), a percent of the suffix (e.g. "50%"), or {"tokens": N} / {"ratio": R}'
 _AMBIGUOUS_ONE = (
@@ -306,8 +306,8 @@ class ServerSettings(BaseModel):
         DEFAULT_RECALL_EVERY,
         ge=0,
         le=MAX_RECALL_EVERY,
-        description="decode steps between recalls with the newest window queries; 0: only at a turn's "
-        "start (--kv-recall-every)",
+        description="decode steps between recalls, each by its step's own query inside the step's forward; "
+        "0: only in each turn's prefill (--kv-recall-every)",
     )
 
     def to_env(self) -> str:

@@ -1,5 +1,5 @@
 """The host tier on the live server (real model, HTTP, leak checks on): evicted entries are demoted, each
-turn recalls what its window queries need, the host pool's cap drops whole branches, and bad settings
+turn's prefill recalls what its own queries need, the host pool's cap drops whole branches, and bad settings
 are refused (exit 2 / HTTP 400)."""
 
 from __future__ import annotations
@@ -131,8 +131,8 @@ def test_recall_brings_the_planted_fact_back_to_the_device(recall_server: Server
     """A recall-scenario session (a budget planted in turn 1, two filler turns, the question) under
     snapkv, branch scope, 64 tokens (under a third of the context): without recall eviction leaves few
     of the planted value's (layer, head, position) entries on the device at the question; with recall the
-    question's window finds the fact's page on the host and brings more of them back (measured over 8
-    sessions: more in every one, docs/benchmarks.md). Whether the model then answers is printed, not
+    question's prefill queries find the fact's page on the host, layer by layer, and bring more of them
+    back (measured over 8 sessions: more in every one, docs/benchmarks.md). Whether the model then answers is printed, not
     asserted: recall did not raise the answer rate in the benchmark."""
     sess = recall_scenario.build(ScenarioConfig(sessions=8, turns=4, seed=0, filler_tokens=150)).sessions[6]
     turns, expect = [t.inputs[0].content for t in sess.turns], sess.turns[-1].expect

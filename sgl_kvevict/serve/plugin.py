@@ -179,8 +179,9 @@ def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
         "--kv-recall-every",
         type=_every_arg,
         default=None,
-        help="decode steps between recalls with the newest window queries (default "
-        f"{DEFAULT_RECALL_EVERY}; 0: only at each turn's start; at most {MAX_RECALL_EVERY}; needs --kv-recall-tokens)",
+        help="decode steps between recalls, each by its step's own query inside the step's forward (default "
+        f"{DEFAULT_RECALL_EVERY}: every step; 0: only in each turn's prefill; at most {MAX_RECALL_EVERY}; needs "
+        "--kv-recall-tokens)",
     )
     return result
 
