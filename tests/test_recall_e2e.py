@@ -118,6 +118,8 @@ def test_a_short_question_turn_recalls_into_its_own_copy(recall_server: Server):
     off, _ = session(recall_server, {**kv, "recall_tokens": 0}, turns)
     q_on, q_off = on[-1], off[-1]
     assert q_on["host_tokens"] > 0 and q_on["recalled"] > 0, q_on
+    # every later turn reuses the compressed history the turn before stored, recalls and all
+    assert all(r["reused_evicted"] > 0 for r in on[2:]), [r["reused_evicted"] for r in on]
     assert "recalled" not in q_off and q_off["reused_evicted"] > 0
     validate(q_on["kept_timeline"], 30, 3)
     got_on, got_off = _fact_entries(q_on, fact_pos), _fact_entries(q_off, fact_pos)

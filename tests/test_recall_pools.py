@@ -172,3 +172,32 @@ def test_page_max_ranks_an_entry_by_its_pages_best():
     vals, idx = recall.best_entries(sc, 3, 4)
     assert idx.tolist() == [[[1, 2, 0, 6]]]  # the attended entry brings its page, best first; then the next
     assert torch.allclose(vals, torch.tensor([[[0.9, 0.9, 0.9, 0.4]]]))
+
+
+def test_a_failure_inside_recall_changes_nothing(pools: Pools, monkeypatch):
+    """Recall is plan/commit: an exception before its exchange (here inside `kernels.host_swap`) leaves
+    the device row and the host columns as they were, turns recall off for that request only, and is
+    counted; the request keeps its compression."""
+    monkeypatch.setenv(SETTINGS_ENV_VAR, ServerSettings(recall_tokens=R, recall_page=4).to_env())
+    p = pools
+    batch, req, s, heads, orig_k, orig_v = _setup(p, "snapkv")
+    with compressor.one_thread():
+        assert compressor.compress(req, "prefill") > 0
+    kv_len = req.kv.kv_committed_len
+    slots = p.r2t.req_to_token[0, :kv_len].long()
+    dev_before = [p.kv.get_key_buffer(ly)[slots].clone() for ly in range(L)]
+    cols = s.host.cols.clone()
+    host_before = host.POOL.k[:, cols].clone()  # (unused columns hold uninitialised memory)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(recall.K, "host_swap", boom)
+    s.recall_due = True
+    assert recall.safe_recall(req) == 0
+    assert s.recall == 0 and not demote.enabled(s) and host.POOL.totals.recall_failures == 1
+    assert all(torch.equal(p.kv.get_key_buffer(ly)[slots], dev_before[ly]) for ly in range(L))
+    assert torch.equal(s.host.cols, cols) and torch.equal(host.POOL.k[:, cols], host_before)
+    assert s.recalled == 0 and s.bytes_moved == 0 and not s.failed
+    s.drop_host()
+    assert host.POOL.n_free == host.POOL.size

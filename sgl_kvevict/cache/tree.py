@@ -367,6 +367,13 @@ class KvEvictRadixCache(RadixCache):
         return path[: req.prefix_len]
 
     # ---- insert -------------------------------------------------------------------------------------
+    def _stored_history(self, parent: TreeNode, key: RadixKey, fp: str) -> TreeNode | None:
+        """The compressed child of `parent` with exactly these tokens and this fingerprint, if stored."""
+        for c in self._compressed_children(parent, key.child_key(self.page_size)):
+            if c.kvevict_fp == fp and len(c.key) == len(key) and c.key.match(key) == len(key):
+                return c
+        return None
+
     def _insert_compressed(
         self,
         parent: TreeNode,
@@ -378,9 +385,9 @@ class KvEvictRadixCache(RadixCache):
     ) -> tuple[TreeNode, bool] | None:
         """Hang a compressed node of fingerprint `fp` under `parent`. Returns (node, duplicate) or None
         if it cannot go in (the same tokens, same fingerprint, another slot count)."""
-        for c in self._compressed_children(parent, key.child_key(self.page_size)):
-            if c.kvevict_fp == fp and len(c.key) == len(key) and c.key.match(key) == len(key):
-                return (c, True) if len(c.value) == len(value) else None
+        c = self._stored_history(parent, key, fp)
+        if c is not None:
+            return (c, True) if len(c.value) == len(value) else None
         node = TreeNode(priority=priority)
         node.kvevict_compressed = True
         node.kvevict_fp = fp
@@ -417,9 +424,14 @@ class KvEvictRadixCache(RadixCache):
         def rkey(a: int, b: int) -> RadixKey:
             return RadixKey(token_ids[a:b], req.extra_key, cache_salt=req.cache_salt)
 
-        if s.comp_tokens > 0 and s.recalled_into_history:
-            # a recall changed the adopted history in place: the node with its tokens holds what it was
-            # before, so it is no duplicate of this one; the request keeps its own (and its host entries)
+        if (
+            s.comp_tokens > 0
+            and s.recalled_into_history
+            and self._stored_history(node, rkey(tpos, tpos + s.comp_tokens), s.fp) is not None
+        ):
+            # a recall changed the adopted history in place: the node stored with its tokens holds what
+            # it was before, so it is no duplicate of this one; the request keeps its own copy (and its
+            # host entries), and the node stays as it was
             self.relock(req, node, kpos)
             return
         if s.comp_tokens > 0:  # (may hold 0 slots: e.g. streaming keeps only the newest tokens)
