@@ -1,0 +1,131 @@
+"""What recall costs per turn and per decode step as a branch's host history grows: the real recall path
+(`recall.arm` / `recall.after_compress`, then `recall.before_attention` at every layer, as the forward
+calls it) on SGLang's real pools (`sgl_kvevict.tools.pools.Pools`, SmolLM2-135M's shapes: 30 layers, 3
+KV heads, 9 query heads, head dim 64, bf16), no model.
+
+    python benchmarks/recall_cost.py --host 2048,8192,32768
+
+For each host size E: one request whose region of E + budget tokens is compressed to the budget (the
+evicted E entries per layer and head are demoted to the host tier), then
+- a prefill of `--new-tokens` tokens recalls layer by layer (scores: the new tokens' queries over the E
+  host keys and the row's keys, every layer);
+- `--steps` decode steps recall layer by layer, one query each (at most one page per step).
+Printed per host size: seconds per prefill recall (all layers) and per decode step (all layers), the
+entries recalled and the bytes moved (K and V, both directions). On a GPU the host keys would be read
+over PCIe (pinned memory); here both tiers are in RAM, so the bytes are the measure and the seconds are
+this CPU's only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from sgl_kvevict.cache import compressor, host, recall  # noqa: E402
+from sgl_kvevict.cache import state as st  # noqa: E402
+from sgl_kvevict.config import SETTINGS_ENV_VAR, ServerSettings  # noqa: E402
+from sgl_kvevict.tools.pools import Pools  # noqa: E402
+
+LAYERS, KV_HEADS, GROUP, DIM = 30, 3, 3, 64
+
+
+def forward_batch(decode: bool, n_new: int) -> SimpleNamespace:
+    """The fields of SGLang's ForwardBatch that `recall.before_attention` reads, for row 0."""
+    mode = SimpleNamespace(is_decode=lambda: decode, is_extend=lambda: not decode)
+    return SimpleNamespace(
+        forward_mode=mode, req_pool_indices=torch.tensor([0]), extend_seq_lens_cpu=None if decode else [n_new]
+    )
+
+
+def run_layers(p: Pools, fb: SimpleNamespace, n_q: int) -> float:
+    """One forward's recall: the hook at every layer with random queries; seconds."""
+    qs = torch.randn(LAYERS, n_q, p.q_heads * DIM, generator=p.gen).to(torch.bfloat16)
+    t0 = time.perf_counter()
+    for layer in range(LAYERS):
+        recall.before_attention(SimpleNamespace(layer_id=layer), qs[layer], None, None, fb)
+    return time.perf_counter() - t0
+
+
+def measure(e: int, budget: int, r: int, new_tokens: int, steps: int) -> dict:
+    p = Pools(
+        layers=LAYERS, kv_heads=KV_HEADS, group=GROUP, head_dim=DIM, max_reqs=2, max_len=e + budget + 256
+    )
+    host.POOL = host.HostPool(LAYERS, KV_HEADS, DIM, e + 64, torch.bfloat16)
+    batch = p.batch(1, e + budget, "streaming", budget)
+    req = batch.reqs[0]
+    s = st.get(req)
+    s.recall = r
+    with compressor.one_thread():
+        compressor.compress(req, "prefill")
+    assert s.host is not None and s.host.count >= e - 64, (s.host.count if s.host else 0, e)
+    # a new turn's prefill: the row's history is the compacted region, the new tokens follow it
+    kv_len = int(req.kv.kv_committed_len)
+    req.prefix_len, req.extend_end, req.output_ids = s.tokens_for(kv_len), None, []
+    moved0, in0 = s.bytes_moved, s.recalled
+    assert recall.arm(req, s), "the prefill recall did not arm"
+    prefill_s = run_layers(p, forward_batch(False, new_tokens), new_tokens)
+    prefill = (s.recalled - in0, s.bytes_moved - moved0)
+    step_s, step_in, step_bytes = [], [], []
+    for _ in range(steps):
+        moved0, in0 = s.bytes_moved, s.recalled
+        recall.after_compress(req, decode=True)  # due every step: armed for this step's forward
+        if recall.ARMED.get(0) is None:
+            break
+        step_s.append(run_layers(p, forward_batch(True, 1), 1))
+        step_in.append(s.recalled - in0)
+        step_bytes.append(s.bytes_moved - moved0)
+    s.drop_host()
+    recall.ARMED.clear()
+    host.POOL = None
+    return {
+        "host": s.host_peak,
+        "prefill_s": prefill_s,
+        "prefill_in": prefill[0],
+        "prefill_bytes": prefill[1],
+        "step_s": statistics.median(step_s) if step_s else float("nan"),
+        "step_in": statistics.mean(step_in) if step_in else 0,
+        "step_bytes": statistics.mean(step_bytes) if step_bytes else 0,
+        "steps": len(step_s),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--host", default="2048,8192,32768", help="host history sizes (entries per layer and head)"
+    )
+    ap.add_argument("--budget", type=int, default=128)
+    ap.add_argument("--recall", type=int, default=64, help="R, per layer and KV head")
+    ap.add_argument("--page", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=64, help="a turn's new tokens (its prefill's queries)")
+    ap.add_argument("--steps", type=int, default=8, help="decode steps timed per size")
+    args = ap.parse_args()
+    os.environ[SETTINGS_ENV_VAR] = ServerSettings(
+        recall_tokens=args.recall, recall_page=args.page, recall_every=1
+    ).to_env()
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    print(
+        "| host entries per layer and head | prefill recall s (all layers) | entries in | bytes moved "
+        "| decode step recall s (median, all layers) | entries in per step | bytes moved per step |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for e in (int(x) for x in args.host.split(",")):
+        print(f"[recall_cost] host {e} ...", file=sys.stderr, flush=True)
+        m = measure(e, args.budget, args.recall, args.new_tokens, args.steps)
+        print(
+            f"| {m['host']:,} | {m['prefill_s']:.3f} | {m['prefill_in']:,} | {m['prefill_bytes'] / 1e6:.2f} MB "
+            f"| {m['step_s']:.4f} | {m['step_in']:.0f} | {m['step_bytes'] / 1e3:.1f} KB |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
