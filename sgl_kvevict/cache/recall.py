@@ -255,10 +255,11 @@ def _account(s: st.ReqState, swapped: int) -> None:
     tot.recalls += 1
 
 
-# ---- recall inside a prefill -------------------------------------------------------------------------
+# ---- recall inside a forward (a prefill or a decode step) -----------------------------------------
 @dataclass(eq=False)
 class _Armed:
-    """A request whose prefill recalls layer by layer: its row range and the running count."""
+    """A request whose next forward (a prefill or a decode step) recalls layer by layer: its row range
+    and the running count."""
 
     req: Any
     s: st.ReqState

@@ -14,7 +14,7 @@ Each hook is one of the places where SGLang assumes "one KV slot per token", whi
 - `Req.owned_kv_len`, `_release_overallocated_kv_indices` (AROUND): slot counts for compressed requests.
 - `RadixAttention.forward` (BEFORE, three hooks): capture the last W queries for attention-based policies;
   write the per-slot ||v W_O||_1 statistic of the values being written (`slotstats`, CriticalKV); recall
-  host entries inside a prefill, layer by layer (`recall.before_attention`).
+  host entries inside a prefill or a decode step, layer by layer (`recall.before_attention`).
 - `Scheduler.get_next_batch_to_run`, `process_batch_result` (AROUND): under the overlap scheduler, a
   step in which a compression is due processes the previous step's results first (overlap off for that
   step only); a finished request gives back the slot of its in-flight last token before its last
