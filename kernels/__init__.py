@@ -66,6 +66,7 @@ from .host_swap import (
 from .lag_scores import lag_scores, lag_scores_ref, lag_scores_triton
 from .page_scores import (
     gather_columns,
+    n_pages,
     page_scores,
     page_scores_ref,
     page_scores_triton,
@@ -96,6 +97,7 @@ __all__ = [
     "lag_scores",
     "lag_scores_ref",
     "lag_scores_triton",
+    "n_pages",
     "page_scores",
     "page_scores_ref",
     "page_scores_triton",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 from decimal import Decimal, InvalidOperation
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
@@ -301,6 +301,12 @@ class ServerSettings(BaseModel):
         le=MAX_RECALL_PAGE,
         description="host columns per recall page: an entry is ranked by the best entry of its page, so a "
         "recall brings an attended token's neighbours with it (--kv-recall-page)",
+    )
+    recall_summary: Literal["minmax", "mean", "off"] = Field(
+        "minmax",
+        description="how a recall finds the host entries it needs: score per-page key summaries, then fetch "
+        "only the best pages' columns (minmax: per-channel key bounds; mean: the mean key), or off: score "
+        "every host key (--kv-recall-summary)",
     )
     recall_every: int = Field(
         DEFAULT_RECALL_EVERY,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sgl_kvevict import kernels as K
 from sgl_kvevict.cache import capture, compressor, demote, engine, host, recall
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.config import SETTINGS_ENV_VAR, ServerSettings
@@ -69,21 +70,52 @@ def _held(p: Pools, req, s) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return ks, vs
 
 
-def _reference_swaps(p: Pools, req, s, page: int = 1, w: int = W) -> list[list[set]]:
+def _page_bound(q: torch.Tensor, keys: torch.Tensor, summary: str) -> float:
+    """Score of one page of `keys` `[n, D]` for queries `q` `[m, D]`, summed over the queries, by loops:
+    minmax: sum_d max(q_d min_d, q_d max_d) (Quest's bound); mean: q . mean key."""
+    kmin, kmax, kmean = keys.amin(0), keys.amax(0), keys.mean(0)
+    tot = 0.0
+    for qi in q:
+        if summary == "minmax":
+            tot += sum(max(float(qi[d] * kmin[d]), float(qi[d] * kmax[d])) for d in range(D))
+        else:
+            tot += float(qi @ kmean)
+    return tot / D**0.5
+
+
+def _reference_swaps(
+    p: Pools, req, s, page: int = 1, w: int = W, summary: str = "off", cap: int = R
+) -> list[list[set]]:
     """Which host columns each (layer, head) should hold on the device after recall, by plain loops:
     the last `w` window queries score (the largest probability any of them gives), and a host entry ranks
-    by the best score of its page."""
+    by the best score of its page. Paged (`summary` on and more pages than 2r/page): only the columns of
+    the ceil(2r/page) best pages by their summary's score are candidates (a partial last page is padded
+    with its last column, which takes part in the softmax but is never chosen)."""
     kv_len = req.kv.kv_committed_len
     slots = p.r2t.req_to_token[0, :kv_len].long()
     n_sink = min(s.policy.config.sinks, s.comp_slots)
     lo, hi = n_sink, s.comp_slots
     length = s.tokens_for(kv_len)
+    e = s.host.count
+    r = min(R, hi - lo, e, cap)
+    n_sel = -(-2 * r // page)
+    n_pg = -(-e // page)
     out = []
     for ly in range(L):
         q = capture.STORE.get(0, ly, length)  # [Hq, W, D]
         per = []
         for h in range(H):
-            hk = host.POOL.k[ly][s.host.cols, h].float()
+            hk_all = host.POOL.k[ly][s.host.cols, h].float()
+            if summary != "off" and n_pg > n_sel:
+                qs = torch.cat([q[h * G + g, W - w :].float() for g in range(G)])
+                sc = [_page_bound(qs, hk_all[pg * page : (pg + 1) * page], summary) for pg in range(n_pg)]
+                chosen = sorted(sorted(range(n_pg), key=lambda pg: -sc[pg])[:n_sel])
+                cand = [pg * page + j for pg in chosen for j in range(page)]
+            else:
+                cand = list(range(e))
+            valid = [c < e for c in cand]
+            cand = [min(c, e - 1) for c in cand]
+            hk = hk_all[cand]
             rk = p.kv.get_key_buffer(ly)[slots, h].float()
             tot = torch.zeros(hk.shape[0] + kv_len)
             for g in range(G):
@@ -91,12 +123,15 @@ def _reference_swaps(p: Pools, req, s, page: int = 1, w: int = W) -> list[list[s
                     logits = torch.cat([hk, rk]) @ q[h * G + g, i].float() / D**0.5
                     logits[hk.shape[0] + kv_len - W + i + 1 :] = float("-inf")
                     tot = torch.maximum(tot, torch.softmax(logits, 0))  # the most any query leans on it
-            hs, ds = tot[: hk.shape[0]], tot[hk.shape[0] + lo : hk.shape[0] + hi]
+            hs, ds = tot[: hk.shape[0]].clone(), tot[hk.shape[0] + lo : hk.shape[0] + hi]
+            hs[~torch.tensor(valid)] = float("-inf")
             pm = [float(hs[c - c % page : c - c % page + page].max()) for c in range(hs.numel())]
-            hbest = sorted(range(hs.numel()), key=lambda c: (-pm[c], -float(hs[c])))[:R]
+            hbest = sorted(range(hs.numel()), key=lambda c: (-pm[c], -float(hs[c])))[:r]
             hs = torch.tensor(pm)
-            dworst = ds.argsort()[:R].tolist()
-            per.append({int(s.host.cols[c]) for c, d in zip(hbest, dworst, strict=True) if hs[c] > ds[d]})
+            dworst = ds.argsort()[:r].tolist()
+            per.append(
+                {int(s.host.cols[cand[c]]) for c, d in zip(hbest, dworst, strict=True) if hs[c] > ds[d]}
+            )
         out.append(per)
     return out
 
@@ -107,8 +142,10 @@ def _reference_swaps(p: Pools, req, s, page: int = 1, w: int = W) -> list[list[s
 def test_demote_then_recall_keeps_every_entry(
     pools: Pools, policy: str, path: str, page: int, fresh: int, monkeypatch
 ):
-    """`fresh` > 0: a decode-time recall, which scores with the queries of the last `fresh` steps only."""
-    monkeypatch.setenv(SETTINGS_ENV_VAR, ServerSettings(recall_tokens=R, recall_page=page).to_env())
+    """`fresh` > 0: a decode-time recall, which scores with the queries of the last `fresh` steps only.
+    Every host key is scored (`recall_summary="off"`); `test_paged_recall_*` covers the page summaries."""
+    cfg = ServerSettings(recall_tokens=R, recall_page=page, recall_summary="off")
+    monkeypatch.setenv(SETTINGS_ENV_VAR, cfg.to_env())
     p = pools
     batch, req, s, heads, orig_k, orig_v = _setup(p, policy)
     probe = torch.randn(D, generator=p.gen)
@@ -123,7 +160,7 @@ def test_demote_then_recall_keeps_every_entry(
     assert s.host.count == freed and host.POOL.n_free == before_free - freed
     ks, vs = _held(p, req, s)
     assert torch.allclose(_tags(ks, vs, probe), want, atol=1e-4)  # nothing lost: device + host = the region
-    expect = _reference_swaps(p, req, s, page, fresh or W)
+    expect = _reference_swaps(p, req, s, page, fresh or W, cap=fresh * page if fresh else R)
     host_k = [host.POOL.k[ly][s.host.cols].clone() for ly in range(L)]
     s.recall_steps = fresh
     swapped = recall.recall(req, s)
@@ -183,6 +220,7 @@ def test_a_failure_inside_recall_changes_nothing(pools: Pools, monkeypatch):
     batch, req, s, heads, orig_k, orig_v = _setup(p, "snapkv")
     with compressor.one_thread():
         assert compressor.compress(req, "prefill") > 0
+    assert recall._paged(s.host, R)[0] is not None  # the paged path, summaries built before the failure
     kv_len = req.kv.kv_committed_len
     slots = p.r2t.req_to_token[0, :kv_len].long()
     dev_before = [p.kv.get_key_buffer(ly)[slots].clone() for ly in range(L)]
@@ -201,3 +239,61 @@ def test_a_failure_inside_recall_changes_nothing(pools: Pools, monkeypatch):
     assert s.recalled == 0 and s.bytes_moved == 0 and not s.failed
     s.drop_host()
     assert host.POOL.n_free == host.POOL.size
+
+
+@pytest.mark.parametrize("summary", ["minmax", "mean"])
+@pytest.mark.parametrize(("page", "fresh"), [(4, 0), (2, 1), (3, 0)])
+def test_paged_recall_swaps_what_the_reference_picks(
+    pools: Pools, summary: str, page: int, fresh: int, monkeypatch
+):
+    """A recall over a host history of more pages than it fetches scores the pages' summaries, fetches
+    the best pages' columns only, and swaps exactly what the loop reference picks among them; nothing is
+    lost, and the summaries still describe the columns after the swap wrote into them (page 3: the last
+    page is partial)."""
+    cfg = ServerSettings(recall_tokens=R, recall_page=page, recall_summary=summary)
+    monkeypatch.setenv(SETTINGS_ENV_VAR, cfg.to_env())
+    p = pools
+    batch, req, s, heads, orig_k, orig_v = _setup(p, "snapkv")
+    probe = torch.randn(D, generator=p.gen)
+    want = _tags(orig_k, orig_v, probe)
+    with compressor.one_thread():
+        assert compressor.compress(req, "prefill") > 0
+    cap = fresh * page if fresh else R
+    sums, n_sel = recall._paged(s.host, min(R, cap))
+    assert sums is not None and n_sel < -(-s.host.count // page)  # fewer pages fetched than held
+    expect = _reference_swaps(p, req, s, page, fresh or W, summary, cap)
+    host_k = [host.POOL.k[ly][s.host.cols].clone() for ly in range(L)]
+    s.recall_steps = fresh
+    swapped = recall.recall(req, s)
+    assert swapped == sum(len(x) for per in expect for x in per) > 0
+    kv_len = req.kv.kv_committed_len
+    slots = p.r2t.req_to_token[0, :kv_len].long()
+    ks, vs = _held(p, req, s)
+    assert torch.allclose(_tags(ks, vs, probe), want, atol=1e-4)  # nothing lost, nothing duplicated
+    sm = s.host.summaries
+    assert sm is not None and sm.n == s.host.count
+    for ly in range(L):
+        fresh_min, fresh_max, fresh_mean = K.page_summaries_ref(host.POOL.k[ly][s.host.cols], page)
+        assert torch.equal(sm.kmin[:, ly], fresh_min) and torch.equal(sm.kmax[:, ly], fresh_max)
+        assert torch.allclose(sm.kmean[:, ly], fresh_mean, atol=1e-5)
+        dev = p.kv.get_key_buffer(ly)[slots]
+        for h in range(H):
+            for c in expect[ly][h]:  # the chosen host entries' keys are on the device now
+                j = int((s.host.cols == c).nonzero())
+                assert (dev[:, h] == host_k[ly][j, h]).all(-1).any()
+    s.drop_host()
+    assert host.POOL.n_free == host.POOL.size
+
+
+def test_paged_recall_equals_flat_when_it_would_fetch_every_page(pools: Pools, monkeypatch):
+    """With no more pages than a paged recall fetches, recall scores every key exactly (no summaries)."""
+    monkeypatch.setenv(SETTINGS_ENV_VAR, ServerSettings(recall_tokens=R, recall_page=128).to_env())
+    p = pools
+    batch, req, s, heads, orig_k, orig_v = _setup(p, "snapkv")
+    with compressor.one_thread():
+        assert compressor.compress(req, "prefill") > 0
+    assert recall._paged(s.host, R) == (None, 0)
+    expect = _reference_swaps(p, req, s, 128, W, "minmax")
+    assert recall.recall(req, s) == sum(len(x) for per in expect for x in per) > 0
+    assert s.host.summaries is None
+    s.drop_host()

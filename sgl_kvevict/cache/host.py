@@ -29,12 +29,26 @@ logger = logging.getLogger("sgl_kvevict")
 
 
 @dataclass(eq=False)
+class PageSummaries:
+    """Per-page summaries of a branch's first `n` host columns' keys, `page` columns a page: `[p, L, H, D]`
+    float32 per-channel min, max and mean, on the KV pool's device (`recall.py` scores pages with them
+    instead of every host key; `kernels/page_scores.py` computes them)."""
+
+    kmin: torch.Tensor
+    kmax: torch.Tensor
+    kmean: torch.Tensor
+    n: int
+    page: int
+
+
+@dataclass(eq=False)
 class HostEntries:
     """One branch's host columns, in demotion order, and (debug only) the logical positions they hold."""
 
     cols: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     positions: torch.Tensor | None = None  # [L, H, e] logical positions (KVEVICT_DEBUG only)
     dropped: int = 0  # columns the pool took back (LRU) from this branch
+    summaries: PageSummaries | None = None  # of a prefix of `cols`, built and kept by `recall.py`
 
     @property
     def count(self) -> int:
@@ -117,6 +131,7 @@ class HostPool:
         self.give_back(e.cols)
         e.cols = torch.zeros(0, dtype=torch.int64)
         e.positions = None
+        e.summaries = None
 
     def append(self, e: HostEntries, cols: torch.Tensor, positions: torch.Tensor | None) -> None:
         if not cols.numel():

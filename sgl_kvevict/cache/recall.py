@@ -34,6 +34,7 @@ Every failure here degrades the request's recall only (logged, counted); its com
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,9 @@ from sgl_kvevict.config import server_settings
 logger = logging.getLogger("sgl_kvevict")
 # A prefill's recall scores with at most this many of the turn's newest tokens' queries (bounds its cost).
 PREFILL_QUERIES = 512
+# A paged recall of R entries fetches the columns of ceil(FETCH * R / page) pages per layer and KV head
+# (chosen by their summaries), then keeps the best R of them by exact score.
+FETCH = 2
 
 
 def tick(req: Any) -> None:
@@ -94,29 +98,6 @@ def safe_recall(req: Any) -> int:
         return 0
 
 
-def _scores(
-    req: Any, s: st.ReqState, row_slots: torch.Tensor, w: int, length: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[L, H, kv_len]` and `[L, H, e]`: window attention of the last `w` queries over the branch's host
-    keys and the row's keys in one softmax, the host keys first (they precede every query)."""
-    rt, pool = runtime.RT, host.POOL
-    kv_len = int(row_slots.numel())
-    cols = s.host.cols.to(pool.k.device)
-    e = int(cols.numel())
-    dev = row_slots.device
-    every = torch.arange(e + kv_len, device=dev)
-    row_out, host_out = [], []
-    for layer in range(rt.n_layers):
-        q = capture.STORE.get(req.kv.req_pool_idx, layer, length)[:, -w:]  # [Hq, w, D]
-        keys = torch.cat(
-            [pool.k[layer].index_select(0, cols).to(dev), rt.k_buffer(layer).index_select(0, row_slots)]
-        )
-        p = K.window_attention(q, keys, every, rt.scale, causal=True, reduce="max")  # [H, e + kv_len]
-        host_out.append(p[:, :e])
-        row_out.append(p[:, e:])
-    return torch.stack(row_out), torch.stack(host_out)
-
-
 def page_best(sc: torch.Tensor, page: int) -> torch.Tensor:
     """Each host entry scored by the best entry of its page (`page` consecutive columns of a head)."""
     if page <= 1:
@@ -139,9 +120,9 @@ def best_entries(sc: torch.Tensor, page: int, r: int) -> tuple[torch.Tensor, tor
 
 
 def recall(req: Any, s: st.ReqState) -> int:
-    """Swap the best host entries into the lowest-scored displaceable kept slots (see the module)."""
+    """Swap the best host entries into the lowest-scored displaceable kept slots (see the module), with
+    the captured window's queries, after the turn's compression. Returns the entries swapped in."""
     demote.take(s)
-    rt, pool = runtime.RT, host.POOL
     kv = req.kv
     if s.host is None or s.host.count == 0 or s.pending is not None or s.comp_slots == 0:
         s.recall_skipped += 1  # nothing on the host (or no compacted history to swap into)
@@ -162,16 +143,11 @@ def recall(req: Any, s: st.ReqState) -> int:
     if r <= 0 or w <= 0:
         s.recall_skipped += 1
         return 0
-    pool.touch(s.host)
-    row_slots = rt.req_to_token[kv.req_pool_idx, :kv_len].to(torch.int64)
-    row_sc, host_sc = _scores(req, s, row_slots, w, length)
-    dbg = _DebugSwap(s, kv_len) if st.DEBUG and s.host.positions is not None else None
-    swapped = int(_exchange(s, 0, row_slots, lo, hi, row_sc, host_sc, r, dbg).sum())
-    if dbg is not None:
-        s.host.positions = dbg.hpos
-        s.debug_event(dbg.pos, length)
-    _account(s, swapped)
-    return swapped
+    one = _Recall.start(req, s, kv_len, length, lo, hi, r)
+    for layer in range(runtime.RT.n_layers):
+        q = capture.STORE.get(kv.req_pool_idx, layer, length)[:, -w:]  # [Hq, w, D], the row's last w
+        one.layer(layer, q, causal=True)
+    return one.finish()
 
 
 def _displaceable(s: st.ReqState) -> tuple[int, int]:
@@ -197,6 +173,10 @@ class _DebugSwap:
         pos.scatter_(-1, didx, torch.where(swap, hp, dp))
         hpos.scatter_(-1, hidx, torch.where(swap, dp, hp))
 
+    def record(self, s: st.ReqState, tokens: int) -> None:
+        s.host.positions = self.hpos
+        s.debug_event(self.pos, tokens)
+
 
 def _exchange(
     s: st.ReqState,
@@ -208,13 +188,17 @@ def _exchange(
     host_sc: torch.Tensor,
     r: int,
     dbg: _DebugSwap | None,
+    cand: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per layer (from `layer`, as many as the scores have) and KV head: the `r` best-ranked host entries
     that beat the lowest-scored kept entries of `[lo, hi)` swap places with them (`kernels.host_swap`).
-    `row_sc` `[l, H, len(row_slots)]`, `host_sc` `[l, H, e]`. Returns the `[l, H]` swapped counts (on
-    the device: no host sync)."""
+    `row_sc` `[l, H, len(row_slots)]`, `host_sc` `[l, H, c]`: every host entry (`cand` None), or the
+    candidates `cand` `[l, H, c]` (indices into the branch's columns, whole pages in a row). Returns the
+    `[l, H]` swapped counts (on the device: no host sync)."""
     rt, pool = runtime.RT, host.POOL
     hs, hidx = best_entries(host_sc, server_settings().recall_page, r)  # [l, H, r], best first
+    if cand is not None:
+        hidx = cand.gather(-1, hidx)
     cs, cidx = (-row_sc[..., lo:hi]).topk(r, dim=-1)  # lowest-scored displaceable kept entries
     swap = hs > -cs  # the i-th best host entry beats the i-th worst kept one
     counts = swap.sum(-1)  # hs falls and the displaced score rises with i, so swap is a prefix
@@ -255,25 +239,137 @@ def _account(s: st.ReqState, swapped: int) -> None:
     tot.recalls += 1
 
 
-# ---- recall inside a forward (a prefill or a decode step) -----------------------------------------
+# ---- page summaries: score pages, fetch only the chosen pages' columns ----------------------------
+def summaries(e: host.HostEntries, page: int) -> host.PageSummaries:
+    """The branch's page summaries, brought up to its column count. Columns demoted since the last
+    recall are read from the host once, and merged into the partial last page (`page_summaries_append`);
+    a swap refreshes the pages it wrote (`_Recall.layer`), so summaries always describe the columns."""
+    pool, rt = host.POOL, runtime.RT
+    dev = rt.k_buffer(0).device
+    sm = e.summaries
+    if sm is None or sm.page != page or sm.n > e.count:
+        empty = torch.zeros(0, rt.n_layers * pool.heads, pool.dim, device=dev)
+        sm = host.PageSummaries(empty, empty.clone(), empty.clone(), 0, page)
+    if sm.n < e.count:
+        new = pool.k[:, e.cols[sm.n :].to(pool.k.device)]  # [L, m, H, D]
+        lh = rt.n_layers * pool.heads
+        new = new.transpose(0, 1).reshape(new.shape[1], lh, pool.dim).to(dev)  # [m, L*H, D]
+        flat = [t.reshape(t.shape[0], lh, pool.dim) for t in (sm.kmin, sm.kmax, sm.kmean)]
+        kmin, kmax, kmean = K.page_summaries_append(*flat, sm.n, new, page)
+        shape = (kmin.shape[0], rt.n_layers, pool.heads, pool.dim)
+        sm = host.PageSummaries(kmin.view(shape), kmax.view(shape), kmean.view(shape), e.count, page)
+    e.summaries = sm
+    return sm
+
+
+def _paged(e: host.HostEntries, r: int) -> tuple[host.PageSummaries | None, int]:
+    """`(summaries, pages to fetch per head)` when a recall of `r` entries scores pages, `(None, 0)` when
+    it scores every host key (summaries off, or the branch has no more pages than a paged recall would
+    fetch anyway: then it is exact and costs no more)."""
+    cfg = server_settings()
+    page = cfg.recall_page
+    n_sel = -(-FETCH * r // page)
+    if cfg.recall_summary == "off" or K.n_pages(e.count, page) <= n_sel:
+        return None, 0
+    return summaries(e, page), n_sel
+
+
+# ---- one recall, layer by layer (inside a forward, or after a compression) ------------------------
 @dataclass(eq=False)
-class _Armed:
-    """A request whose next forward (a prefill or a decode step) recalls layer by layer: its row range
+class _Recall:
+    """One recall of one request, run layer by layer: the row range it may displace, what it scores,
     and the running count."""
 
     req: Any
     s: st.ReqState
-    m: int  # row slots before the new tokens (what the prefill's queries read besides themselves)
+    m: int  # row slots the queries read besides themselves (in a prefill: those before the new tokens)
     tokens: int  # logical tokens they stand for
     lo: int
     hi: int
     r: int
-    swapped: torch.Tensor | None = None  # on the device, read once at the last layer
+    row_slots: torch.Tensor  # the row's first `m` slots (int64)
+    cols: torch.Tensor  # the branch's host columns (on the host pool's device)
+    sums: host.PageSummaries | None  # None: every host key is scored
+    n_sel: int  # pages fetched per head and layer when paged
     dbg: _DebugSwap | None = None
     decode: bool = False
+    swapped: torch.Tensor | None = None  # on the device, read once at the end
+
+    @classmethod
+    def start(
+        cls, req: Any, s: st.ReqState, m: int, tokens: int, lo: int, hi: int, r: int, decode: bool = False
+    ) -> _Recall:
+        pool = host.POOL
+        pool.touch(s.host)
+        sums, n_sel = _paged(s.host, r)
+        row_slots = runtime.RT.req_to_token[req.kv.req_pool_idx, :m].to(torch.int64)
+        dbg = _DebugSwap(s, m) if st.DEBUG and s.host.positions is not None else None
+        cols = s.host.cols.to(pool.k.device)
+        return cls(req, s, m, tokens, lo, hi, r, row_slots, cols, sums, n_sel, dbg, decode)
+
+    def layer(self, layer: int, q: torch.Tensor, causal: bool) -> None:
+        """Score and exchange at `layer` with queries `q` `[Hq, w, D]` (causal: they are the row's last
+        `w` entries; else every key precedes them)."""
+        rt, pool = runtime.RT, host.POOL
+        dev = self.row_slots.device
+        heads = torch.arange(pool.heads, device=pool.k.device).unsqueeze(-1)
+        cand = valid = page_ids = None
+        if self.sums is None:
+            hk = pool.k[layer].index_select(0, self.cols).to(dev)  # [e, H, D]
+        else:
+            sm = self.sums
+            mode = server_settings().recall_summary
+            sc = K.page_scores(
+                q.transpose(0, 1),
+                sm.kmin[:, layer],
+                sm.kmax[:, layer],
+                sm.kmean[:, layer],
+                mode,
+                rt.scale,
+                "sum",
+            )
+            page_ids = K.select_pages(sc, self.n_sel)  # [H, n]
+            cand, valid = K.gather_columns(page_ids, sm.page, int(self.cols.numel()))  # [H, c]
+            hk = _host_keys(layer, self.cols[cand.to(pool.k.device)], heads).to(dev)  # [c, H, D]
+        e = int(hk.shape[0])
+        keys = torch.cat([hk, rt.k_buffer(layer).index_select(0, self.row_slots)])
+        p = K.window_attention(q, keys, torch.arange(keys.shape[0], device=dev), rt.scale, causal, "max")
+        host_sc = p[:, :e] if valid is None else p[:, :e].masked_fill(~valid, float("-inf"))
+        counts = _exchange(
+            self.s,
+            layer,
+            self.row_slots,
+            self.lo,
+            self.hi,
+            p[None, :, e:],
+            host_sc[None],
+            self.r,
+            self.dbg,
+            None if cand is None else cand[None],
+        )
+        self.swapped = counts.sum() if self.swapped is None else self.swapped + counts.sum()
+        if cand is not None:  # the swap wrote displaced entries into the fetched pages: re-summarise them
+            now = _host_keys(layer, self.cols[cand.to(pool.k.device)], heads).to(dev).transpose(0, 1)
+            sm = self.sums
+            K.refresh_pages(sm.kmin[:, layer], sm.kmax[:, layer], sm.kmean[:, layer], page_ids, now, valid)
+        elif self.s.host.summaries is not None:  # scored flat: the swapped columns' summaries are stale
+            self.s.host.summaries = None
+
+    def finish(self) -> int:
+        swapped = int(self.swapped) if self.swapped is not None else 0
+        if self.dbg is not None:
+            self.dbg.record(self.s, self.tokens)
+        _account(self.s, swapped)
+        return swapped
 
 
-ARMED: dict[int, _Armed] = {}  # request row -> its recall inside the next forward
+def _host_keys(layer: int, cols: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """`[c, H, D]` host keys of `layer`, head h's from its own columns `cols[h]` (`cols` `[H, c]`)."""
+    return host.POOL.k[layer][cols, heads].transpose(0, 1)
+
+
+# ---- recall inside a forward (a prefill or a decode step) -----------------------------------------
+ARMED: dict[int, _Recall] = {}  # request row -> its recall inside the next forward
 # Set once a decode forward ran without the hook (a CUDA graph replay runs no Python): decode-time
 # recalls then run after the step's compression instead, with the queries the capture kept.
 GRAPHED = False
@@ -296,60 +392,62 @@ def after_compress(req: Any, decode: bool) -> None:
         tick(req)
     if not due(req):
         return
-    if decode and not GRAPHED and _arm_decode(req, s):
+    if decode and not GRAPHED and arm(req, s, decode=True):
         return
     safe_recall(req)
 
 
-def _arm_decode(req: Any, s: st.ReqState) -> bool:
-    """Prepare a recall inside this decode step's forward: its query, at each layer, recalls for itself
-    (the token it is about to produce), at most one page per step since the last recall."""
-    row, kv = req.kv.req_pool_idx, req.kv
-    if not demote.enabled(s) or s.pending is not None or row is None:
-        return False
-    demote.take(s)
-    if s.host is None or s.host.count == 0 or s.comp_slots == 0 or kv.cache_protected_len > s.anchor_kv:
-        return False  # nothing to recall, or the history is not the request's own yet (`recall` copies it)
-    m = int(kv.kv_committed_len)
-    lo, hi = _displaceable(s)
-    fresh, s.recall_steps = max(1, s.recall_steps), 0
-    r = min(s.recall, hi - lo, s.host.count, fresh * server_settings().recall_page)
-    if r <= 0:
-        return False
-    s.recall_due = False
-    dbg = _DebugSwap(s, m) if st.DEBUG and s.host.positions is not None else None
-    ARMED[row] = _Armed(req, s, m, s.tokens_for(m), lo, hi, r, dbg=dbg, decode=True)
-    host.POOL.touch(s.host)
-    return True
+def arm(req: Any, s: st.ReqState, decode: bool = False) -> bool:
+    """Prepare a recall inside the request's next forward, layer by layer. True when armed (the recall
+    is no longer due); False when the request recalls otherwise (after its compression) or not at all.
 
-
-def arm(req: Any, s: st.ReqState) -> bool:
-    """Called once a turn's prefill has its slots, before its forward: prepare a layer-by-layer recall.
-
-    The compacted history still sits in the tree node the request matched (shared), so it is copied into
-    slots the request owns first (`compressor.own_region`, up to the new tokens). False (and the turn
-    recalls after its compression instead) when there is nothing to recall, the prefill is a chunk with
-    more to come, or the copy cannot be made."""
+    A prefill (`decode` False) is armed once the turn has its slots: its compacted history still sits in
+    the tree node it matched (shared), so it is copied into slots the request owns first
+    (`compressor.own_region`, up to the new tokens); not for a chunk with more to come. A decode step's
+    query recalls for the token it is about to write, at most one page per step since the last recall.
+    A failure here turns recall off for the request (logged, counted); nothing else changes."""
     row = req.kv.req_pool_idx
     ARMED.pop(row, None)
-    if not demote.enabled(s) or s.pending is not None or row is None:
+    try:
+        one = _plan_arm(req, s, decode)
+    except Exception:
+        demote.fail(s, "arming a recall")
+        one = None
+    if one is None:
         return False
-    if req.extend_end is not None and req.extend_end < len(req.origin_input_ids) + len(req.output_ids):
-        return False  # a chunk with more to come: the last chunk's queries recall
+    s.recall_due = False
+    ARMED[row] = one
+    return True
+
+
+def _plan_arm(req: Any, s: st.ReqState, decode: bool) -> _Recall | None:
+    kv, row = req.kv, req.kv.req_pool_idx
+    if not demote.enabled(s) or s.pending is not None or row is None:
+        return None
+    if not decode and req.extend_end is not None:
+        if req.extend_end < len(req.origin_input_ids) + len(req.output_ids):
+            return None  # a chunk with more to come: the last chunk's queries recall
     demote.take(s)
     if s.host is None or s.host.count == 0 or s.comp_slots == 0:
-        return False
-    m = s.slots_for(int(req.prefix_len))
-    if not compressor.own_region(req, s, upto=m):
-        return False
+        return None
+    if decode:
+        if kv.cache_protected_len > s.anchor_kv:
+            return None  # the history is not the request's own yet (`recall` copies it)
+        m = int(kv.kv_committed_len)
+        tokens = s.tokens_for(m)
+        fresh, s.recall_steps = max(1, s.recall_steps), 0
+        cap = fresh * server_settings().recall_page
+    else:
+        m = s.slots_for(int(req.prefix_len))
+        tokens = int(req.prefix_len)
+        if not compressor.own_region(req, s, upto=m):
+            return None
+        cap = s.recall
     lo, hi = _displaceable(s)
-    r = min(s.recall, hi - lo, s.host.count)
+    r = min(s.recall, hi - lo, s.host.count, cap)
     if r <= 0:
-        return False
-    dbg = _DebugSwap(s, m) if st.DEBUG and s.host.positions is not None else None
-    ARMED[row] = _Armed(req, s, m, int(req.prefix_len), lo, hi, r, dbg=dbg)
-    host.POOL.touch(s.host)
-    return True
+        return None
+    return _Recall.start(req, s, m, tokens, lo, hi, r, decode)
 
 
 def before_attention(layer_mod, q, k, v, forward_batch, *args, **kwargs):
@@ -362,25 +460,26 @@ def before_attention(layer_mod, q, k, v, forward_batch, *args, **kwargs):
     rt = runtime.RT
     layer = layer_mod.layer_id - rt.start_layer
     last = layer == rt.n_layers - 1
-    for row, start, n in _extend_rows(forward_batch):
-        a = ARMED.get(row)
-        if a is None:
+    for row, start, n in _batch_rows(forward_batch):
+        one = ARMED.get(row)
+        if one is None:
             continue
-        if a.req.kv.req_pool_idx != row or st.get(a.req) is not a.s or a.req.finished():
+        if one.req.kv.req_pool_idx != row or st.get(one.req) is not one.s or one.req.finished():
             ARMED.pop(row, None)  # armed for a request that is gone
             continue
         try:
-            _recall_layer(a, row, layer, q[start : start + n])
+            qv = q[start : start + n].reshape(n, rt.n_q_heads, rt.head_dim)[-PREFILL_QUERIES:]
+            one.layer(layer, qv.transpose(0, 1), causal=False)
             if last:
                 ARMED.pop(row, None)
-                _finish(a)
+                one.finish()
         except Exception:
             ARMED.pop(row, None)
-            demote.fail(a.s, "recall")
+            demote.fail(one.s, "recall")
     return None
 
 
-def _extend_rows(forward_batch: Any) -> list[tuple[int, int, int]]:
+def _batch_rows(forward_batch: Any) -> list[tuple[int, int, int]]:
     """`(row, first token, tokens)` per request of the batch, computed once per forward."""
     rows = getattr(forward_batch, "_kvevict_rows", None)
     if rows is None:
@@ -388,33 +487,7 @@ def _extend_rows(forward_batch: Any) -> list[tuple[int, int, int]]:
             lens = [1] * int(forward_batch.req_pool_indices.shape[0])
         else:
             lens = forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist()
-        starts = [sum(lens[:i]) for i in range(len(lens))]
+        starts = [0, *itertools.accumulate(lens)][: len(lens)]
         rows = list(zip(forward_batch.req_pool_indices.tolist(), starts, lens, strict=True))
         forward_batch._kvevict_rows = rows
     return rows
-
-
-def _recall_layer(a: _Armed, row: int, layer: int, q: torch.Tensor) -> None:
-    """Score the branch's host keys and the row's first `a.m` keys of `layer` with the new tokens'
-    queries (a decode step's one; all keys precede every query: no causal mask), then exchange at this
-    layer only."""
-    rt, pool, s = runtime.RT, host.POOL, a.s
-    qv = q.reshape(q.shape[0], rt.n_q_heads, rt.head_dim)[-PREFILL_QUERIES:].transpose(0, 1)
-    row_slots = rt.req_to_token[row, : a.m].to(torch.int64)
-    cols = s.host.cols.to(pool.k.device)
-    e = int(cols.numel())
-    dev = row_slots.device
-    keys = torch.cat(
-        [pool.k[layer].index_select(0, cols).to(dev), rt.k_buffer(layer).index_select(0, row_slots)]
-    )
-    p = K.window_attention(qv, keys, torch.arange(e + a.m, device=dev), rt.scale, reduce="max")
-    counts = _exchange(s, layer, row_slots, a.lo, a.hi, p[None, :, e:], p[None, :, :e], a.r, a.dbg)
-    a.swapped = counts.sum() if a.swapped is None else a.swapped + counts.sum()
-
-
-def _finish(a: _Armed) -> None:
-    s = a.s
-    if a.dbg is not None:
-        s.host.positions = a.dbg.hpos
-        s.debug_event(a.dbg.pos, a.tokens)
-    _account(s, int(a.swapped) if a.swapped is not None else 0)

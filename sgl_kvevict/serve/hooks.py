@@ -106,12 +106,7 @@ def _after_extend_alloc(reqs: list, offs: list[int]) -> None:
             )
             continue
         if s.recall_due:
-            try:
-                if recall.arm(r, s):
-                    s.recall_due = False  # it recalls inside its prefill, layer by layer
-            except Exception:
-                recall.ARMED.pop(row, None)
-                logger.exception("kvevict: arming the prefill recall of %s failed; it recalls after", r.rid)
+            recall.arm(r, s)  # it recalls inside its prefill, layer by layer (else after its compression)
 
 
 def prepare_for_extend(result, batch, *args, **kwargs):

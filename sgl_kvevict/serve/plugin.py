@@ -176,6 +176,14 @@ def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
         f"{MAX_RECALL_PAGE}; needs --kv-recall-tokens)",
     )
     group.add_argument(
+        "--kv-recall-summary",
+        choices=("minmax", "mean", "off"),
+        default=None,
+        help="how a recall finds what it needs in a large host history: score small per-page key summaries "
+        "and fetch only the best pages (minmax: per-channel key bounds, the default; mean: the mean key, "
+        "half the bytes) or off: score every host key (needs --kv-recall-tokens)",
+    )
+    group.add_argument(
         "--kv-recall-every",
         type=_every_arg,
         default=None,
@@ -277,7 +285,7 @@ def _server_settings(ns: argparse.Namespace, model_cfg: dict | None) -> ServerSe
     tokens, ratio = min_budget if min_budget is not None else (None, None)
     recall = getattr(ns, "kv_recall_tokens", None) or 0
     tier = {}  # the host tier's settings given on the command line (--kv-host-tokens -> host_tokens, ...)
-    for field in ("host_tokens", "recall_page", "recall_every"):
+    for field in ("host_tokens", "recall_page", "recall_summary", "recall_every"):
         val = getattr(ns, f"kv_{field}", None)
         if val is None:
             continue
