@@ -10,8 +10,11 @@ evicted E entries per layer and head are demoted to the host tier), then
 - a prefill of `--new-tokens` tokens recalls layer by layer (scores: the new tokens' queries over the E
   host keys and the row's keys, every layer);
 - `--steps` decode steps recall layer by layer, one query each (at most one page per step).
-Printed per host size: seconds per prefill recall (all layers) and per decode step (all layers), the
-entries recalled and the bytes moved (K and V, both directions). On a GPU the host keys would be read
+Each size runs once per `--summary` variant: `off` scores every host key; `minmax` and `mean` score the
+branch's page summaries and fetch the columns of the best 2R/page pages only (`--kv-recall-summary`).
+Printed per host size and variant: seconds per prefill recall (all layers) and per decode step (all
+layers), the entries recalled, the bytes moved (K and V, both directions) and the host key bytes read to
+score (every key, or the fetched pages' twice: scoring and re-summarising after the swap). On a GPU the host keys would be read
 over PCIe (pinned memory); here both tiers are in RAM, so the bytes are the measure and the seconds are
 this CPU's only.
 """
@@ -69,19 +72,20 @@ def measure(e: int, budget: int, r: int, new_tokens: int, steps: int) -> dict:
     # a new turn's prefill: the row's history is the compacted region, the new tokens follow it
     kv_len = int(req.kv.kv_committed_len)
     req.prefix_len, req.extend_end, req.output_ids = s.tokens_for(kv_len), None, []
-    moved0, in0 = s.bytes_moved, s.recalled
+    moved0, in0, read0 = s.bytes_moved, s.recalled, host.POOL.totals.keys_read
     assert recall.arm(req, s), "the prefill recall did not arm"
     prefill_s = run_layers(p, forward_batch(False, new_tokens), new_tokens)
-    prefill = (s.recalled - in0, s.bytes_moved - moved0)
-    step_s, step_in, step_bytes = [], [], []
+    prefill = (s.recalled - in0, s.bytes_moved - moved0, host.POOL.totals.keys_read - read0)
+    step_s, step_in, step_bytes, step_read = [], [], [], []
     for _ in range(steps):
-        moved0, in0 = s.bytes_moved, s.recalled
+        moved0, in0, read0 = s.bytes_moved, s.recalled, host.POOL.totals.keys_read
         recall.after_compress(req, decode=True)  # due every step: armed for this step's forward
         if recall.ARMED.get(0) is None:
             break
         step_s.append(run_layers(p, forward_batch(True, 1), 1))
         step_in.append(s.recalled - in0)
         step_bytes.append(s.bytes_moved - moved0)
+        step_read.append(host.POOL.totals.keys_read - read0)
     s.drop_host()
     recall.ARMED.clear()
     host.POOL = None
@@ -90,9 +94,11 @@ def measure(e: int, budget: int, r: int, new_tokens: int, steps: int) -> dict:
         "prefill_s": prefill_s,
         "prefill_in": prefill[0],
         "prefill_bytes": prefill[1],
+        "prefill_read": prefill[2],
         "step_s": statistics.median(step_s) if step_s else float("nan"),
         "step_in": statistics.mean(step_in) if step_in else 0,
         "step_bytes": statistics.mean(step_bytes) if step_bytes else 0,
+        "step_read": statistics.mean(step_read) if step_read else 0,
         "steps": len(step_s),
     }
 
@@ -107,24 +113,28 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64, help="a turn's new tokens (its prefill's queries)")
     ap.add_argument("--steps", type=int, default=8, help="decode steps timed per size")
+    ap.add_argument("--summary", default="off,minmax", help="--kv-recall-summary variants, side by side")
     args = ap.parse_args()
-    os.environ[SETTINGS_ENV_VAR] = ServerSettings(
-        recall_tokens=args.recall, recall_page=args.page, recall_every=1
-    ).to_env()
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     print(
-        "| host entries per layer and head | prefill recall s (all layers) | entries in | bytes moved "
-        "| decode step recall s (median, all layers) | entries in per step | bytes moved per step |"
+        "| host entries per layer and head | summary | prefill recall s (all layers) | entries in | bytes moved "
+        "| host keys read | decode step recall s (median, all layers) | entries in per step | bytes moved per "
+        "step | host keys read per step |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for e in (int(x) for x in args.host.split(",")):
-        print(f"[recall_cost] host {e} ...", file=sys.stderr, flush=True)
-        m = measure(e, args.budget, args.recall, args.new_tokens, args.steps)
-        print(
-            f"| {m['host']:,} | {m['prefill_s']:.3f} | {m['prefill_in']:,} | {m['prefill_bytes'] / 1e6:.2f} MB "
-            f"| {m['step_s']:.4f} | {m['step_in']:.0f} | {m['step_bytes'] / 1e3:.1f} KB |",
-            flush=True,
-        )
+        for summary in args.summary.split(","):
+            os.environ[SETTINGS_ENV_VAR] = ServerSettings(
+                recall_tokens=args.recall, recall_page=args.page, recall_every=1, recall_summary=summary
+            ).to_env()
+            print(f"[recall_cost] host {e}, summary {summary} ...", file=sys.stderr, flush=True)
+            m = measure(e, args.budget, args.recall, args.new_tokens, args.steps)
+            print(
+                f"| {m['host']:,} | {summary} | {m['prefill_s']:.3f} | {m['prefill_in']:,} "
+                f"| {m['prefill_bytes'] / 1e6:.2f} MB | {m['prefill_read'] / 1e6:.2f} MB | {m['step_s']:.4f} "
+                f"| {m['step_in']:.0f} | {m['step_bytes'] / 1e3:.1f} KB | {m['step_read'] / 1e3:.1f} KB |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ and the entries recalled.
     HF_HUB_OFFLINE=1 python benchmarks/recall_probe.py --sessions 8 --variants off,1:0,8:0,8:1,none
 
 A variant is `off` (recall_tokens 0), `none` (the full cache, on its own server so no compressed run
-reuses its stored prefixes) or `PAGE:EVERY` (`--kv-recall-page PAGE --kv-recall-every EVERY`, R =
-`--recall`). The chat format is the raw ChatML of tests/test_recall_e2e.py (system prompt, user turns),
+reuses its stored prefixes) or `PAGE:EVERY[:SUMMARY]` (`--kv-recall-page PAGE --kv-recall-every EVERY
+--kv-recall-summary SUMMARY`, the summary `minmax` when left out; R = `--recall`). The chat format is the raw ChatML of tests/test_recall_e2e.py (system prompt, user turns),
 not the replay client's, so the full cache answers fewer sessions here than in `benchmarks/replay.py`.
 """
 
@@ -70,8 +70,9 @@ def main() -> None:
     for var in a.variants.split(","):
         extra = []
         if var not in ("off", "none"):
-            page, every = var.split(":")
+            page, every, *summary = var.split(":")
             extra = [f"--kv-recall-page={page}", f"--kv-recall-every={every}"]
+            extra += [f"--kv-recall-summary={summary[0]}"] if summary else []
         args = ["--max-total-tokens", "30000", "--kv-policy", a.policy, "--kv-budget", str(a.budget)]
         args += ["--kv-policy-config", '{"scope": "branch"}', "--kv-recall-tokens", str(a.recall)]
         args += ["--kv-host-tokens", "200000", *extra]

@@ -191,6 +191,8 @@ def test_multi_turn_under_eviction_equals_hf(runs, model, policy: str):
                 f"branch scope kept the whole history: {held} -> {history}"
             )
             if policy.endswith("-recall"):  # the prefill brought back entries the admission did not hold
+                # from more host entries than a recall fetches (2R): it scored page summaries, then pages
+                assert t - held > 2 * RECALL, f"host history {t - held} too short for a paged recall"
                 at_prefill = [ev for ev in turn.timeline[1:] if int(ev["tokens"]) == t]
                 assert at_prefill and any(
                     set(p) - set(a)

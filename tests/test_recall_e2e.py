@@ -210,6 +210,11 @@ def test_bad_request_recall_is_http_400(recall_server: Server, kv: dict, needle:
         ),
         (["--kv-policy", "snapkv", "--kv-recall-page", "8"], "--kv-recall-tokens"),
         (["--kv-policy", "snapkv", "--kv-recall-every", "4"], "--kv-recall-tokens"),
+        (
+            ["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-summary", "quest"],
+            "'minmax', 'mean', 'off'",
+        ),
+        (["--kv-policy", "snapkv", "--kv-recall-summary", "mean"], "--kv-recall-tokens"),
         (["--kv-recall-tokens", "8"], "--kv-policy"),
     ],
 )

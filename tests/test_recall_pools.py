@@ -3,6 +3,8 @@ the entries a torch reference picks, keeping device + host = the region's origin
 
 from __future__ import annotations
 
+from math import inf
+
 import pytest
 import torch
 
@@ -125,7 +127,10 @@ def _reference_swaps(
                     tot = torch.maximum(tot, torch.softmax(logits, 0))  # the most any query leans on it
             hs, ds = tot[: hk.shape[0]].clone(), tot[hk.shape[0] + lo : hk.shape[0] + hi]
             hs[~torch.tensor(valid)] = float("-inf")
-            pm = [float(hs[c - c % page : c - c % page + page].max()) for c in range(hs.numel())]
+            pm = [
+                float(hs[c - c % page : c - c % page + page].max()) if valid[c] else -inf
+                for c in range(hs.numel())
+            ]
             hbest = sorted(range(hs.numel()), key=lambda c: (-pm[c], -float(hs[c])))[:r]
             hs = torch.tensor(pm)
             dworst = ds.argsort()[:r].tolist()
@@ -209,6 +214,9 @@ def test_page_max_ranks_an_entry_by_its_pages_best():
     vals, idx = recall.best_entries(sc, 3, 4)
     assert idx.tolist() == [[[1, 2, 0, 6]]]  # the attended entry brings its page, best first; then the next
     assert torch.allclose(vals, torch.tensor([[[0.9, 0.9, 0.9, 0.4]]]))
+    padded = torch.tensor([[[0.1, 0.9, float("-inf")]]])  # a paged recall's padding of a partial page
+    vals, idx = recall.best_entries(padded, 3, 3)
+    assert idx.tolist() == [[[1, 0, 2]]] and vals[0, 0, 2] == float("-inf")  # ranked last, never swapped
 
 
 def test_a_failure_inside_recall_changes_nothing(pools: Pools, monkeypatch):

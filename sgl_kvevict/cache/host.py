@@ -60,6 +60,7 @@ class HostTotals:
     demoted: int = 0  # columns written by compressions
     recalled: int = 0  # (layer, head) entries brought back to the device
     bytes_moved: int = 0
+    keys_read: int = 0  # bytes of host keys read to score recalls (every key, or the fetched pages')
     recalls: int = 0  # requests that ran a recall
     recall_failures: int = 0
     branches_dropped: int = 0  # branches whose columns the LRU took back

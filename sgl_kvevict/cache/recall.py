@@ -111,8 +111,9 @@ def page_best(sc: torch.Tensor, page: int) -> torch.Tensor:
 
 def best_entries(sc: torch.Tensor, page: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The `r` best host entries per (layer, head), `(page scores, indices)`, best first: by their page's
-    score, then, inside a page, by their own (so a page cut by `r` gives its best entries)."""
-    ranked = page_best(sc, page)
+    score, then, inside a page, by their own (so a page cut by `r` gives its best entries). An entry
+    scored -inf (a paged recall's padding) keeps -inf: it never beats a kept entry."""
+    ranked = page_best(sc, page).masked_fill(sc == float("-inf"), float("-inf"))  # padding stays out
     order = sc.argsort(dim=-1, descending=True, stable=True)
     by_page = ranked.gather(-1, order).argsort(dim=-1, descending=True, stable=True)
     idx = order.gather(-1, by_page)[..., :r]
@@ -332,6 +333,7 @@ class _Recall:
             cand, valid = K.gather_columns(page_ids, sm.page, int(self.cols.numel()))  # [H, c]
             hk = _host_keys(layer, self.cols[cand.to(pool.k.device)], heads).to(dev)  # [c, H, D]
         e = int(hk.shape[0])
+        pool.totals.keys_read += hk.numel() * hk.element_size() * (1 if cand is None else 2)  # + refresh
         keys = torch.cat([hk, rt.k_buffer(layer).index_select(0, self.row_slots)])
         p = K.window_attention(q, keys, torch.arange(keys.shape[0], device=dev), rt.scale, causal, "max")
         host_sc = p[:, :e] if valid is None else p[:, :e].masked_fill(~valid, float("-inf"))
