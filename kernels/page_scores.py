@@ -120,49 +120,55 @@ def page_summaries(keys: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.T
 
 
 def page_summaries_append(
-    kmin: torch.Tensor,
-    kmax: torch.Tensor,
-    kmean: torch.Tensor,
+    kmin: torch.Tensor | None,
+    kmax: torch.Tensor | None,
+    kmean: torch.Tensor | None,
     n_old: int,
     keys_new: torch.Tensor,
     page: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Summaries after appending columns `keys_new [m, Hkv, D]` to `n_old` summarised columns.
 
     Demotion appends columns; their keys are on the device at that moment, the old columns are not, so the
     old partial last page is merged (min, max, count-weighted mean) instead of recomputed. `n_old` is the
     column count the tier tracks on the host (an int: no sync). Returns new tensors of ceil((n_old+m)/page)
-    pages; the inputs are not modified.
+    pages, each in its input's dtype; the inputs are not modified. A summary given as None (one the
+    caller does not keep) stays None; at least one must be given.
     """
+    have = next(x for x in (kmin, kmax, kmean) if x is not None)
     m = keys_new.shape[0]
     p_old = n_pages(n_old, page)
-    assert kmin.shape[0] == p_old, "summaries must cover exactly n_old columns"
+    assert have.shape[0] == p_old, "summaries must cover exactly n_old columns"
     if m == 0:
         return kmin, kmax, kmean
     head = min((-n_old) % page, m)  # free columns in the old partial last page
-    parts_min, parts_max, parts_mean = [kmin], [kmax], [kmean]
+    olds = (kmin, kmax, kmean)
+    parts: list[list[torch.Tensor]] = [[x] if x is not None else [] for x in olds]
     if head:
         last = p_old - 1
         c_old = n_old - last * page
         part = keys_new[:head].float()
-        new_min = torch.minimum(kmin[last], part.amin(0))
-        new_max = torch.maximum(kmax[last], part.amax(0))
-        new_mean = (kmean[last] * c_old + part.sum(0)) / (c_old + head)
-        parts_min = [kmin[:last], new_min[None]]
-        parts_max = [kmax[:last], new_max[None]]
-        parts_mean = [kmean[:last], new_mean[None]]
+        merged = (
+            torch.minimum(kmin[last].float(), part.amin(0)) if kmin is not None else None,
+            torch.maximum(kmax[last].float(), part.amax(0)) if kmax is not None else None,
+            (kmean[last].float() * c_old + part.sum(0)) / (c_old + head) if kmean is not None else None,
+        )
+        parts = [
+            [x[:last], y[None].to(x.dtype)] if x is not None else []
+            for x, y in zip(olds, merged, strict=True)
+        ]
     if m > head:
-        rmin, rmax, rmean = page_summaries(keys_new[head:], page)
-        parts_min.append(rmin)
-        parts_max.append(rmax)
-        parts_mean.append(rmean)
-    return torch.cat(parts_min), torch.cat(parts_max), torch.cat(parts_mean)
+        for out, x, new in zip(parts, olds, page_summaries(keys_new[head:], page), strict=True):
+            if x is not None:
+                out.append(new.to(x.dtype))
+    res = [torch.cat(out) if x is not None else None for out, x in zip(parts, olds, strict=True)]
+    return res[0], res[1], res[2]
 
 
 def refresh_pages(
-    kmin: torch.Tensor,
-    kmax: torch.Tensor,
-    kmean: torch.Tensor,
+    kmin: torch.Tensor | None,
+    kmax: torch.Tensor | None,
+    kmean: torch.Tensor | None,
     page_ids: torch.Tensor,
     page_keys: torch.Tensor,
     valid: torch.Tensor,
@@ -172,6 +178,7 @@ def refresh_pages(
     page_ids `[Hkv, n]` (distinct per head); page_keys `[Hkv, n*page, D]`: the pages' columns as they are
     now (the fetched columns with the swapped ones replaced), in `gather_columns` order; valid
     `[Hkv, n*page]`: which of them are real columns (the last page may be partial). Pages are non-empty.
+    A summary given as None is skipped.
     """
     hkv, n = page_ids.shape
     if n == 0:
@@ -179,13 +186,13 @@ def refresh_pages(
     page = page_keys.shape[1] // n
     k = page_keys.float().view(hkv, n, page, -1)
     ok = valid.view(hkv, n, page, 1)
-    new_min = torch.where(ok, k, float("inf")).amin(2)
-    new_max = torch.where(ok, k, float("-inf")).amax(2)
-    new_mean = torch.where(ok, k, 0.0).sum(2) / ok.sum(2).clamp_min(1)
     heads = torch.arange(hkv, device=page_ids.device)[:, None].expand(hkv, n)
-    kmin[page_ids, heads] = new_min
-    kmax[page_ids, heads] = new_max
-    kmean[page_ids, heads] = new_mean
+    if kmin is not None:
+        kmin[page_ids, heads] = torch.where(ok, k, float("inf")).amin(2).to(kmin.dtype)
+    if kmax is not None:
+        kmax[page_ids, heads] = torch.where(ok, k, float("-inf")).amax(2).to(kmax.dtype)
+    if kmean is not None:
+        kmean[page_ids, heads] = (torch.where(ok, k, 0.0).sum(2) / ok.sum(2).clamp_min(1)).to(kmean.dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -193,27 +200,40 @@ def refresh_pages(
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_scores(q: torch.Tensor, kmin: torch.Tensor, mode: str, agg: str) -> tuple[int, int, int, int, int]:
+def _check_scores(
+    q: torch.Tensor,
+    kmin: torch.Tensor | None,
+    kmax: torch.Tensor | None,
+    kmean: torch.Tensor | None,
+    mode: str,
+    agg: str,
+) -> tuple[int, int, int, int, int]:
     assert mode in MODES, f"mode must be one of {MODES}"
     assert agg in AGGS, f"agg must be one of {AGGS}"
-    assert q.dim() == 3 and kmin.dim() == 3, "q is [W, Hq, D], summaries are [p, Hkv, D]"
+    used = (kmin, kmax) if mode == "minmax" else (kmean,)
+    assert all(x is not None for x in used), (
+        f"mode {mode} needs {'kmin and kmax' if mode == 'minmax' else 'kmean'}"
+    )
+    ref = used[0]
+    assert q.dim() == 3 and ref.dim() == 3, "q is [W, Hq, D], summaries are [p, Hkv, D]"
     w, hq, d = q.shape
-    p, hkv, d2 = kmin.shape
+    p, hkv, d2 = ref.shape
     assert d == d2 and hq % hkv == 0, "q and summaries disagree on D, or Hq is not a multiple of Hkv"
     return w, hq, d, p, hkv
 
 
 def page_scores_ref(
     q: torch.Tensor,
-    kmin: torch.Tensor,
-    kmax: torch.Tensor,
-    kmean: torch.Tensor,
+    kmin: torch.Tensor | None,
+    kmax: torch.Tensor | None,
+    kmean: torch.Tensor | None,
     mode: str,
     scale: float,
     agg: str = "max",
 ) -> torch.Tensor:
-    """Torch reference: `[Hkv, p]` float32 page scores (see the module docstring)."""
-    w, hq, d, p, hkv = _check_scores(q, kmin, mode, agg)
+    """Torch reference: `[Hkv, p]` float32 page scores (see the module docstring). Summaries of any float
+    dtype; only the mode's are read (the others may be None)."""
+    w, hq, d, p, hkv = _check_scores(q, kmin, kmax, kmean, mode, agg)
     g = hq // hkv
     qf = q.float().permute(1, 0, 2).reshape(hkv, g * w, d)  # row j*W + i: query i of head h*G + j
     out = torch.empty(hkv, p, dtype=torch.float32, device=q.device)
@@ -224,11 +244,11 @@ def page_scores_ref(
     for p0 in range(0, p, step):
         p1 = min(p, p0 + step)
         if mode == "minmax":
-            s = torch.matmul(qpos, kmax[p0:p1].permute(1, 2, 0)) + torch.matmul(
-                qneg, kmin[p0:p1].permute(1, 2, 0)
+            s = torch.matmul(qpos, kmax[p0:p1].float().permute(1, 2, 0)) + torch.matmul(
+                qneg, kmin[p0:p1].float().permute(1, 2, 0)
             )
         else:
-            s = torch.matmul(qf, kmean[p0:p1].permute(1, 2, 0))
+            s = torch.matmul(qf, kmean[p0:p1].float().permute(1, 2, 0))
         s.mul_(scale)
         out[:, p0:p1] = s.amax(1) if agg == "max" else s.sum(1)
     return out
@@ -283,20 +303,21 @@ def _page_scores_kernel(
 
 def page_scores_triton(
     q: torch.Tensor,
-    kmin: torch.Tensor,
-    kmax: torch.Tensor,
-    kmean: torch.Tensor,
+    kmin: torch.Tensor | None,
+    kmax: torch.Tensor | None,
+    kmean: torch.Tensor | None,
     mode: str,
     scale: float,
     agg: str = "max",
 ) -> torch.Tensor:
     """Triton version: summaries read once per page block, queries streamed; never builds [G*W, p]."""
-    w, hq, d, p, hkv = _check_scores(q, kmin, mode, agg)
+    w, hq, d, p, hkv = _check_scores(q, kmin, kmax, kmean, mode, agg)
     out = torch.empty(hkv, p, dtype=torch.float32, device=q.device)
     if p == 0 or w == 0:
         return out.fill_(float("-inf") if agg == "max" else 0.0)
     q = q.contiguous()
-    kmin, kmax, kmean = (t.float().contiguous() for t in (kmin, kmax, kmean))
+    ref = kmin if mode == "minmax" else kmean
+    kmin, kmax, kmean = ((x if x is not None else ref).float().contiguous() for x in (kmin, kmax, kmean))
     bp = 32
     _page_scores_kernel[(hkv, triton.cdiv(p, bp))](
         q, kmin, kmax, kmean, out, p, w, d, hq // hkv, hkv, float(scale),
@@ -309,15 +330,15 @@ def page_scores_triton(
 
 def page_scores(
     q: torch.Tensor,
-    kmin: torch.Tensor,
-    kmax: torch.Tensor,
-    kmean: torch.Tensor,
+    kmin: torch.Tensor | None,
+    kmax: torch.Tensor | None,
+    kmean: torch.Tensor | None,
     mode: str,
     scale: float,
     agg: str = "max",
 ) -> torch.Tensor:
     """`[Hkv, p]` float32 page scores of window queries `q [W, Hq, D]`; see the module docstring."""
-    if use_triton(kmin):
+    if use_triton(kmin if kmin is not None else kmean):
         return page_scores_triton(q, kmin, kmax, kmean, mode, scale, agg)
     return page_scores_ref(q, kmin, kmax, kmean, mode, scale, agg)
 

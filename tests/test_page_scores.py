@@ -156,6 +156,34 @@ def test_refresh_pages_after_a_change():
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["minmax", "mean"])
+def test_one_modes_summaries_in_the_kv_dtype(mode):
+    """The tier keeps only its mode's summaries, in bf16: append and refresh leave the others None and
+    match the fp32 recompute to bf16 rounding, and the scores read only the mode's."""
+    e, hkv, d, page, n_old = 30, 2, 8, 4, 13
+    keys = _keys(e, hkv, d, torch.float32, seed=21).cpu()
+    keep = (mode == "minmax", mode == "minmax", mode == "mean")
+
+    def own(summ):
+        return [x.to(torch.bfloat16) if k else None for x, k in zip(summ, keep, strict=True)]
+
+    got = K.page_summaries_append(*own(K.page_summaries_ref(keys[:n_old], page)), n_old, keys[n_old:], page)
+    ids = torch.tensor([[1, 7], [0, 4]])  # page 7 is partial (columns 28, 29)
+    cols, valid = K.gather_columns(ids, page, e)
+    heads = torch.arange(hkv)[:, None]
+    changed = keys.clone()
+    changed[cols[valid], heads.expand_as(cols)[valid]] = torch.randn(int(valid.sum()), d)
+    K.refresh_pages(*got, ids, changed[cols, heads], valid)
+    for g, w, k in zip(got, K.page_summaries_ref(changed, page), keep, strict=True):
+        assert (g is not None) == k
+        if k:
+            assert g.dtype == torch.bfloat16
+            torch.testing.assert_close(g.float(), w, rtol=1e-2, atol=1e-2)
+    q = _keys(3, 2 * hkv, d, torch.float32, seed=22).cpu()
+    want = K.page_scores_ref(q, *K.page_summaries_ref(changed, page), mode, 0.3, "sum")
+    torch.testing.assert_close(K.page_scores_ref(q, *got, mode, 0.3, "sum"), want, rtol=2e-2, atol=5e-2)
+
+
 def _naive_swap(kb, vb, slots, hk, hv, cols, swap, counts=None):
     for layer in range(len(kb)):
         for h in range(slots.shape[1]):

@@ -31,14 +31,23 @@ logger = logging.getLogger("sgl_kvevict")
 @dataclass(eq=False)
 class PageSummaries:
     """Per-page summaries of a branch's first `n` host columns' keys, `page` columns a page: `[p, L, H, D]`
-    float32 per-channel min, max and mean, on the KV pool's device (`recall.py` scores pages with them
-    instead of every host key; `kernels/page_scores.py` computes them)."""
+    per-channel min and max (`minmax`) or the mean key (`mean`), the other None, in the KV dtype on the KV
+    pool's device (`recall.py` scores pages with them instead of every host key; `kernels/page_scores.py`
+    computes them)."""
 
-    kmin: torch.Tensor
-    kmax: torch.Tensor
-    kmean: torch.Tensor
+    kmin: torch.Tensor | None
+    kmax: torch.Tensor | None
+    kmean: torch.Tensor | None
     n: int
     page: int
+
+    def at(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """`(kmin, kmax, kmean)` of one layer, `[p, H, D]` views (None where not kept)."""
+        return tuple(x[:, layer] if x is not None else None for x in (self.kmin, self.kmax, self.kmean))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.numel() * x.element_size() for x in (self.kmin, self.kmax, self.kmean) if x is not None)
 
 
 @dataclass(eq=False)

@@ -241,24 +241,31 @@ def _account(s: st.ReqState, swapped: int) -> None:
 
 
 # ---- page summaries: score pages, fetch only the chosen pages' columns ----------------------------
-def summaries(e: host.HostEntries, page: int) -> host.PageSummaries:
-    """The branch's page summaries, brought up to its column count. Columns demoted since the last
-    recall are read from the host once, and merged into the partial last page (`page_summaries_append`);
-    a swap refreshes the pages it wrote (`_Recall.layer`), so summaries always describe the columns."""
+def summaries(e: host.HostEntries, page: int, mode: str) -> host.PageSummaries:
+    """The branch's page summaries (`mode`'s only, in the KV dtype), brought up to its column count.
+    Columns demoted since the last recall are read from the host once, and merged into the partial last
+    page (`page_summaries_append`); a swap refreshes the pages it wrote (`_Recall.layer`), so summaries
+    always describe the columns."""
     pool, rt = host.POOL, runtime.RT
-    dev = rt.k_buffer(0).device
+    kb = rt.k_buffer(0)
+    lh = rt.n_layers * pool.heads
     sm = e.summaries
-    if sm is None or sm.page != page or sm.n > e.count:
-        empty = torch.zeros(0, rt.n_layers * pool.heads, pool.dim, device=dev)
-        sm = host.PageSummaries(empty, empty.clone(), empty.clone(), 0, page)
+    if sm is None or sm.page != page or sm.n > e.count or (sm.kmin is None) != (mode == "mean"):
+        empty = torch.zeros(0, rt.n_layers, pool.heads, pool.dim, dtype=kb.dtype, device=kb.device)
+        keep = (mode == "minmax", mode == "minmax", mode == "mean")
+        sm = host.PageSummaries(*(empty.clone() if k else None for k in keep), n=0, page=page)
     if sm.n < e.count:
         new = pool.k[:, e.cols[sm.n :].to(pool.k.device)]  # [L, m, H, D]
-        lh = rt.n_layers * pool.heads
-        new = new.transpose(0, 1).reshape(new.shape[1], lh, pool.dim).to(dev)  # [m, L*H, D]
-        flat = [t.reshape(t.shape[0], lh, pool.dim) for t in (sm.kmin, sm.kmax, sm.kmean)]
-        kmin, kmax, kmean = K.page_summaries_append(*flat, sm.n, new, page)
-        shape = (kmin.shape[0], rt.n_layers, pool.heads, pool.dim)
-        sm = host.PageSummaries(kmin.view(shape), kmax.view(shape), kmean.view(shape), e.count, page)
+        new = new.transpose(0, 1).reshape(new.shape[1], lh, pool.dim).to(kb.device)  # [m, L*H, D]
+        flat = [
+            x.reshape(x.shape[0], lh, pool.dim) if x is not None else None
+            for x in (sm.kmin, sm.kmax, sm.kmean)
+        ]
+        got = K.page_summaries_append(*flat, sm.n, new, page)
+        shaped = [
+            x.view(x.shape[0], rt.n_layers, pool.heads, pool.dim) if x is not None else None for x in got
+        ]
+        sm = host.PageSummaries(*shaped, n=e.count, page=page)
     e.summaries = sm
     return sm
 
@@ -272,7 +279,7 @@ def _paged(e: host.HostEntries, r: int) -> tuple[host.PageSummaries | None, int]
     n_sel = -(-FETCH * r // page)
     if cfg.recall_summary == "off" or K.n_pages(e.count, page) <= n_sel:
         return None, 0
-    return summaries(e, page), n_sel
+    return summaries(e, page, cfg.recall_summary), n_sel
 
 
 # ---- one recall, layer by layer (inside a forward, or after a compression) ------------------------
@@ -319,16 +326,8 @@ class _Recall:
             hk = pool.k[layer].index_select(0, self.cols).to(dev)  # [e, H, D]
         else:
             sm = self.sums
-            mode = server_settings().recall_summary
-            sc = K.page_scores(
-                q.transpose(0, 1),
-                sm.kmin[:, layer],
-                sm.kmax[:, layer],
-                sm.kmean[:, layer],
-                mode,
-                rt.scale,
-                "sum",
-            )
+            mode = "minmax" if sm.kmin is not None else "mean"
+            sc = K.page_scores(q.transpose(0, 1), *sm.at(layer), mode, rt.scale, "sum")
             page_ids = K.select_pages(sc, self.n_sel)  # [H, n]
             cand, valid = K.gather_columns(page_ids, sm.page, int(self.cols.numel()))  # [H, c]
             hk = _host_keys(layer, self.cols[cand.to(pool.k.device)], heads).to(dev)  # [c, H, D]
@@ -352,8 +351,7 @@ class _Recall:
         self.swapped = counts.sum() if self.swapped is None else self.swapped + counts.sum()
         if cand is not None:  # the swap wrote displaced entries into the fetched pages: re-summarise them
             now = _host_keys(layer, self.cols[cand.to(pool.k.device)], heads).to(dev).transpose(0, 1)
-            sm = self.sums
-            K.refresh_pages(sm.kmin[:, layer], sm.kmax[:, layer], sm.kmean[:, layer], page_ids, now, valid)
+            K.refresh_pages(*self.sums.at(layer), page_ids, now, valid)
         elif self.s.host.summaries is not None:  # scored flat: the swapped columns' summaries are stale
             self.s.host.summaries = None
 
