@@ -22,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
+from sgl_kvevict.cache import recall
+from sgl_kvevict.config import DEFAULT_RECALL_PAGE
 from sgl_kvevict.serve.serverproc import Server
 from sgl_kvevict.tools import oracle
 
@@ -66,8 +68,8 @@ def kv_override(label: str) -> dict:
     if label == "none":
         return {"policy": "none"}
     policy, cfg = VARIANTS.get(label, (label, POLICIES.get(label, {})))
-    recall = RECALL if label.endswith("-recall") else 0
-    return {"policy": policy, "budget": BUDGET, "config": {"interval": 6, **cfg}, "recall_tokens": recall}
+    tokens = RECALL if label.endswith("-recall") else 0
+    return {"policy": policy, "budget": BUDGET, "config": {"interval": 6, **cfg}, "recall_tokens": tokens}
 
 
 def timeline_of(out: dict) -> oracle.Timeline:
@@ -191,8 +193,9 @@ def test_multi_turn_under_eviction_equals_hf(runs, model, policy: str):
                 f"branch scope kept the whole history: {held} -> {history}"
             )
             if policy.endswith("-recall"):  # the prefill brought back entries the admission did not hold
-                # from more host entries than a recall fetches (2R): it scored page summaries, then pages
-                assert t - held > 2 * RECALL, f"host history {t - held} too short for a paged recall"
+                # from more host entries than a recall fetches: it scored page summaries, then pages
+                fetched = max(recall.FETCH * RECALL, recall.FETCH_MIN_PAGES * DEFAULT_RECALL_PAGE)
+                assert t - held > fetched, f"host history {t - held} too short for a paged recall"
                 at_prefill = [ev for ev in turn.timeline[1:] if int(ev["tokens"]) == t]
                 assert at_prefill and any(
                     set(p) - set(a)

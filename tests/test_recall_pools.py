@@ -90,8 +90,8 @@ def _reference_swaps(
 ) -> list[list[set]]:
     """Which host columns each (layer, head) should hold on the device after recall, by plain loops:
     the last `w` window queries score (the largest probability any of them gives), and a host entry ranks
-    by the best score of its page. Paged (`summary` on and more pages than 2r/page): only the columns of
-    the ceil(2r/page) best pages by their summary's score are candidates (a partial last page is padded
+    by the best score of its page. Paged (`summary` on and more pages than a recall fetches): only the
+    columns of the best pages by their summary's score are candidates (a partial last page is padded
     with its last column, which takes part in the softmax but is never chosen)."""
     kv_len = req.kv.kv_committed_len
     slots = p.r2t.req_to_token[0, :kv_len].long()
@@ -100,7 +100,7 @@ def _reference_swaps(
     length = s.tokens_for(kv_len)
     e = s.host.count
     r = min(R, hi - lo, e, cap)
-    n_sel = -(-2 * r // page)
+    n_sel = max(-(-recall.FETCH * r // page), recall.FETCH_MIN_PAGES)
     n_pg = -(-e // page)
     out = []
     for ly in range(L):
