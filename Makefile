@@ -20,9 +20,11 @@ serve-cluster:
 	@PY=$$($(ENV)) && $$PY -m sgl_kvevict.cluster --workers $(WORKERS) --port $(PORT) -- --kv-policy $(POLICY) --kv-budget $(BUDGET) $(ARGS)
 
 ## The whole test suite (unit, integration on SGLang's real pools, end-to-end on the real server).
+## OpenMP threads wait passively (as the CPU servers do, sgl_kvevict/launch.py): the suite shares 2 cores with its servers.
 test:
 	@PY=$$($(ENV)) && echo "[test] ruff" && $$PY -m ruff check . && $$PY -m ruff format --check . && \
-	  echo "[test] pytest" && $$PY -m sgl_kvevict.model >/dev/null && $$PY -m pytest -v -rs --durations=25 tests
+	  echo "[test] pytest" && $$PY -m sgl_kvevict.model >/dev/null && \
+	  OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $$PY -m pytest -v -rs --durations=25 tests
 
 ## Only the tests that need no server.
 test-fast:

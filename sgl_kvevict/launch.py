@@ -1,8 +1,8 @@
 """Build and run the `python -m sglang.launch_server` command for this machine.
 
 On a machine without CUDA it adds SGLang's CPU flags (`--device cpu --attention-backend torch_native
---sampling-backend pytorch --disable-cuda-graph --sleep-on-idle`) and `SGLANG_USE_CPU_ENGINE=1`, and
-defaults `--model-path` to the embedded SmolLM2. Every other argument is passed through unchanged.
+--sampling-backend pytorch --disable-cuda-graph --sleep-on-idle`), `SGLANG_USE_CPU_ENGINE=1` and
+`OMP_WAIT_POLICY=PASSIVE` (see `CPU_ENV`), and defaults `--model-path` to the embedded SmolLM2. Every other argument is passed through unchanged.
 
     python -m sgl_kvevict.launch --kv-policy lagkv --kv-budget 256 [any sglang flag ...]
 """
@@ -32,6 +32,13 @@ CPU_FLAGS = {
     "--mem-fraction-static": "0.1",
     "--host": "127.0.0.1",
 }
+
+
+# OpenMP threads that wait for each other sleep instead of spinning: on a busy machine a spinning thread
+# burns the time slice its preempted partner needs (one request beside two busy processes: 54.8 s once,
+# 5.4-7.8 s otherwise, with OpenMP's default; 5.4-5.6 s with PASSIVE; idle: 4.24 vs 4.38 s;
+# `benchmarks/omp_wait.py`). Servers on CPU often share their cores, so PASSIVE is the default there.
+CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def _given(argv: list[str], flag: str) -> bool:
@@ -69,7 +76,7 @@ def build_command(argv: list[str], cuda: bool | None = None) -> tuple[list[str],
 
         args = ["--model-path", str(default_model_path())] + args
     if not cuda:
-        env["SGLANG_USE_CPU_ENGINE"] = "1"
+        env.update({k: v for k, v in CPU_ENV.items() if k not in os.environ})
         ranks = _int_flag(args, ("--dp-size", "--dp")) * _int_flag(args, ("--tp-size", "--tp"))
         bind = cpu_binding(ranks, os.cpu_count() or 1)
         if bind and "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:

@@ -321,3 +321,18 @@ def test_gpu_check_refuses_without_cuda(capsys) -> None:
     assert "no CUDA device" in capsys.readouterr().err
     assert mod.main(["--model-path", "m", "--policies", "nope"]) == 2
     assert "valid choices" in capsys.readouterr().err
+
+
+def test_cpu_servers_wait_passively_unless_told(monkeypatch) -> None:
+    """On CPU the launcher sets OMP_WAIT_POLICY=PASSIVE (a server beside other work), but never over the
+    user's own value; on CUDA it adds nothing."""
+    from sgl_kvevict.launch import build_command
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    _, env = build_command(["--model-path", "x"], cuda=False)
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["SGLANG_USE_CPU_ENGINE"] == "1"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    _, env = build_command(["--model-path", "x"], cuda=False)
+    assert "OMP_WAIT_POLICY" not in env and env["SGLANG_USE_CPU_ENGINE"] == "1"
+    _, env = build_command(["--model-path", "x"], cuda=True)
+    assert "OMP_WAIT_POLICY" not in env and "SGLANG_USE_CPU_ENGINE" not in env
