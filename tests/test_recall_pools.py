@@ -219,10 +219,14 @@ def test_page_max_ranks_an_entry_by_its_pages_best():
     assert idx.tolist() == [[[1, 0, 2]]] and vals[0, 0, 2] == float("-inf")  # ranked last, never swapped
 
 
-def test_a_failure_inside_recall_changes_nothing(pools: Pools, monkeypatch):
-    """Recall is plan/commit: an exception before its exchange (here inside `kernels.host_swap`) leaves
-    the device row and the host columns as they were, turns recall off for that request only, and is
-    counted; the request keeps its compression."""
+@pytest.mark.parametrize(
+    ("where", "calls_before"), [("host_swap", 0), ("host_swap", 2), ("refresh_pages", 1)]
+)
+def test_a_failure_inside_recall_changes_nothing(pools: Pools, monkeypatch, where: str, calls_before: int):
+    """Recall is plan/commit: an exception at any point (here inside `kernels.host_swap` of the first or
+    the last layer, before it writes, or inside a page-summary refresh after layer 1's swap) leaves the
+    device row and the host columns as they were (the layers already swapped are swapped back), turns
+    recall off for that request only, and is counted; the request keeps its compression."""
     monkeypatch.setenv(SETTINGS_ENV_VAR, ServerSettings(recall_tokens=R, recall_page=4).to_env())
     p = pools
     batch, req, s, heads, orig_k, orig_v = _setup(p, "snapkv")
@@ -232,18 +236,40 @@ def test_a_failure_inside_recall_changes_nothing(pools: Pools, monkeypatch):
     kv_len = req.kv.kv_committed_len
     slots = p.r2t.req_to_token[0, :kv_len].long()
     dev_before = [p.kv.get_key_buffer(ly)[slots].clone() for ly in range(L)]
+    dev_v_before = [p.kv.get_value_buffer(ly)[slots].clone() for ly in range(L)]
     cols = s.host.cols.clone()
     host_before = host.POOL.k[:, cols].clone()  # (unused columns hold uninitialised memory)
+    host_v_before = host.POOL.v[:, cols].clone()
+    real_swap, real_refresh = recall.K.host_swap, recall.K.refresh_pages
+    swapped: list[int] = []  # entries each host_swap call moved (the rollback's calls included)
+    refreshes: list[int] = []
 
-    def boom(*args, **kwargs):
-        raise RuntimeError("injected")
+    def swap(*args):
+        if where == "host_swap" and len(swapped) == calls_before:
+            swapped.append(-1)
+            raise RuntimeError("injected")
+        real_swap(*args)
+        swapped.append(int(args[-1].sum()))
 
-    monkeypatch.setattr(recall.K, "host_swap", boom)
+    def refresh(*args):
+        refreshes.append(1)
+        if where == "refresh_pages" and len(refreshes) == calls_before + 1:
+            raise RuntimeError("injected")
+        return real_refresh(*args)
+
+    monkeypatch.setattr(recall.K, "host_swap", swap)
+    monkeypatch.setattr(recall.K, "refresh_pages", refresh)
     s.recall_due = True
     assert recall.safe_recall(req) == 0
+    before = swapped[: calls_before + (where == "refresh_pages")]  # the layers swapped before the failure
+    assert (sum(before) > 0) == bool(before), swapped  # (then swapped back)
     assert s.recall == 0 and not demote.enabled(s) and host.POOL.totals.recall_failures == 1
-    assert all(torch.equal(p.kv.get_key_buffer(ly)[slots], dev_before[ly]) for ly in range(L))
+    for ly in range(L):
+        assert torch.equal(p.kv.get_key_buffer(ly)[slots], dev_before[ly]), ly
+        assert torch.equal(p.kv.get_value_buffer(ly)[slots], dev_v_before[ly]), ly
     assert torch.equal(s.host.cols, cols) and torch.equal(host.POOL.k[:, cols], host_before)
+    assert torch.equal(host.POOL.v[:, cols], host_v_before)
+    assert s.host.summaries is None  # rebuilt from the columns by the next recall
     assert s.recalled == 0 and s.bytes_moved == 0 and not s.failed
     s.drop_host()
     assert host.POOL.n_free == host.POOL.size

@@ -30,13 +30,17 @@ compression it always is; before a prefill, `arm` copies it out of the tree into
 first, as `compressor.own_region` does for a turn whose compression did not fire).
 
 Every failure here degrades the request's recall only (logged, counted); its compression continues.
+A failure part-way swaps back what the recall had swapped (`_Recall.rollback`), so the row and the host
+hold what they held before it. Inside a prefill's forward the layers before the failure have already
+computed the new tokens over the recalled entries: those tokens' KV stays (it is what the model computed
+over a consistent set of entries), only the history is restored.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -147,9 +151,13 @@ def recall(req: Any, s: st.ReqState) -> int:
         s.recall_skipped += 1
         return 0
     one = _Recall.start(req, s, kv_len, length, lo, hi, r)
-    for layer in range(runtime.RT.n_layers):
-        q = capture.STORE.get(kv.req_pool_idx, layer, length)[:, -w:]  # [Hq, w, D], the row's last w
-        one.layer(layer, q, causal=True)
+    try:
+        for layer in range(runtime.RT.n_layers):
+            q = capture.STORE.get(kv.req_pool_idx, layer, length)[:, -w:]  # [Hq, w, D], the row's last w
+            one.layer(layer, q, causal=True)
+    except Exception:
+        one.rollback("recall")
+        return 0
     return one.finish()
 
 
@@ -192,12 +200,14 @@ def _exchange(
     r: int,
     dbg: _DebugSwap | None,
     cand: torch.Tensor | None = None,
+    log: list[tuple] | None = None,
 ) -> torch.Tensor:
     """Per layer (from `layer`, as many as the scores have) and KV head: the `r` best-ranked host entries
     that beat the lowest-scored kept entries of `[lo, hi)` swap places with them (`kernels.host_swap`).
     `row_sc` `[l, H, len(row_slots)]`, `host_sc` `[l, H, c]`: every host entry (`cand` None), or the
-    candidates `cand` `[l, H, c]` (indices into the branch's columns, whole pages in a row). Returns the
-    `[l, H]` swapped counts (on the device: no host sync)."""
+    candidates `cand` `[l, H, c]` (indices into the branch's columns, whole pages in a row). Each swap is
+    appended to `log` as it is written (a swap is its own inverse: `_Recall.rollback` replays the log
+    backwards). Returns the `[l, H]` swapped counts (on the device: no host sync)."""
     rt, pool = runtime.RT, host.POOL
     hs, hidx = best_entries(host_sc, server_settings().recall_page, r)  # [l, H, r], best first
     if cand is not None:
@@ -211,15 +221,11 @@ def _exchange(
         dbg.apply(layer, (cidx + lo).cpu(), hidx.cpu(), swap.cpu())
     layers = range(layer, layer + int(row_sc.shape[0]))
     sl = slice(layers.start, layers.stop)
-    K.host_swap(
-        [rt.k_buffer(i) for i in layers],
-        [rt.v_buffer(i) for i in layers],
-        dev_slots,
-        pool.k[sl],
-        pool.v[sl],
-        host_cols,
-        counts,
-    )
+    args = ([rt.k_buffer(i) for i in layers], [rt.v_buffer(i) for i in layers], dev_slots)
+    args += (pool.k[sl], pool.v[sl], host_cols, counts)
+    K.host_swap(*args)
+    if log is not None:
+        log.append(args)
     if slotstats.STATS is not None:  # a recalled slot's ||v W_O|| is another value's: stale
         heads = torch.arange(rt.n_kv_heads, device=dev_slots.device).unsqueeze(-1)
         for i, li in enumerate(layers):
@@ -304,6 +310,7 @@ class _Recall:
     dbg: _DebugSwap | None = None
     decode: bool = False
     swapped: torch.Tensor | None = None  # on the device, read once at the end
+    done: list[tuple] = field(default_factory=list)  # the swaps written so far (`rollback`)
 
     @classmethod
     def start(
@@ -349,6 +356,7 @@ class _Recall:
             self.r,
             self.dbg,
             None if cand is None else cand[None],
+            self.done,
         )
         self.swapped = counts.sum() if self.swapped is None else self.swapped + counts.sum()
         if cand is not None:  # the swap wrote displaced entries into the fetched pages: re-summarise them
@@ -357,7 +365,23 @@ class _Recall:
         elif self.s.host.summaries is not None:  # scored flat: the swapped columns' summaries are stale
             self.s.host.summaries = None
 
+    def rollback(self, what: str) -> None:
+        """A failure part-way (some layers swapped): swap those layers back, newest first, so the row and
+        the host hold what they held before this recall (nothing lost, nothing duplicated); then turn
+        recall off for the request (`demote.fail`). The branch's page summaries are dropped (a refresh
+        may have seen the swapped columns); the next recall rebuilds them from the columns."""
+        try:
+            for args in reversed(self.done):
+                K.host_swap(*args)
+            self.done.clear()
+        except Exception:
+            logger.exception("kvevict: undoing a failed recall failed")
+        if self.s.host is not None:
+            self.s.host.summaries = None
+        demote.fail(self.s, what)
+
     def finish(self) -> int:
+        self.done.clear()
         swapped = int(self.swapped) if self.swapped is not None else 0
         if self.dbg is not None:
             self.dbg.record(self.s, self.tokens)
@@ -475,9 +499,9 @@ def before_attention(layer_mod, q, k, v, forward_batch, *args, **kwargs):
             if last:
                 ARMED.pop(row, None)
                 one.finish()
-        except Exception:
+        except Exception:  # this request's recall only: its earlier layers are swapped back
             ARMED.pop(row, None)
-            demote.fail(one.s, "recall")
+            one.rollback("recall")
     return None
 
 
