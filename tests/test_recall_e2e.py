@@ -110,7 +110,8 @@ def test_a_short_question_turn_recalls_into_its_own_copy(recall_server: Server):
     there. The kept timeline stays a valid oracle input (sorted position sets, all before the event).
 
     Measured, not asserted: how many planted (layer, head, position) entries are on the device at the
-    question with and without recall (printed; see notes/tier.md for why recall can hold fewer)."""
+    question with and without recall (printed; recall can hold fewer: it swaps in what the question's
+    queries pick, which is not always the planted value)."""
     kv = {"policy": "lagkv", "budget": BUDGET, "config": {"scope": "branch", "lag": 16}}
     turns = [FACT, *fillers(11), "What is the vault code? Answer with the number only."]
     fact_pos = _planted(FACT, "4817")
@@ -157,6 +158,7 @@ def test_recall_brings_the_planted_fact_back_to_the_device(recall_server: Server
 def test_host_cap_drops_the_least_recently_used_branch(recall_server: Server):
     """Two sessions that each fill most of the host pool: the first loses its entries to the second, its
     next turn still runs, and after a flush every host column is free again (no leak on either pool)."""
+    failures0 = host_state(recall_server)["recall_failures"]
     a_turns = [FACT, *fillers(21, 5)]
     a, a_ids = session(recall_server, SNAP, a_turns)
     b, _ = session(recall_server, SNAP, [FACT, *fillers(41, 5)])
@@ -168,7 +170,34 @@ def test_host_cap_drops_the_least_recently_used_branch(recall_server: Server):
     recall_server.flush()
     state = host_state(recall_server)
     assert state["host_used"] == 0 and state["host_branches"] == 0, state
-    assert state["recall_failures"] == 0
+    assert state["recall_failures"] == failures0
+
+
+def test_a_failure_inside_recall_leaves_the_turn_as_without_recall(recall_server: Server):
+    """`test_recall_fault` (SnapKV, test-only) fails inside each turn's recall right after a swap that
+    moved entries, before that layer's attention: the swap is undone, recall is off for that request, the
+    failure is counted and logged, and the session runs token for token as with recall off (same KV, so
+    the same tokens), turn after turn. The server keeps recalling for everyone else, and nothing leaks."""
+    turns = [FACT, *fillers(61, 3), "What is the vault code? Answer with the number only."]
+    faulty = {"policy": "test_recall_fault", "budget": BUDGET, "config": {"scope": "branch"}}
+    failures0 = host_state(recall_server)["recall_failures"]
+    logged0 = recall_server.log_path.read_text(errors="replace").count("deliberate failure after swapping")
+    recall_server.flush()  # both from an empty tree: a prefix reused from another session's prefill
+    bad, _ = session(recall_server, faulty, turns)  # can round differently (other matmul shapes)
+    recall_server.flush()
+    off, _ = session(recall_server, {**faulty, "recall_tokens": 0}, turns)
+    assert [r["output_ids"] for r in bad] == [r["output_ids"] for r in off]
+    assert all(not r["failed"] and r.get("recalled", 0) == 0 for r in bad), bad
+    assert [r["kv_tokens"] for r in bad] == [r["kv_tokens"] for r in off]
+    logged = recall_server.log_path.read_text(errors="replace").count("deliberate failure after swapping")
+    failed_turns = host_state(recall_server)["recall_failures"] - failures0
+    assert failed_turns >= 2 and logged - logged0 == failed_turns, (failed_turns, logged, logged0)
+    good, _ = session(recall_server, SNAP, turns)  # everyone else still recalls
+    assert good[-1]["recalled"] > 0, good[-1]
+    recall_server.flush()
+    state = host_state(recall_server)
+    assert state["host_used"] == 0 and state["host_branches"] == 0, state
+    assert state["recall_failures"] == failures0 + failed_turns
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""Test-only policies, registered only when KVEVICT_TEST_POLICIES=1 (never in a normal server).
+"""Test-only policies, registered only when KVEVICT_TEST_POLICIES=1 (never in a normal server); one of
+them, `test_recall_fault`, fails inside the recall stage (its exchange is wrapped for that policy only).
 
 They plug in through their own `sglang.srt.plugins` entry point (`load`, see pyproject.toml), so the
 serving side never imports the tools."""
@@ -9,9 +10,10 @@ import os
 
 import torch
 
-from sgl_kvevict.cache import runtime
+from sgl_kvevict.cache import recall, runtime
 from sgl_kvevict.policies import REGISTRY, LayerView, Policy, register
 from sgl_kvevict.policies.knorm import KNormPolicy
+from sgl_kvevict.policies.snapkv import SnapKVPolicy
 
 
 class RaisingPolicy(Policy):
@@ -38,10 +40,34 @@ class StagedFaultPolicy(KNormPolicy):
             raise RuntimeError("test_fault_staged: deliberate failure after writing the staged copies")
 
 
+class RecallFaultPolicy(SnapKVPolicy):
+    """SnapKV whose every recall fails right after its first swap that moved entries (see
+    `_failing_exchange`): the swap is written, then undone. A turn must then run exactly as with recall
+    off, since the failure comes before that layer's attention reads the row."""
+
+    name = "test_recall_fault"
+
+
+def _failing_exchange(real):
+    def exchange(s, layer, *args, **kwargs):
+        counts = real(s, layer, *args, **kwargs)
+        if s.policy.name == RecallFaultPolicy.name and int(counts.sum()) > 0:
+            raise RuntimeError(
+                f"test_recall_fault: deliberate failure after swapping {int(counts.sum())} entries "
+                f"at layer {layer}"
+            )
+        return counts
+
+    exchange.kvevict_test_fault = True
+    return exchange
+
+
 def load() -> None:
     """Entry point: registers the test policies when KVEVICT_TEST_POLICIES=1 (idempotent)."""
     if os.environ.get("KVEVICT_TEST_POLICIES") != "1":
         return
-    for cls in (RaisingPolicy, StagedFaultPolicy):
+    for cls in (RaisingPolicy, StagedFaultPolicy, RecallFaultPolicy):
         if cls.name not in REGISTRY:
             register(cls)
+    if not getattr(recall._exchange, "kvevict_test_fault", False):
+        recall._exchange = _failing_exchange(recall._exchange)
