@@ -189,7 +189,7 @@ class _DebugSwap:
         s.debug_event(self.pos, tokens)
 
 
-def _exchange(
+def exchange(
     s: st.ReqState,
     layer: int,
     row_slots: torch.Tensor,
@@ -345,7 +345,7 @@ class _Recall:
         keys = torch.cat([hk, rt.k_buffer(layer).index_select(0, self.row_slots)])
         p = K.window_attention(q, keys, torch.arange(keys.shape[0], device=dev), rt.scale, causal, "max")
         host_sc = p[:, :e] if valid is None else p[:, :e].masked_fill(~valid, float("-inf"))
-        counts = _exchange(
+        counts = exchange(
             self.s,
             layer,
             self.row_slots,

@@ -69,5 +69,5 @@ def load() -> None:
     for cls in (RaisingPolicy, StagedFaultPolicy, RecallFaultPolicy):
         if cls.name not in REGISTRY:
             register(cls)
-    if not getattr(recall._exchange, "kvevict_test_fault", False):
-        recall._exchange = _failing_exchange(recall._exchange)
+    if not getattr(recall.exchange, "kvevict_test_fault", False):
+        recall.exchange = _failing_exchange(recall.exchange)
