@@ -2,7 +2,8 @@
 
 On a machine without CUDA it adds SGLang's CPU flags (`--device cpu --attention-backend torch_native
 --sampling-backend pytorch --disable-cuda-graph --sleep-on-idle`), `SGLANG_USE_CPU_ENGINE=1` and
-`OMP_WAIT_POLICY=PASSIVE` (see `CPU_ENV`), and defaults `--model-path` to the embedded SmolLM2. Every other argument is passed through unchanged.
+`OMP_WAIT_POLICY=PASSIVE` (see `CPU_ENV`), and defaults `--model-path` to the embedded SmolLM2. Every
+other argument is passed through unchanged.
 
     python -m sgl_kvevict.launch --kv-policy lagkv --kv-budget 256 [any sglang flag ...]
 """

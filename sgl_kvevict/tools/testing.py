@@ -7,6 +7,8 @@ serving side never imports the tools."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -48,8 +50,8 @@ class RecallFaultPolicy(SnapKVPolicy):
     name = "test_recall_fault"
 
 
-def _failing_exchange(real):
-    def exchange(s, layer, *args, **kwargs):
+def _failing_exchange(real: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def exchange(s: Any, layer: int, *args: Any, **kwargs: Any) -> torch.Tensor:
         counts = real(s, layer, *args, **kwargs)
         if s.policy.name == RecallFaultPolicy.name and int(counts.sum()) > 0:
             raise RuntimeError(
