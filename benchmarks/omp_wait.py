@@ -1,8 +1,8 @@
 """One server request under OpenMP's wait policies, on an idle machine and beside busy processes.
 
 Each variant starts its own server (`--kv-policy d2o --kv-budget 256`), sends a warm-up request, then
-times the same greedy request (a 1,200-token log prompt, 64 decoded tokens, ignore_eos) `--repeats`
-times after a cache flush. A loaded variant runs `scripts/cpu_burner.sh N` beside the server for its
+times the same greedy request (a 120-line log prompt, 1,337 tokens for SmolLM2; 64 decoded tokens,
+ignore_eos) `--repeats` times after a cache flush. A loaded variant runs `scripts/cpu_burner.sh N` beside the server for its
 whole life. Variants are `idle|load` : `default|passive|active`, where `default` leaves
 `OMP_WAIT_POLICY` empty (libgomp then prints a warning and keeps its built-in policy: spin a while,
 then sleep).
