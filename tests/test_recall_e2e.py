@@ -160,6 +160,42 @@ def test_a_fact_evicted_in_turn_1_is_answered_after_recall(recall_server: Server
     assert not recall_scenario.correct(answers["off"], expect), (expect, answers)
 
 
+def test_a_request_never_recalls_another_configs_or_branchs_entries(recall_server: Server):
+    """Host entries ride on the compressed node they were demoted from and follow its fingerprint.
+
+    Config: the next turn of a stored snapkv session, sent under d2o, adopts none of its compressed
+    history, so its host entries are its own demotions only, and the stored ones stay in the pool (each
+    turn of the snapkv session itself adopted the one before it, entries and all).
+    Branch: a session that shares only its first turn with a stored sibling counts the same host and
+    reused tokens per turn whether the sibling stored 1 filler turn or 3 (adopting the sibling's entries
+    would add its columns to the count)."""
+    question = "What is the vault code? Answer with the number only."
+    d2o = {"policy": "d2o", "budget": BUDGET, "config": {"scope": "branch"}}
+    recall_server.flush()
+    infos, ids = session(recall_server, SNAP, [FACT, *fillers(81, 3)])
+    assert all(r["reused_evicted"] > 0 for r in infos[2:]), infos
+    held = host_state(recall_server)["host_used"]
+    other = recall_server.generate(input_ids=ids + _user(question), max_new_tokens=8, kv=d2o)
+    info = other["meta_info"]["kvevict"][0]
+    assert info["reused_evicted"] == 0 and 0 < info["host_tokens"] == info["evicted"], info
+    assert host_state(recall_server)["host_used"] == held + info["evicted"]
+
+    def counts(turns: list[str]) -> list[tuple[int, int]]:
+        infos, _ = session(recall_server, SNAP, turns)
+        return [(r.get("host_tokens", 0), r["reused_evicted"]) for r in infos]
+
+    mine = [FACT, *fillers(91, 3), question]
+    seen = []
+    for n in (1, 3):
+        recall_server.flush()
+        counts([FACT, *fillers(101, n), question])  # the sibling: its history and host entries stored
+        seen.append(counts(mine))
+    assert seen[0] == seen[1] and seen[0][-1][0] > 0, seen
+    recall_server.flush()
+    state = host_state(recall_server)
+    assert state["host_used"] == 0 and state["host_branches"] == 0, state
+
+
 def test_host_cap_drops_the_least_recently_used_branch(recall_server: Server):
     """Two sessions that each fill most of the host pool: the first loses its entries to the second, its
     next turn still runs, and after a flush every host column is free again (no leak on either pool)."""
