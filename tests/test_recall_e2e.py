@@ -4,6 +4,8 @@ are refused (exit 2 / HTTP 400)."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import requests
 
@@ -191,6 +193,42 @@ def test_a_request_never_recalls_another_configs_or_branchs_entries(recall_serve
         counts([FACT, *fillers(101, n), question])  # the sibling: its history and host entries stored
         seen.append(counts(mine))
     assert seen[0] == seen[1] and seen[0][-1][0] > 0, seen
+    recall_server.flush()
+    state = host_state(recall_server)
+    assert state["host_used"] == 0 and state["host_branches"] == 0, state
+
+
+def test_fork_branches_of_one_stored_history_each_recall(recall_server: Server):
+    """Three questions sent at once off one stored history (a fork): each branch adopts the history as
+    its own (copied into its own slots: the tree's copy stays shared and unwritten) with a copy of its
+    host entries, and recalls from them; the stored node keeps its entries for a fourth question sent
+    after the three finished. Before branches copied, only the branch that took the entries first
+    recalled; the others found the history held and ran on it as a shared prefix."""
+    recall_server.flush()
+    infos, ids = session(recall_server, SNAP, [FACT, *fillers(111, 2)])
+    before = host_state(recall_server)
+    held = infos[-1]["host_tokens"]  # the stored node's entries (the pool holds older turns' too)
+    assert held > 0
+    questions = [
+        "What is the vault code? Answer with the number only.",
+        "What was the first note about? Answer in a few words.",
+        "Say hello.",
+    ]
+
+    def ask(q: str) -> dict:
+        out = recall_server.generate(input_ids=ids + _user(q), max_new_tokens=8, kv=SNAP)
+        return {**out["meta_info"]["kvevict"][0], "text": out["text"]}
+
+    with ThreadPoolExecutor(len(questions)) as ex:
+        got = list(ex.map(ask, questions))
+    got.append(ask("What is the vault code? Reply with digits."))  # after the fork: the node kept its entries
+    print([g["text"] for g in got])
+    for g in got:
+        assert not g["failed"] and g["reused_evicted"] > 0 and g["prefix_kv_tokens"] == 0, g
+        assert g["recalled"] > 0 and g["host_tokens"] >= held, g
+    state = host_state(recall_server)
+    assert state["recall_failures"] == before["recall_failures"], state
+    assert state["copied"] - before["copied"] >= 4 * held, state  # a copy per branch
     recall_server.flush()
     state = host_state(recall_server)
     assert state["host_used"] == 0 and state["host_branches"] == 0, state

@@ -201,6 +201,33 @@ def test_host_pool_lru_drops_whole_branches():
     assert pool.n_free == pool.size and sorted(pool.free_cols.tolist()) == list(range(10))
 
 
+def test_a_copy_holds_the_same_entries_and_an_armed_recalls_entries_are_never_dropped():
+    pool = host.HostPool(2, 3, 4, 12, torch.float32)
+    a, b = host.HostEntries(), host.HostEntries()
+    pool.append(a, pool.alloc(4), None)
+    pool.k.normal_()
+    pool.v.normal_()
+    a.summaries = host.PageSummaries(None, None, torch.zeros(1), n=4, page=4)
+    c = pool.copy(a)  # a stored history's entries, for the request continuing it
+    assert c is not None and c.count == a.count and set(c.cols.tolist()).isdisjoint(a.cols.tolist())
+    assert torch.equal(pool.k[:, c.cols], pool.k[:, a.cols]) and torch.equal(
+        pool.v[:, c.cols], pool.v[:, a.cols]
+    )
+    assert c.summaries is not None and a.summaries is None and pool.totals.copied == 4
+    pool.append(b, pool.alloc(4), None)  # the pool is full now; a is the least recently used
+    pool.in_use[7] = a  # a recall armed for the next forward reads and writes a
+    got = pool.alloc(4)
+    assert got is not None and a.count == 4 and c.count == 0  # the LRU skipped a, took c
+    assert pool.alloc(8) is None and pool.totals.demote_refused == 8 and a.count == 4 and b.count == 4
+    pool.in_use[8] = b
+    assert pool.copy(a) is None and pool.totals.demote_refused == 8  # a refused copy is no refused demotion
+    pool.in_use.clear()
+    pool.give_back(got)
+    for e in (a, b):
+        pool.release(e)
+    assert pool.n_free == pool.size
+
+
 def test_evicted_indices_are_the_complement():
     keep = torch.tensor([[[0, 2, 5]], [[1, 3, 4]]])
     assert demote.evicted_indices(keep, 6).tolist() == [[[1, 3, 4]], [[0, 2, 5]]]

@@ -364,7 +364,14 @@ def _branch_point_moved(req: Any, s: st.ReqState) -> None:
     if node is not (s.anchor if s.anchor is not None else rt.tree.root_node):
         return
     chain.reverse()  # top-down from the anchor
-    cut = rt.tree.last_shared(chain, s.anchor_tokens, s.policy.config.shared_prefix, req, branches=False)
+    cut = rt.tree.last_shared(
+        chain,
+        s.anchor_tokens,
+        s.policy.config.shared_prefix,
+        req,
+        branches=False,
+        keep_history=demote.enabled(s),
+    )
     if cut < 0:
         return
     above = chain[: cut + 1]

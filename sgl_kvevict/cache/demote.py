@@ -32,21 +32,30 @@ def evicted_indices(keep: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def take(s: st.ReqState) -> None:
-    """The request takes the host entries of the compressed node it adopted (they move, never shared)."""
+    """The request takes the host entries of the compressed node it adopted, as it takes the node's
+    device KV: a copy (`HostPool.copy`), so the node keeps them for whoever continues it next (a fork
+    sibling, a retried turn) and they go with the node. The node's entries become the pool's first LRU
+    victims: the request's copy is the one a session goes on with. When the pool cannot hold a copy,
+    the request takes the node's entries themselves."""
     src = s.host_src
     s.host_src = None
     got = getattr(src, "kvevict_host", None) if src is not None else None
-    if got is None:
+    if got is None or got.count == 0 or host.POOL is None:
         return
-    src.kvevict_host = None
+    pool = host.POOL
+    mine = pool.copy(got)
+    if mine is None:
+        src.kvevict_host = None
+        mine = got
+    else:
+        pool.lru.move_to_end(id(got), last=False)
     if s.host is None or s.host.count == 0:
-        s.host = got
-    elif host.POOL is not None:  # already holds some (a retracted request coming back): merge
-        host.POOL.append(s.host, got.cols, got.positions if s.host.positions is not None else None)
-        host.POOL.lru.pop(id(got), None)
-        got.cols = torch.zeros(0, dtype=torch.int64)
-    if host.POOL is not None:
-        host.POOL.touch(s.host)
+        s.host = mine
+    else:  # already holds some (a retracted request coming back): merge
+        pool.append(s.host, mine.cols, mine.positions if s.host.positions is not None else None)
+        pool.lru.pop(id(mine), None)
+        mine.cols = torch.zeros(0, dtype=torch.int64)
+    pool.touch(s.host)
 
 
 @dataclass

@@ -13,7 +13,8 @@ The store here is the same layout in plain torch; a column copy is one `index_co
 
 Ownership: a `HostEntries` (one branch's columns) is held by exactly one owner at a time, a running
 request's `ReqState.host` or a compressed tree node's `kvevict_host`; it moves between them, never is
-shared, so no two branches can mutate the same entries. The pool evicts whole branches least recently
+shared, so no two branches can mutate the same entries: a request continuing a stored history takes a
+copy (`HostPool.copy`), and the node keeps its own for the next one (a fork sibling, a retried turn). The pool evicts whole branches least recently
 used when it needs columns; an emptied branch still runs, on what the device holds.
 """
 
@@ -72,6 +73,7 @@ class HostTotals:
     keys_read: int = 0  # bytes of host keys read to score recalls (every key, or the fetched pages')
     recalls: int = 0  # requests that ran a recall
     recall_failures: int = 0
+    copied: int = 0  # columns copied host to host (a request continuing a stored history)
     branches_dropped: int = 0  # branches whose columns the LRU took back
     columns_dropped: int = 0
     demote_refused: int = 0  # evictions that could not be demoted (pool full even after the LRU)
@@ -91,6 +93,8 @@ class HostPool:
         self.free_cols = torch.arange(columns - 1, -1, -1, dtype=torch.int64)  # a stack, top at the end
         self.n_free = columns
         self.lru: OrderedDict[int, HostEntries] = OrderedDict()
+        # request row -> the entries a recall armed for the next forward reads and writes: never evicted
+        self.in_use: dict[int, HostEntries] = {}
         self.totals = HostTotals()
 
     @property
@@ -107,17 +111,19 @@ class HostPool:
             self.lru[id(e)] = e
             self.lru.move_to_end(id(e))
 
-    def alloc(self, n: int, keep: HostEntries | None = None) -> torch.Tensor | None:
-        """`n` free columns, evicting least-recently-used branches (never `keep`) as needed; None when
-        the pool cannot give them (nothing is evicted then)."""
+    def alloc(self, n: int, keep: HostEntries | None = None, demote: bool = True) -> torch.Tensor | None:
+        """`n` free columns, evicting least-recently-used branches (never `keep`, nor entries a recall
+        armed for the next forward holds, `in_use`) as needed; None when
+        the pool cannot give them (nothing is evicted then; counted when they were for a demotion)."""
         if n <= 0:
             return torch.zeros(0, dtype=torch.int64)
-        others = sum(e.count for e in self.lru.values() if e is not keep)
+        held = {id(keep), *(id(e) for e in self.in_use.values())}
+        others = sum(e.count for e in self.lru.values() if id(e) not in held)
         if n > self.n_free + others:
-            self.totals.demote_refused += n
+            self.totals.demote_refused += n if demote else 0
             return None
         while self.n_free < n:
-            victim = next(e for e in self.lru.values() if e is not keep)
+            victim = next(e for e in self.lru.values() if id(e) not in held)
             self.totals.branches_dropped += 1
             self.totals.columns_dropped += victim.count
             victim.dropped += victim.count
@@ -152,6 +158,22 @@ class HostPool:
         else:
             e.positions = None
         self.touch(e)
+
+    def copy(self, e: HostEntries) -> HostEntries | None:
+        """A second branch holding the same entries in columns of its own (a fork sibling's: each
+        branch then swaps into its own, and neither sees the other's recalls). None when the pool cannot
+        give the columns; `e` is never evicted for them."""
+        cols = self.alloc(e.count, keep=e, demote=False)
+        if cols is None:
+            return None
+        src, dst = e.cols.to(self.k.device), cols.to(self.k.device)
+        for buf in (self.k, self.v):
+            buf.index_copy_(1, dst, buf.index_select(1, src))
+        self.totals.copied += e.count
+        out = HostEntries(cols=cols, positions=None if e.positions is None else e.positions.clone())
+        out.summaries, e.summaries = e.summaries, None  # same columns in the same order: same pages
+        self.touch(out)
+        return out
 
     def write(self, cols: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """`k`, `v`: `[e, H, D]` entries of one layer into columns `cols`."""

@@ -408,7 +408,7 @@ def after_compress(req: Any, decode: bool) -> None:
     s = st.get(req)
     if s is None:
         return
-    stale = ARMED.pop(req.kv.req_pool_idx, None) if req.kv.req_pool_idx is not None else None
+    stale = disarm(req.kv.req_pool_idx) if req.kv.req_pool_idx is not None else None
     if stale is not None and stale.s is s:  # armed for a forward that ran without the hook
         s.recall_due = True
         if stale.decode:
@@ -433,7 +433,7 @@ def arm(req: Any, s: st.ReqState, decode: bool = False) -> bool:
     query recalls for the token it is about to write, at most one page per step since the last recall.
     A failure here turns recall off for the request (logged, counted); nothing else changes."""
     row = req.kv.req_pool_idx
-    ARMED.pop(row, None)
+    disarm(row)
     try:
         one = _plan_arm(req, s, decode)
     except Exception:
@@ -443,7 +443,15 @@ def arm(req: Any, s: st.ReqState, decode: bool = False) -> bool:
         return False
     s.recall_due = False
     ARMED[row] = one
+    host.POOL.in_use[row] = s.host  # the LRU must not take what the forward will read and write
     return True
+
+
+def disarm(row: int) -> _Recall | None:
+    """Drop the recall armed for a request row (if any), and its hold on the branch's host entries."""
+    if host.POOL is not None:
+        host.POOL.in_use.pop(row, None)
+    return ARMED.pop(row, None)
 
 
 def _plan_arm(req: Any, s: st.ReqState, decode: bool) -> _Recall | None:
@@ -491,16 +499,16 @@ def before_attention(layer_mod, q, k, v, forward_batch, *args, **kwargs):
         if one is None:
             continue
         if one.req.kv.req_pool_idx != row or st.get(one.req) is not one.s or one.req.finished():
-            ARMED.pop(row, None)  # armed for a request that is gone
+            disarm(row)  # armed for a request that is gone
             continue
         try:
             qv = q[start : start + n].reshape(n, rt.n_q_heads, rt.head_dim)[-PREFILL_QUERIES:]
             one.layer(layer, qv.transpose(0, 1), causal=False)
             if last:
-                ARMED.pop(row, None)
+                disarm(row)
                 one.finish()
         except Exception:  # this request's recall only: its earlier layers are swapped back
-            ARMED.pop(row, None)
+            disarm(row)
             one.rollback("recall")
     return None
 

@@ -272,14 +272,22 @@ class KvEvictRadixCache(RadixCache):
         """
         if cfg.scope != "branch":
             return len(path)
-        start = self.last_shared(path, 0, cfg.shared_prefix, req, branches=True) + 1
+        s = st.get(req) if req is not None else None
+        keep = s is not None and s.recall > 0 and host.POOL is not None
+        start = self.last_shared(path, 0, cfg.shared_prefix, req, branches=True, keep_history=keep) + 1
         for i in range(len(path) - 1, start, -1):
             if is_compressed(path[i]):
                 return i
         return start
 
     def last_shared(
-        self, path: list[TreeNode], tokens: int, shared_prefix: int, req: Req | None, branches: bool
+        self,
+        path: list[TreeNode],
+        tokens: int,
+        shared_prefix: int,
+        req: Req | None,
+        branches: bool,
+        keep_history: bool = False,
     ) -> int:
         """The branch-point rule, in one place: index in `path` (tree nodes, top-down, the first reached
         after `tokens` tokens) of the deepest node the request must treat as shared, -1 when none.
@@ -289,11 +297,20 @@ class KvEvictRadixCache(RadixCache):
         node that starts inside it. With `branches` (at admission), also a node declared shared (a
         committed prefix, see `_mark_shared`) or with another branch below it (see `_branch_start`); at
         a compression check (`compressor`) the path is the request's own locked chain and those two do
-        not apply."""
+        not apply.
+
+        With `keep_history` (a request with recall on) the branch's stored history, the deepest compressed
+        node on the path, and what follows it are shared only through the declared `shared_prefix`: a
+        fork sibling that finds it held by another branch, or with other branches below, adopts it all
+        the same (copied into its own slots before anything is written, its host entries copied), so
+        that it can recall what the history evicted."""
         mine = self._locked_by(req)
+        hist = next((n for n in reversed(path) if is_compressed(n)), None) if keep_history else None
+        own = False  # past the history: only the declared prefix makes a node shared
         cut, i = -1, 0
         while i < len(path):
             n, start = path[i], tokens
+            own = own or n is hist
             if start < shared_prefix < start + len(n.key) and not is_compressed(n):
                 path[i : i + 1] = [self._split_node(n.key, n, shared_prefix - start), n]
                 mine = self._locked_by(req)  # the new top node sits on the request's lock path too
@@ -301,11 +318,12 @@ class KvEvictRadixCache(RadixCache):
             tokens += len(n.key)
             nxt = path[i + 1] if i + 1 < len(path) else None
             if (
-                n.lock_ref > (id(n) in mine)
+                (not own and n.lock_ref > (id(n) in mine))
                 or tokens <= shared_prefix
                 or (is_compressed(n) and start < shared_prefix)
                 or (
-                    branches
+                    not own
+                    and branches
                     and (
                         getattr(n, "kvevict_shared", False)
                         or any(
@@ -318,6 +336,10 @@ class KvEvictRadixCache(RadixCache):
                 cut = i
             i += 1
         return cut
+
+    def held_by_others(self, node: TreeNode, req: Req) -> bool:
+        """Whether a request other than `req` holds `node` (a `lock_ref` beyond `req`'s own lock)."""
+        return node.lock_ref > (id(node) in self._locked_by(req))
 
     def _locked_by(self, req: Req | None) -> set[int]:
         """Ids of the nodes the request's own tree lock holds."""
@@ -528,6 +550,8 @@ class KvEvictRadixCache(RadixCache):
         row = req.kv.req_pool_idx
         if row is not None:
             self.offsets[row] = 0
+            if host.POOL is not None:
+                host.POOL.in_use.pop(row, None)
             capture.drop(row)
         s = st.get(req)
         if s is not None:
