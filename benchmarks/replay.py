@@ -564,6 +564,12 @@ def parse(argv: list[str] | None = None) -> BenchConfig:
     )
     p.add_argument("--filler-tokens", type=int, default=200)
     p.add_argument("--branches", type=int, default=3)
+    p.add_argument(
+        "--question-forks",
+        type=int,
+        default=1,
+        help="recall: ask the question as a fork of this many branches off one history (1-4)",
+    )
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument(
@@ -643,6 +649,7 @@ def _config(a: argparse.Namespace) -> BenchConfig:
             tool_tokens_max=hi,
             filler_tokens=a.filler_tokens,
             branches=a.branches,
+            question_forks=a.question_forks,
             path=a.scenario_path,
         ),
         concurrency=a.concurrency,

@@ -62,6 +62,12 @@ class ScenarioConfig(BaseModel):
     tool_tokens_max: int = Field(2000, ge=1)
     filler_tokens: int = Field(200, ge=1, description="recall chat: size of each filler turn")
     branches: int = Field(3, ge=1, description="forks: branches per turn")
+    question_forks: int = Field(
+        1,
+        ge=1,
+        le=4,
+        description="recall chat: the question as a fork of this many branches, each asking for the fact",
+    )
     path: str | None = Field(None, description="sharegpt: the JSON/JSONL file to load")
 
 

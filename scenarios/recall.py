@@ -13,7 +13,9 @@ compression costs. What made the difference, measured on 20 chats:
 
 The fact stays in the first turn, with every filler turn after it, so it is the oldest part of the
 history that a compression policy sees. Beyond two filler turns (`turns` > 4) SmolLM2-135M loses the
-fact even with a full cache; scale `turns` up only with a bigger model.
+fact even with a full cache; scale `turns` up only with a bigger model. With `question_forks` the
+question is a fork: several branches off the same history ask for the fact at once, each in its own
+words, and each must answer it.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ SENTENCES = [
     "A common mistake in {t} is to rush the early steps.",
     "Some schools now offer short courses on {t}.",
 ]
+
+
+# With `question_forks`, branch i asks the question after ASK[i] (the first asks it as it is).
+ASK = ["", "Quick question. ", "One more thing. ", "Please help me. "]
 
 
 def fact(r: random.Random) -> tuple[str, str, str]:
@@ -75,7 +81,11 @@ def build(cfg: ScenarioConfig) -> Scenario:
             text = fill(r, cfg.filler_tokens, lambda r, t=topic: r.choice(SENTENCES).format(t=t))
             note = f"Here is a note:\n{text}\nWhat is the topic of this note? Answer in a few words."
             turns.append(Turn(inputs=_user(note)))
-        turns.append(Turn(inputs=_user(question), expect=value, max_new_tokens=16))
+        if cfg.question_forks > 1:  # one stored history, several branches asking at once (a fork)
+            asks = [[Message(role="user", content=f"{p}{question}")] for p in ASK[: cfg.question_forks]]
+            turns.append(Turn(inputs=[], branches=asks, expect=value, max_new_tokens=16))
+        else:
+            turns.append(Turn(inputs=_user(question), expect=value, max_new_tokens=16))
         sessions.append(Session(id=f"recall-{i}", kind="recall", turns=turns))
     return Scenario(name="recall", seed=cfg.seed, sessions=sessions)
 

@@ -113,7 +113,7 @@ def test_aborts_while_recalling_leave_both_pools_whole(recall_small: Server):
     assert len(tracebacks(recall_small)) == before, tracebacks(recall_small)[before:]
 
 
-N_NEW = 200
+N_NEW = 300
 
 
 def test_memory_pressure_retracts_requests_holding_host_entries(recall_small: Server):

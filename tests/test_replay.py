@@ -72,6 +72,22 @@ def test_long_scenario_plants_early_and_asks_last() -> None:
         build("long", ScenarioConfig(turns=1))
 
 
+def test_recall_question_as_a_fork() -> None:
+    from sgl_kvevict.scenarios import build
+
+    plain = build("recall", ScenarioConfig(sessions=3, turns=4))
+    forked = build("recall", ScenarioConfig(sessions=3, turns=4, question_forks=3))
+    for a, b in zip(plain.sessions, forked.sessions, strict=True):
+        assert a.turns[:-1] == b.turns[:-1]  # the same history
+        q, f = a.turns[-1], b.turns[-1]
+        assert f.inputs == [] and len(f.branches) == 3 and f.expect == q.expect
+        asks = [br[0].content for br in f.branches]
+        assert asks[0] == q.inputs[0].content and len(set(asks)) == 3
+        assert all(x.endswith(q.inputs[0].content) for x in asks)
+    with pytest.raises(ValueError):
+        ScenarioConfig(question_forks=5)
+
+
 @pytest.mark.parametrize(
     ("text", "error"),
     [
