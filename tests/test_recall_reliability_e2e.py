@@ -19,7 +19,7 @@ from .test_reliability_e2e import flush_until_whole, read_chunks, stream, traceb
 
 pytestmark = pytest.mark.server
 
-POOL_TOKENS, HOST_TOKENS, RECALL = 4000, 6000, 64
+POOL_TOKENS, HOST_TOKENS, RECALL = 5000, 8000, 64
 POLICIES = ["snapkv", "d2o", "lagkv", "knorm"]
 
 
@@ -37,6 +37,8 @@ def recall_small() -> Iterator[Server]:
             str(RECALL),
             "--kv-host-tokens",
             str(HOST_TOKENS),
+            "--chunked-prefill-size",
+            "1024",
             # admit on a small estimate of future tokens: decode outgrows the pool, SGLang retracts
             "--schedule-conservativeness",
             "0.1",
@@ -117,13 +119,13 @@ N_NEW = 300
 
 
 def test_memory_pressure_retracts_requests_holding_host_entries(recall_small: Server):
-    """Three long requests per policy at once in a 4,000-token pool, each keeping 90% of its history on the
+    """Four long requests per policy at once in a 5,000-token pool, each keeping 90% of its history on the
     device and demoting the rest: decode outgrows the pool, SGLang retracts requests that hold host
     entries, every request finishes with all its tokens and still recalled, and nothing leaks on either
     tier (a retracted request keeps its host entries, or gives them back, never both or neither)."""
     before = len(tracebacks(recall_small))
     failures0 = whole(recall_small)["recall_failures"]
-    cases = [(p, j) for p in POLICIES for j in range(3)]
+    cases = [(p, j) for p in POLICIES for j in range(4)]
     seeds = {c: 950 + i for i, c in enumerate(cases)}
     work = (2 * len(cases) * (220 + N_NEW), 3 * N_NEW)
     rate = speed(recall_small)
@@ -152,7 +154,7 @@ def test_memory_pressure_retracts_requests_holding_host_entries(recall_small: Se
         assert not info["failed"] and info["logical_tokens"] == n_ids + N_NEW - 1, (policy, info)
         assert info["evicted"] > 0 and info["recalled"] > 0, (policy, info)
     print("retractions:", retracted)
-    assert retracted >= 2, retracted
+    assert retracted >= 1, retracted
     h = whole(recall_small)
     assert h["recall_failures"] == failures0, h
     assert len(tracebacks(recall_small)) == before, tracebacks(recall_small)[before:]
