@@ -14,8 +14,9 @@ The store here is the same layout in plain torch; a column copy is one `index_co
 Ownership: a `HostEntries` (one branch's columns) is held by exactly one owner at a time, a running
 request's `ReqState.host` or a compressed tree node's `kvevict_host`; it moves between them, never is
 shared, so no two branches can mutate the same entries: a request continuing a stored history takes a
-copy (`HostPool.copy`), and the node keeps its own for the next one (a fork sibling, a retried turn). The pool evicts whole branches least recently
-used when it needs columns; an emptied branch still runs, on what the device holds.
+copy (`HostPool.copy`), and the node keeps its own for the next one (a fork sibling, a retried turn).
+The pool evicts whole branches least recently used when it needs columns; an emptied branch still
+runs, on what the device holds.
 """
 
 from __future__ import annotations
@@ -113,8 +114,8 @@ class HostPool:
 
     def alloc(self, n: int, keep: HostEntries | None = None, demote: bool = True) -> torch.Tensor | None:
         """`n` free columns, evicting least-recently-used branches (never `keep`, nor entries a recall
-        armed for the next forward holds, `in_use`) as needed; None when
-        the pool cannot give them (nothing is evicted then; counted when they were for a demotion)."""
+        armed for the next forward holds, `in_use`) as needed; None when the pool cannot give them
+        (nothing is evicted then; counted as refused when they were for a demotion)."""
         if n <= 0:
             return torch.zeros(0, dtype=torch.int64)
         held = {id(keep), *(id(e) for e in self.in_use.values())}

@@ -337,10 +337,6 @@ class KvEvictRadixCache(RadixCache):
             i += 1
         return cut
 
-    def held_by_others(self, node: TreeNode, req: Req) -> bool:
-        """Whether a request other than `req` holds `node` (a `lock_ref` beyond `req`'s own lock)."""
-        return node.lock_ref > (id(node) in self._locked_by(req))
-
     def _locked_by(self, req: Req | None) -> set[int]:
         """Ids of the nodes the request's own tree lock holds."""
         mine = set()
