@@ -149,3 +149,8 @@ def watchdog(srv: Server, label: str, expected_s: float) -> Iterator[None]:
     finally:
         done.set()
         thread.join(timeout=5)
+
+
+def host_state(srv: Server) -> dict:
+    """The server's host-tier totals (`/server_info`, `internal_states[0]["kvevict"]["host"]`)."""
+    return srv.server_info()["internal_states"][0]["kvevict"]["host"]

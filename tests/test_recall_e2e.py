@@ -15,7 +15,7 @@ from sgl_kvevict.scenarios.base import ScenarioConfig
 from sgl_kvevict.serve.serverproc import Server
 from sgl_kvevict.tools.oracle import validate
 
-from .helpers import CHECKED_ENV, chat_ids, long_text, tokenizer
+from .helpers import CHECKED_ENV, chat_ids, host_state, long_text, tokenizer
 from .test_cli import check_in_process
 
 pytestmark = pytest.mark.server
@@ -68,10 +68,6 @@ def session(
         infos.append({**out["meta_info"]["kvevict"][0], "output_ids": out["output_ids"]})
         ids = ids + out["output_ids"]
     return infos, ids
-
-
-def host_state(srv: Server) -> dict:
-    return srv.server_info()["internal_states"][0]["kvevict"]["host"]
 
 
 def fillers(seed: int, k: int = 4) -> list[str]:

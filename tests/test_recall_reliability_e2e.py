@@ -14,7 +14,7 @@ import requests
 
 from sgl_kvevict.serve.serverproc import Server
 
-from .helpers import _server, chat_ids, long_text, speed, watchdog
+from .helpers import _server, chat_ids, host_state, long_text, speed, watchdog
 from .test_reliability_e2e import flush_until_whole, read_chunks, stream, tracebacks
 
 pytestmark = pytest.mark.server
@@ -46,15 +46,11 @@ def recall_small() -> Iterator[Server]:
     )
 
 
-def host(srv: Server) -> dict:
-    return srv.server_info()["internal_states"][0]["kvevict"]["host"]
-
-
 def whole(srv: Server) -> dict:
     """Both tiers whole after a flush: every device slot free, no host column held by anyone."""
     state = flush_until_whole(srv.url)
     assert state["available_tokens"] == state["max_total_tokens"] == POOL_TOKENS, state
-    h = host(srv)
+    h = host_state(srv)
     assert h["host_used"] == 0 and h["host_branches"] == 0, h
     return h
 

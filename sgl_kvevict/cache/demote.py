@@ -48,7 +48,7 @@ def take(s: st.ReqState) -> None:
         src.kvevict_host = None
         mine = got
     else:
-        pool.lru.move_to_end(id(got), last=False)
+        pool.drop_first(got)
     if s.host is None or s.host.count == 0:
         s.host = mine
     else:  # already holds some (a retracted request coming back): merge

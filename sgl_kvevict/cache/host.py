@@ -112,6 +112,11 @@ class HostPool:
             self.lru[id(e)] = e
             self.lru.move_to_end(id(e))
 
+    def drop_first(self, e: HostEntries) -> None:
+        """`e` becomes the first branch the LRU drops (a stored history whose request took a copy)."""
+        if id(e) in self.lru:
+            self.lru.move_to_end(id(e), last=False)
+
     def alloc(self, n: int, keep: HostEntries | None = None, demote: bool = True) -> torch.Tensor | None:
         """`n` free columns, evicting least-recently-used branches (never `keep`, nor entries a recall
         armed for the next forward holds, `in_use`) as needed; None when the pool cannot give them
