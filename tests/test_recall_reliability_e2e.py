@@ -10,12 +10,11 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import requests
 
 from sgl_kvevict.serve.serverproc import Server
 
 from .helpers import _server, chat_ids, host_state, long_text, speed, watchdog
-from .test_reliability_e2e import flush_until_whole, read_chunks, stream, tracebacks
+from .test_reliability_e2e import abort_stream, flush_until_whole, tracebacks
 
 pytestmark = pytest.mark.server
 
@@ -75,22 +74,9 @@ def test_aborts_while_recalling_leave_both_pools_whole(recall_small: Server):
         policy, how = item
         kv = {"policy": policy, "budget": 64}
         rid = f"recall-abort-{policy}-{how}"
-        with stream(recall_small, prompt[item], kv, rid, n=200, timeout=timeout) as r:
-            assert r.status_code == 200, r.text[:300]
-            lines = r.iter_lines()
-            got = read_chunks(lines, 3)
-            assert len(got) == 3, (policy, how, got)
-            outcome, recalled = "closed", -1
-            if how == "endpoint":
-                got += read_chunks(lines, 20)
-                a = requests.post(recall_small.url + "/abort_request", json={"rid": rid}, timeout=60)
-                assert a.status_code == 200
-                last = (read_chunks(lines, 10**6) or got)[-1]["meta_info"]
-                outcome = last["finish_reason"]["type"]
-                assert last["completion_tokens"] < 200, (policy, last)
-                recalled = [x for x in last["kvevict_stream"] if x][-1]["recalled"]
+        outcome, stats = abort_stream(recall_small, prompt[item], kv, rid, how, 200, 23, timeout)
         with lock:
-            results[item] = (outcome, recalled)
+            results[item] = (outcome, stats["recalled"] if stats else -1)
 
     with (
         watchdog(recall_small, "aborts while recalling", rate.expected(*work)),

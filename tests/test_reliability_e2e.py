@@ -99,6 +99,27 @@ def read_chunks(lines, k: int) -> list[dict]:
 ENDPOINT_AFTER = 80  # chunks a stream reads before /abort_request stops it
 
 
+def abort_stream(
+    srv: Server, ids: list[int], kv: dict, rid: str, how: str, n: int, after: int, timeout: float
+) -> tuple[str, dict | None]:
+    """Open a stream of `n` tokens and read 3 chunks; then `disconnect` closes it, `endpoint` reads up to
+    `after` chunks and aborts it through SGLang's /abort_request. Returns the outcome (`closed`, or the
+    finish reason) and, for `endpoint`, the request's last kvevict stats."""
+    with stream(srv, ids, kv, rid, n=n, timeout=timeout) as r:
+        assert r.status_code == 200, r.text[:300]
+        lines = r.iter_lines()
+        got = read_chunks(lines, 3)
+        assert len(got) == 3, (rid, got)
+        if how == "disconnect":
+            return "closed", None
+        got += read_chunks(lines, after - 3)
+        a = requests.post(srv.url + "/abort_request", json={"rid": rid}, timeout=60)
+        assert a.status_code == 200
+        last = (read_chunks(lines, 10**6) or got)[-1]["meta_info"]
+        assert last["completion_tokens"] < n, (rid, last)  # it really stopped early
+        return last["finish_reason"]["type"], [x for x in last["kvevict_stream"] if x][-1]
+
+
 # ---- aborts under every policy ---------------------------------------------------------------------
 def test_aborts_under_every_policy(small_server: Server):
     """Per policy (and `none`): a stream closed by the client after a few chunks, and a running stream
@@ -122,27 +143,13 @@ def test_aborts_under_every_policy(small_server: Server):
     def one(item: tuple[str, str]) -> None:
         policy, how = item
         kv = {"policy": policy} if policy == "none" else {"policy": policy, "budget": 64}
+        # The endpoint aborts a request that has compressed. With the step cap, 16 first compressions
+        # of ~530 tokens at once run one per step, 3 steps each (split), pending plans first: 80 decode
+        # steps cover them; the disconnects leave after 3 chunks, plans pending.
         rid = f"abort-{policy}-{how}"
-        with stream(small_server, prompt[item], kv, rid, timeout=timeout) as r:
-            assert r.status_code == 200, r.text[:300]
-            lines = r.iter_lines()
-            got = read_chunks(lines, 3)
-            assert len(got) == 3, (policy, how, got)
-            outcome, compressions = "closed", -1
-            if how == "endpoint":
-                # Abort a request that has compressed. With the step cap, 16 first compressions of
-                # ~530 tokens at once run one per step, 3 steps each (split), pending plans first: 80
-                # decode steps cover them; the disconnects above leave after 3 chunks, plans pending.
-                got += read_chunks(lines, ENDPOINT_AFTER - 3)
-                a = requests.post(small_server.url + "/abort_request", json={"rid": rid}, timeout=60)
-                assert a.status_code == 200
-                last = (read_chunks(lines, 10**6) or got)[-1]["meta_info"]
-                outcome = last["finish_reason"]["type"]
-                assert last["completion_tokens"] < 300, (policy, last)  # it really stopped early
-                stats = [x for x in last["kvevict_stream"] if x][-1]
-                compressions = stats["compressions"]
+        outcome, stats = abort_stream(small_server, prompt[item], kv, rid, how, 300, ENDPOINT_AFTER, timeout)
         with lock:
-            results[item] = (outcome, compressions)
+            results[item] = (outcome, stats["compressions"] if stats else -1)
 
     with (
         watchdog(small_server, "aborts", rate.expected(*work)),

@@ -370,7 +370,7 @@ def _branch_point_moved(req: Any, s: st.ReqState) -> None:
         s.policy.config.shared_prefix,
         req,
         branches=False,
-        keep_history=demote.enabled(s),
+        keep_history=s.recall_on,  # `prepare` runs this for active requests only
     )
     if cut < 0:
         return

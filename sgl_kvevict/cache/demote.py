@@ -20,7 +20,7 @@ logger = logging.getLogger("sgl_kvevict")
 
 
 def enabled(s: st.ReqState | None) -> bool:
-    return s is not None and s.recall > 0 and s.active and host.POOL is not None
+    return s is not None and s.recall_on and s.active
 
 
 def evicted_indices(keep: torch.Tensor, n: int) -> torch.Tensor:

@@ -157,6 +157,12 @@ class ReqState:
     def active(self) -> bool:
         return self.cfg.active and not self.failed and not self.commit
 
+    @property
+    def recall_on(self) -> bool:
+        """The request's config recalls (a commit request's included: the tree then keeps a branch's
+        stored history the branch's own, `tree.last_shared`); `demote.enabled` adds `active`."""
+        return self.recall > 0 and host_tier.POOL is not None
+
     # -- debug timeline -----------------------------------------------------------------------------
     def debug_positions(self, kv_len: int) -> torch.Tensor:
         """`[L, H, kv_len]` logical positions of the row's first `kv_len` slots (tail slots are 1:1)."""

@@ -273,7 +273,7 @@ class KvEvictRadixCache(RadixCache):
         if cfg.scope != "branch":
             return len(path)
         s = st.get(req) if req is not None else None
-        keep = s is not None and s.recall > 0 and host.POOL is not None
+        keep = s is not None and s.recall_on
         start = self.last_shared(path, 0, cfg.shared_prefix, req, branches=True, keep_history=keep) + 1
         for i in range(len(path) - 1, start, -1):
             if is_compressed(path[i]):
