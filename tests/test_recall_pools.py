@@ -228,6 +228,29 @@ def test_a_copy_holds_the_same_entries_and_an_armed_recalls_entries_are_never_dr
     assert pool.n_free == pool.size
 
 
+def test_a_copy_never_drops_another_branchs_live_history():
+    """Copying a stored history (the request continuing it) may take room only from stored histories
+    that were copied already; when that is not enough the copy is refused (the request then takes the
+    node's own entries, `demote.take`) and every live history stays whole."""
+    pool = host.HostPool(2, 3, 4, 12, torch.float32)
+    a, b, old = host.HostEntries(), host.HostEntries(), host.HostEntries()
+    for e in (old, b, a):
+        pool.append(e, pool.alloc(4), None)  # full: old is the least recently used
+    assert pool.copy(a) is None and old.count == b.count == 4  # old and b are live: neither is dropped
+    pool.drop_first(old)  # a request took a copy of old: old is spare now
+    c = pool.copy(a)
+    assert c is not None and c.count == 4 and old.count == 0 and b.count == 4 and a.count == 4
+    pool.drop_first(a)
+    pool.touch(a)  # used again (a request took a's own entries): live, a copy cannot take it
+    assert pool.copy(b) is None and a.count == 4
+    got = pool.alloc(4)  # a demotion still takes the least recently used branch, live or not
+    assert got is not None and b.count == 0
+    pool.give_back(got)
+    for e in (a, c):
+        pool.release(e)
+    assert pool.n_free == pool.size
+
+
 def test_evicted_indices_are_the_complement():
     keep = torch.tensor([[[0, 2, 5]], [[1, 3, 4]]])
     assert demote.evicted_indices(keep, 6).tolist() == [[[1, 3, 4]], [[0, 2, 5]]]

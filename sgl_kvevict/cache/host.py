@@ -60,6 +60,9 @@ class HostEntries:
     positions: torch.Tensor | None = None  # [L, H, e] logical positions (KVEVICT_DEBUG only)
     dropped: int = 0  # columns the pool took back (LRU) from this branch
     summaries: PageSummaries | None = None  # of a prefix of `cols`, built and kept by `recall.py`
+    # a stored history a request took a copy of (`HostPool.drop_first`) and nobody used since: a copy
+    # may take room from it, never from a live history
+    copied: bool = False
 
     @property
     def count(self) -> int:
@@ -108,6 +111,7 @@ class HostPool:
         return self.size - self.n_free
 
     def touch(self, e: HostEntries) -> None:
+        e.copied = False  # in use again: a live history
         if e.count:
             self.lru[id(e)] = e
             self.lru.move_to_end(id(e))
@@ -116,20 +120,23 @@ class HostPool:
         """`e` becomes the first branch the LRU drops (a stored history whose request took a copy)."""
         if id(e) in self.lru:
             self.lru.move_to_end(id(e), last=False)
+            e.copied = True
 
-    def alloc(self, n: int, keep: HostEntries | None = None, demote: bool = True) -> torch.Tensor | None:
-        """`n` free columns, evicting least-recently-used branches (never `keep`, nor entries a recall
-        armed for the next forward holds, `in_use`) as needed; None when the pool cannot give them
-        (nothing is evicted then; counted as refused when they were for a demotion)."""
+    def alloc(self, n: int, keep: HostEntries | None = None, for_copy: bool = False) -> torch.Tensor | None:
+        """`n` free columns for a demotion (or, `for_copy`, a copy), evicting least-recently-used branches
+        as needed: never `keep`, nor entries a recall armed for the next forward holds (`in_use`); for a
+        copy only stored histories already copied. None when the pool cannot give them (nothing is
+        evicted then; a demotion's are counted as refused)."""
         if n <= 0:
             return torch.zeros(0, dtype=torch.int64)
         held = {id(keep), *(id(e) for e in self.in_use.values())}
-        others = sum(e.count for e in self.lru.values() if id(e) not in held)
-        if n > self.n_free + others:
-            self.totals.demote_refused += n if demote else 0
+        victims = [e for e in self.lru.values() if id(e) not in held and (not for_copy or e.copied)]
+        if n > self.n_free + sum(e.count for e in victims):
+            self.totals.demote_refused += 0 if for_copy else n
             return None
-        while self.n_free < n:
-            victim = next(e for e in self.lru.values() if id(e) not in held)
+        for victim in victims:
+            if self.n_free >= n:
+                break
             self.totals.branches_dropped += 1
             self.totals.columns_dropped += victim.count
             victim.dropped += victim.count
@@ -150,6 +157,7 @@ class HostPool:
         if e is None:
             return
         self.lru.pop(id(e), None)
+        e.copied = False
         self.give_back(e.cols)
         e.cols = torch.zeros(0, dtype=torch.int64)
         e.positions = None
@@ -168,8 +176,9 @@ class HostPool:
     def copy(self, e: HostEntries) -> HostEntries | None:
         """A second branch holding the same entries in columns of its own (a fork sibling's: each
         branch then swaps into its own, and neither sees the other's recalls). None when the pool cannot
-        give the columns; `e` is never evicted for them."""
-        cols = self.alloc(e.count, keep=e, demote=False)
+        give the columns without dropping a live history (only stored histories already copied make room:
+        a copy must not cost another session its history); `e` is never evicted for them."""
+        cols = self.alloc(e.count, keep=e, for_copy=True)
         if cols is None:
             return None
         src, dst = e.cols.to(self.k.device), cols.to(self.k.device)
