@@ -36,7 +36,8 @@ def take(s: st.ReqState) -> None:
     device KV: a copy (`HostPool.copy`), so the node keeps them for whoever continues it next (a fork
     sibling, a retried turn) and they go with the node. The node's entries become the pool's first LRU
     victims: the request's copy is the one a session goes on with. When the pool cannot hold a copy,
-    the request takes the node's entries themselves."""
+    the request takes the node's entries themselves (a copy never drops another session's live
+    history: `HostPool.copy`)."""
     src = s.host_src
     s.host_src = None
     got = getattr(src, "kvevict_host", None) if src is not None else None
