@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -15,10 +16,35 @@ import requests
 from sgl_kvevict.launch import build_command
 
 
-def free_port() -> int:
-    with socket.socket() as s:
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(low: int = 30000, attempts: int = 64) -> int:
+    """A free port for a server that binds it only seconds later.
+
+    Not from the kernel's ephemeral range: there any outgoing connection (or `bind(0)`) may take it
+    in the meantime. Not from SGLang's own range either (22000-29999, where a server picks the port
+    its scheduler binds later), so that two servers started side by side do not race for one port.
+    """
+    high = _ephemeral_low() - 1
+    candidates = range(low, high + 1) if high - low >= attempts else range(0)
+    for port in random.sample(candidates, min(attempts, len(candidates))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no room under the ephemeral range: take any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+PORT_TAKEN = "address already in use"
 
 
 def stop_child(proc: subprocess.Popen, grace: float) -> None:
@@ -37,6 +63,10 @@ def stop_child(proc: subprocess.Popen, grace: float) -> None:
         proc.wait(timeout=10)
 
 
+class PortTaken(RuntimeError):
+    """The server could not bind its HTTP port: another process holds it."""
+
+
 class Server:
     """`with Server(["--kv-policy", "lagkv"]) as srv: requests.post(srv.url + "/generate", ...)`."""
 
@@ -48,15 +78,35 @@ class Server:
         env: dict[str, str] | None = None,
         timeout: float = 300.0,
     ) -> None:
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd, base_env = build_command([*args, "--port", str(self.port), "--host", "127.0.0.1"])
-        self.env = {**os.environ, **base_env, **(env or {})}
-        self.log_path = Path(log_path) if log_path else Path(f"/tmp/sgl-kvevict-server-{self.port}.log")
+        self.args = list(args)
+        self.extra_env = env or {}
+        self.own_port = port is None
+        self.named_log = Path(log_path) if log_path else None
         self.timeout = timeout
         self.proc: subprocess.Popen | None = None
+        self._use_port(port or free_port())
 
-    def start(self) -> Server:
+    def _use_port(self, port: int) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.cmd, base_env = build_command([*self.args, "--port", str(port), "--host", "127.0.0.1"])
+        self.env = {**os.environ, **base_env, **self.extra_env}
+        self.log_path = self.named_log or Path(f"/tmp/sgl-kvevict-server-{port}.log")
+
+    def start(self, tries: int = 3) -> Server:
+        """Start and wait for `/health_generate`. A port taken before the server bound it (another
+        process got there first) costs a restart on a fresh port, when the port was ours to choose."""
+        for attempt in range(tries):
+            try:
+                return self._start_once()
+            except PortTaken:
+                if not self.own_port or attempt == tries - 1:
+                    raise
+                print(f"[server] port {self.port} was taken; retrying", file=sys.stderr, flush=True)
+                self._use_port(free_port())
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> Server:
         print(
             f"[server] starting on :{self.port} (log {self.log_path}): {' '.join(self.cmd[3:])}",
             file=sys.stderr,
@@ -77,7 +127,9 @@ class Server:
                     print(f"[server] ready in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
                     return self
             except requests.RequestException:
-                pass
+                if PORT_TAKEN in self.tail().lower():
+                    self.stop()
+                    raise PortTaken(f"port {self.port} is in use by another process") from None
             time.sleep(1.0)
         self.stop()
         raise TimeoutError(f"server not ready after {self.timeout} s; log tail:\n{self.tail()}")
