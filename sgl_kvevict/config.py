@@ -37,6 +37,9 @@ MAX_RECALL_PAGE = 256  # bound on --kv-recall-page (host columns per page)
 MAX_RECALL_EVERY = 4096  # bound on --kv-recall-every (decode steps)
 DEFAULT_RECALL_PAGE = 8
 DEFAULT_RECALL_EVERY = 1  # the step's own query finds what the token it produces needs (measured)
+# A host page comes back only where a query gives its best entry at least this much attention: weaker
+# evidence swapped entries back and forth (3-5x the bytes moved) and answered no better (measured).
+DEFAULT_RECALL_MIN_SCORE = 0.05
 MAX_CAPTURE = 4096  # bound on --kv-capture-window and --kv-capture-slots (the buffer is their product)
 _BUDGET_FORMS = 'tokens (e.g. 256), a percent of the suffix (e.g. "50%"), or {"tokens": N} / {"ratio": R}'
 _AMBIGUOUS_ONE = (
@@ -314,6 +317,15 @@ class ServerSettings(BaseModel):
         le=MAX_RECALL_EVERY,
         description="decode steps between recalls, each by its step's own query inside the step's forward; "
         "0: only in each turn's prefill (--kv-recall-every)",
+    )
+    recall_min_score: float = Field(
+        DEFAULT_RECALL_MIN_SCORE,
+        ge=0.0,
+        le=1.0,
+        allow_inf_nan=False,
+        description="the least attention probability a query must give a host page's best entry for the page "
+        "to come back (and it must beat the entry it displaces); 0: beating it is enough "
+        "(--kv-recall-min-score)",
     )
 
     def to_env(self) -> str:

@@ -312,6 +312,11 @@ def test_bad_request_recall_is_http_400(recall_server: Server, kv: dict, needle:
             ["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-every", "1.5"],
             "--kv-recall-every",
         ),
+        (["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-min-score", "-0.1"], "[0, 1]"),
+        (["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-min-score", "1.5"], "[0, 1]"),
+        (["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-min-score", "nan"], "[0, 1]"),
+        (["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-min-score", "x"], "[0, 1]"),
+        (["--kv-policy", "snapkv", "--kv-recall-min-score", "0.1"], "--kv-recall-tokens"),
         (["--kv-policy", "snapkv", "--kv-recall-page", "8"], "--kv-recall-tokens"),
         (["--kv-policy", "snapkv", "--kv-recall-every", "4"], "--kv-recall-tokens"),
         (

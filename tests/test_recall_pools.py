@@ -86,13 +86,14 @@ def _page_bound(q: torch.Tensor, keys: torch.Tensor, summary: str) -> float:
 
 
 def _reference_swaps(
-    p: Pools, req, s, page: int = 1, w: int = W, summary: str = "off", cap: int = R
+    p: Pools, req, s, page: int = 1, w: int = W, summary: str = "off", cap: int = R, floor: float = 0.0
 ) -> list[list[set]]:
     """Which host columns each (layer, head) should hold on the device after recall, by plain loops:
     the last `w` window queries score (the largest probability any of them gives), and a host entry ranks
     by the best score of its page. Paged (`summary` on and more pages than a recall fetches): only the
     columns of the best pages by their summary's score are candidates (a partial last page is padded
-    with its last column, which takes part in the softmax but is never chosen)."""
+    with its last column, which takes part in the softmax but is never chosen). A chosen entry's page
+    scores at least `floor` (`--kv-recall-min-score`)."""
     kv_len = req.kv.kv_committed_len
     slots = p.r2t.req_to_token[0, :kv_len].long()
     n_sink = min(s.policy.config.sinks, s.comp_slots)
@@ -135,7 +136,11 @@ def _reference_swaps(
             hs = torch.tensor(pm)
             dworst = ds.argsort()[:r].tolist()
             per.append(
-                {int(s.host.cols[cand[c]]) for c, d in zip(hbest, dworst, strict=True) if hs[c] > ds[d]}
+                {
+                    int(s.host.cols[cand[c]])
+                    for c, d in zip(hbest, dworst, strict=True)
+                    if hs[c] > ds[d] and hs[c] >= floor
+                }
             )
         out.append(per)
     return out
@@ -143,13 +148,14 @@ def _reference_swaps(
 
 @pytest.mark.parametrize("policy", ["streaming", "snapkv", "lagkv"])
 @pytest.mark.parametrize("path", ["batched", "single"])
-@pytest.mark.parametrize(("page", "fresh"), [(1, 0), (4, 0), (4, 3)])
+@pytest.mark.parametrize(("page", "fresh", "floor"), [(1, 0, 0.0), (4, 0, 0.0), (4, 3, 0.0), (1, 0, 0.1)])
 def test_demote_then_recall_keeps_every_entry(
-    pools: Pools, policy: str, path: str, page: int, fresh: int, monkeypatch
+    pools: Pools, policy: str, path: str, page: int, fresh: int, floor: float, monkeypatch
 ):
     """`fresh` > 0: a decode-time recall, which scores with the queries of the last `fresh` steps only.
-    Every host key is scored (`recall_summary="off"`); `test_paged_recall_*` covers the page summaries."""
-    cfg = ServerSettings(recall_tokens=R, recall_page=page, recall_summary="off")
+    `floor`: `--kv-recall-min-score` (0: beating the displaced entry is enough). Every host key is scored
+    (`recall_summary="off"`); `test_paged_recall_*` covers the page summaries."""
+    cfg = ServerSettings(recall_tokens=R, recall_page=page, recall_summary="off", recall_min_score=floor)
     monkeypatch.setenv(SETTINGS_ENV_VAR, cfg.to_env())
     p = pools
     batch, req, s, heads, orig_k, orig_v = _setup(p, policy)
@@ -165,7 +171,11 @@ def test_demote_then_recall_keeps_every_entry(
     assert s.host.count == freed and host.POOL.n_free == before_free - freed
     ks, vs = _held(p, req, s)
     assert torch.allclose(_tags(ks, vs, probe), want, atol=1e-4)  # nothing lost: device + host = the region
-    expect = _reference_swaps(p, req, s, page, fresh or W, cap=fresh * page if fresh else R)
+    expect = _reference_swaps(p, req, s, page, fresh or W, cap=fresh * page if fresh else R, floor=floor)
+    if floor:  # the floor is what holds some back: without it, more would come
+        assert sum(map(len, sum(expect, []))) < sum(
+            map(len, sum(_reference_swaps(p, req, s, page, fresh or W, cap=R), []))
+        )
     host_k = [host.POOL.k[ly][s.host.cols].clone() for ly in range(L)]
     s.recall_steps = fresh
     swapped = recall.recall(req, s)
@@ -277,7 +287,9 @@ def test_a_failure_inside_recall_changes_nothing(pools: Pools, monkeypatch, wher
     the last layer, before it writes, or inside a page-summary refresh after layer 1's swap) leaves the
     device row and the host columns as they were (the layers already swapped are swapped back), turns
     recall off for that request only, and is counted; the request keeps its compression."""
-    monkeypatch.setenv(SETTINGS_ENV_VAR, ServerSettings(recall_tokens=R, recall_page=4).to_env())
+    monkeypatch.setenv(
+        SETTINGS_ENV_VAR, ServerSettings(recall_tokens=R, recall_page=4, recall_min_score=0).to_env()
+    )
     p = pools
     batch, req, s, heads, orig_k, orig_v = _setup(p, "snapkv")
     with compressor.one_thread():
@@ -334,7 +346,7 @@ def test_paged_recall_swaps_what_the_reference_picks(
     the best pages' columns only, and swaps exactly what the loop reference picks among them; nothing is
     lost, and the summaries still describe the columns after the swap wrote into them (page 3: the last
     page is partial)."""
-    cfg = ServerSettings(recall_tokens=R, recall_page=page, recall_summary=summary)
+    cfg = ServerSettings(recall_tokens=R, recall_page=page, recall_summary=summary, recall_min_score=0)
     monkeypatch.setenv(SETTINGS_ENV_VAR, cfg.to_env())
     p = pools
     batch, req, s, heads, orig_k, orig_v = _setup(p, "snapkv")
@@ -374,7 +386,9 @@ def test_paged_recall_swaps_what_the_reference_picks(
 
 def test_paged_recall_equals_flat_when_it_would_fetch_every_page(pools: Pools, monkeypatch):
     """With no more pages than a paged recall fetches, recall scores every key exactly (no summaries)."""
-    monkeypatch.setenv(SETTINGS_ENV_VAR, ServerSettings(recall_tokens=R, recall_page=128).to_env())
+    monkeypatch.setenv(
+        SETTINGS_ENV_VAR, ServerSettings(recall_tokens=R, recall_page=128, recall_min_score=0).to_env()
+    )
     p = pools
     batch, req, s, heads, orig_k, orig_v = _setup(p, "snapkv")
     with compressor.one_thread():

@@ -21,9 +21,11 @@ its head, which hold tokens evicted together, mostly neighbours), so the token a
 neighbours: the query of "the vault code is" finds "code", and the digits come with it.
 
 *Swap*: per layer and KV head, the `R` best-ranked host entries that beat the lowest-scored displaceable
-kept ones swap places with them in the request's own slots (`kernels.host_swap`): the displaced entries
-go to the host in exchange, so the row keeps its length and the request's offset does not change. A
-decode-time recall moves at most one page per step since the last recall. Sinks and the uncompressed
+kept ones, and whose page a query gives at least `--kv-recall-min-score` of its attention, swap places
+with them in the request's own slots (`kernels.host_swap`). The floor keeps weak evidence from moving
+entries back and forth (without it a turn moved 3-5x the bytes and answered no better). The displaced
+entries go to the host in exchange, so the row keeps its length and the request's offset does not
+change. A decode-time recall moves at most one page per step since the last recall. Sinks and the uncompressed
 tail (the recent window, where the queries sit) are never displaced. Shared slots are never written
 (invariant 1): recall runs only when the compacted history is the request's own (after a prefill
 compression it always is; before a prefill, `arm` copies it out of the tree into the request's slots
@@ -213,7 +215,8 @@ def exchange(
     if cand is not None:
         hidx = cand.gather(-1, hidx)
     cs, cidx = (-row_sc[..., lo:hi]).topk(r, dim=-1)  # lowest-scored displaceable kept entries
-    swap = hs > -cs  # the i-th best host entry beats the i-th worst kept one
+    # the i-th best host entry beats the i-th worst kept one, with a query's attention behind it
+    swap = (hs > -cs) & (hs >= server_settings().recall_min_score)
     counts = swap.sum(-1)  # hs falls and the displaced score rises with i, so swap is a prefix
     dev_slots = row_slots[lo:hi][cidx]  # [l, H, r]
     host_cols = s.host.cols.to(pool.k.device)[hidx.to(pool.k.device)]

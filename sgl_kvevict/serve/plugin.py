@@ -23,6 +23,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from sgl_kvevict import policies
 from sgl_kvevict.config import (
     DEFAULT_RECALL_EVERY,
+    DEFAULT_RECALL_MIN_SCORE,
     DEFAULT_RECALL_PAGE,
     ENV_VAR,
     MAX_CAPTURE,
@@ -191,6 +192,14 @@ def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
         f"{DEFAULT_RECALL_EVERY}: every step; 0: only in each turn's prefill; at most {MAX_RECALL_EVERY}; needs "
         "--kv-recall-tokens)",
     )
+    group.add_argument(
+        "--kv-recall-min-score",
+        type=_min_score_arg,
+        default=None,
+        help="the least attention probability a query must give a host page's best entry for the page to "
+        f"come back (default {DEFAULT_RECALL_MIN_SCORE}; in [0, 1]; 0: beating the displaced entry is enough; "
+        "needs --kv-recall-tokens)",
+    )
     return result
 
 
@@ -215,6 +224,17 @@ _recall_arg = _int_arg(MAX_RECALL_TOKENS, "an integer number of tokens", lo=0)
 _host_arg = _int_arg(MAX_HOST_TOKENS, "an integer number of columns")
 _page_arg = _int_arg(MAX_RECALL_PAGE, "an integer number of columns")
 _every_arg = _int_arg(MAX_RECALL_EVERY, "an integer number of decode steps", lo=0)
+
+
+def _min_score_arg(text: str) -> float:
+    """An argparse type: a probability in [0, 1], else a message naming the range."""
+    try:
+        val = float(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {short(text)}") from None
+    if not 0.0 <= val <= 1.0:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"{short(text)} out of range: must be in [0, 1]")
+    return val
 
 
 _in_engine = False  # set while validating an offline Engine's keyword arguments: errors raise instead
@@ -285,7 +305,7 @@ def _server_settings(ns: argparse.Namespace, model_cfg: dict | None) -> ServerSe
     tokens, ratio = min_budget if min_budget is not None else (None, None)
     recall = getattr(ns, "kv_recall_tokens", None) or 0
     tier = {}  # the host tier's settings given on the command line (--kv-host-tokens -> host_tokens, ...)
-    for field in ("host_tokens", "recall_page", "recall_summary", "recall_every"):
+    for field in ("host_tokens", "recall_page", "recall_summary", "recall_every", "recall_min_score"):
         val = getattr(ns, f"kv_{field}", None)
         if val is None:
             continue
