@@ -10,7 +10,8 @@ evicted E entries per layer and head are demoted to the host tier), then
 - a prefill of `--new-tokens` tokens recalls layer by layer (scores: the new tokens' queries over the E
   host keys and the row's keys, every layer);
 - `--steps` decode steps recall layer by layer, one query each (at most one page per step).
-Each size runs once per `--summary` variant: `off` scores every host key; `minmax` and `mean` score the
+The score floor is 0 unless `--min-score` says otherwise (the most a recall moves). Each size runs
+once per `--summary` variant: `off` scores every host key; `minmax` and `mean` score the
 branch's page summaries and fetch the columns of the best 2R/page pages only (`--kv-recall-summary`).
 Printed per host size and variant: seconds per prefill recall (all layers) and per decode step (all
 layers), the entries recalled, the bytes moved (K and V, both directions) and the host key bytes read to
@@ -114,6 +115,13 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64, help="a turn's new tokens (its prefill's queries)")
     ap.add_argument("--steps", type=int, default=8, help="decode steps timed per size")
     ap.add_argument("--summary", default="off,minmax", help="--kv-recall-summary variants, side by side")
+    ap.add_argument(
+        "--min-score",
+        type=float,
+        default=0.0,
+        help="--kv-recall-min-score (default 0: every entry that beats the one it displaces moves, the most "
+        "a recall moves; the random queries here are no evidence for the floor)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     print(
@@ -125,7 +133,11 @@ def main() -> None:
     for e in (int(x) for x in args.host.split(",")):
         for summary in args.summary.split(","):
             os.environ[SETTINGS_ENV_VAR] = ServerSettings(
-                recall_tokens=args.recall, recall_page=args.page, recall_every=1, recall_summary=summary
+                recall_tokens=args.recall,
+                recall_page=args.page,
+                recall_every=1,
+                recall_summary=summary,
+                recall_min_score=args.min_score,
             ).to_env()
             print(f"[recall_cost] host {e}, summary {summary} ...", file=sys.stderr, flush=True)
             m = measure(e, args.budget, args.recall, args.new_tokens, args.steps)

@@ -65,6 +65,9 @@ def main() -> None:
     ap.add_argument("--recall", type=int, default=64, help="R, per layer and KV head")
     ap.add_argument("--policy", default="snapkv")
     ap.add_argument("--variants", default="off,1:0,8:0,8:1,none")
+    ap.add_argument(
+        "--min-score", type=float, default=None, help="--kv-recall-min-score (default: the server's)"
+    )
     a = ap.parse_args()
     scenario = rs.build(ScenarioConfig(sessions=a.sessions, turns=a.turns, seed=0, filler_tokens=150))
     for var in a.variants.split(","):
@@ -76,6 +79,8 @@ def main() -> None:
         args = ["--max-total-tokens", "30000", "--kv-policy", a.policy, "--kv-budget", str(a.budget)]
         args += ["--kv-policy-config", '{"scope": "branch"}', "--kv-recall-tokens", str(a.recall)]
         args += ["--kv-host-tokens", "200000", *extra]
+        if a.min_score is not None:
+            args += [f"--kv-recall-min-score={a.min_score}"]
         if var == "none":
             kv = {"policy": "none"}
         else:
