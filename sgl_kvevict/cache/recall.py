@@ -210,13 +210,13 @@ def exchange(
     candidates `cand` `[l, H, c]` (indices into the branch's columns, whole pages in a row). Each swap is
     appended to `log` as it is written (a swap is its own inverse: `_Recall.rollback` replays the log
     backwards). Returns the `[l, H]` swapped counts (on the device: no host sync)."""
-    rt, pool = runtime.RT, host.POOL
-    hs, hidx = best_entries(host_sc, server_settings().recall_page, r)  # [l, H, r], best first
+    rt, pool, cfg = runtime.RT, host.POOL, server_settings()
+    hs, hidx = best_entries(host_sc, cfg.recall_page, r)  # [l, H, r], best first
     if cand is not None:
         hidx = cand.gather(-1, hidx)
     cs, cidx = (-row_sc[..., lo:hi]).topk(r, dim=-1)  # lowest-scored displaceable kept entries
     # the i-th best host entry beats the i-th worst kept one, with a query's attention behind it
-    swap = (hs > -cs) & (hs >= server_settings().recall_min_score)
+    swap = (hs > -cs) & (hs >= cfg.recall_min_score)
     counts = swap.sum(-1)  # hs falls and the displaced score rises with i, so swap is a prefix
     dev_slots = row_slots[lo:hi][cidx]  # [l, H, r]
     host_cols = s.host.cols.to(pool.k.device)[hidx.to(pool.k.device)]

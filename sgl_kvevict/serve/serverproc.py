@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,32 +14,14 @@ import requests
 from sgl_kvevict.launch import build_command
 
 
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
+def free_port() -> int:
+    """A free port for a server that binds it only seconds later, by SGLang's own picker: below the
+    kernel's ephemeral range, where no outgoing connection (or `bind(0)`) can take it in the meantime.
+    From 30000 up: SGLang picks the ports its schedulers bind later from 22000-29999, so two servers
+    started side by side do not race for one port."""
+    from sglang.srt.utils.network import get_free_port_below_ephemeral  # heavy: only when one is needed
 
-
-def free_port(low: int = 30000, attempts: int = 64) -> int:
-    """A free port for a server that binds it only seconds later.
-
-    Not from the kernel's ephemeral range: there any outgoing connection (or `bind(0)`) may take it
-    in the meantime. Not from SGLang's own range either (22000-29999, where a server picks the port
-    its scheduler binds later), so that two servers started side by side do not race for one port.
-    """
-    high = _ephemeral_low() - 1
-    candidates = range(low, high + 1) if high - low >= attempts else range(0)
-    for port in random.sample(candidates, min(attempts, len(candidates))):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # no room under the ephemeral range: take any free port
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return get_free_port_below_ephemeral(low=30000, high=65535)  # capped under the ephemeral range
 
 
 PORT_TAKEN = "address already in use"
@@ -96,15 +76,15 @@ class Server:
     def start(self, tries: int = 3) -> Server:
         """Start and wait for `/health_generate`. A port taken before the server bound it (another
         process got there first) costs a restart on a fresh port, when the port was ours to choose."""
-        for attempt in range(tries):
+        for _ in range(tries - 1):
             try:
                 return self._start_once()
             except PortTaken:
-                if not self.own_port or attempt == tries - 1:
+                if not self.own_port:
                     raise
                 print(f"[server] port {self.port} was taken; retrying", file=sys.stderr, flush=True)
                 self._use_port(free_port())
-        raise AssertionError("unreachable")
+        return self._start_once()
 
     def _start_once(self) -> Server:
         print(
