@@ -43,7 +43,7 @@ def run_session(srv: Server, kv: dict, sess: Session) -> list[dict]:
     infos = []
     for turn in sess.turns:
         ids = ids + user(turn.inputs[0].content)
-        out = srv.generate(input_ids=ids, max_new_tokens=turn.max_new_tokens or 8, kv=kv)
+        out = srv.generate(input_ids=ids, max_new_tokens=turn.answer_cap(8), kv=kv)
         infos.append({**(out["meta_info"].get("kvevict") or [{}])[0], "output_ids": out["output_ids"]})
         ids = ids + out["output_ids"]
     return infos

@@ -346,9 +346,7 @@ class Replayer:
         for t, turn in enumerate(s.turns):
             for m in turn.inputs:
                 ids = ids + chat.message(m.role, m.content)
-            mnt = min(cfg.max_new_tokens, turn.max_new_tokens or cfg.max_new_tokens)
-            if turn.expect is not None and turn.max_new_tokens:
-                mnt = turn.max_new_tokens  # a recall answer needs its room whatever the turn length
+            mnt = turn.answer_cap(cfg.max_new_tokens)
             prompts = [
                 ids + sum((chat.message(m.role, m.content) for m in br), []) + chat.gen_prompt
                 for br in turn.branches

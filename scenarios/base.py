@@ -30,6 +30,20 @@ class Turn(BaseModel):
     )
     expect: str | None = Field(None, description="exact string the answer must contain (recall check)")
     max_new_tokens: int | None = Field(None, description="overrides the benchmark's default for this turn")
+    min_new_tokens: int | None = Field(
+        None, ge=1, description="the answer cap never goes below this, whatever the benchmark's default"
+    )
+
+    def answer_cap(self, default: int) -> int:
+        """The answer length cap of this turn, given the benchmark's default.
+
+        A recall question gets its own room whatever the turn length; a turn whose answer repeats a
+        fact gets at least `min_new_tokens`, because an echo cut mid-value is a wrong copy of the fact
+        in the history.
+        """
+        if self.expect is not None and self.max_new_tokens:
+            return self.max_new_tokens
+        return max(min(default, self.max_new_tokens or default), self.min_new_tokens or 1)
 
 
 class Session(BaseModel):

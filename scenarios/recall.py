@@ -9,7 +9,11 @@ compression costs. What made the difference, measured on 20 chats:
   asking for a confirmation or an echo made the model answer with a canned refusal or garble it;
 - the filler turns ask for the note's topic in a few words, not a summary: a summary copies a filler
   sentence, and the model then repeats that sentence instead of answering the question;
-- the question names the fact as planted and asks for the bare value.
+- the question names the fact as planted and asks for the bare value;
+- the plant's answer has room to finish (`PLANT_ROOM` tokens, whatever `--max-new-tokens`): the model
+  often echoes the fact ("The vault code is 4161."), and an echo cut at 8 tokens ("The vault code is
+  416") is a wrong copy of the fact in the same words the answer uses. The full cache still answers
+  from the user's statement; a compressed history that kept or recalled the echo answered "416".
 
 The fact stays in the first turn, with every filler turn after it, so it is the oldest part of the
 history that a compression policy sees. Beyond two filler turns (`turns` > 4) SmolLM2-135M loses the
@@ -45,6 +49,8 @@ SENTENCES = [
 ]
 
 
+PLANT_ROOM = 16  # the echo of a four-digit code, its full stop and the end of the turn: 11 tokens
+
 # With `question_forks`, branch i asks the question after ASK[i] (the first asks it as it is).
 ASK = ["", "Quick question. ", "One more thing. ", "Please help me. "]
 
@@ -75,7 +81,7 @@ def build(cfg: ScenarioConfig) -> Scenario:
     for i in range(cfg.sessions):
         r = rng_for(cfg.seed, "recall", i)
         statement, question, value = fact(r)
-        turns = [Turn(inputs=_user(f"Remember this: {statement}."))]
+        turns = [Turn(inputs=_user(f"Remember this: {statement}."), min_new_tokens=PLANT_ROOM)]
         for _ in range(max(0, cfg.turns - 2)):
             topic = r.choice(TOPICS)
             text = fill(r, cfg.filler_tokens, lambda r, t=topic: r.choice(SENTENCES).format(t=t))
