@@ -30,7 +30,7 @@ Long sessions, request vs branch scope side by side (`--policies` entries are NA
 `snapkv@request` sets the policy config's `scope`; `=BUDGET` runs that entry at that budget only;
 `d2o#nomerge` is a second d2o run whose config adds `--policy-config`'s `"d2o#nomerge"` entry):
 
-    HF_HUB_OFFLINE=1 OMP_WAIT_POLICY=PASSIVE python benchmarks/replay.py --scenarios long --sessions 2 \\
+    HF_HUB_OFFLINE=1 OMP_WAIT_POLICY=PASSIVE python benchmarks/replay.py --scenarios long --plant-room 0 --sessions 2 \\
         --turns 30 --concurrency 2 --max-new-tokens 8 --system-tokens 300 --tool-tokens 50,600 \\
         --max-total-tokens 20000 --budgets 512 --server-mode shared --out results/long-sessions-request-scope \\
         --policies none,snapkv@request,snapkv@branch,lagkv@request,lagkv@branch,d2o@branch,snapkv@request=0.5,snapkv@branch=0.5
@@ -568,6 +568,12 @@ def parse(argv: list[str] | None = None) -> BenchConfig:
         default=1,
         help="recall: ask the question as a fork of this many branches off one history (1-4)",
     )
+    p.add_argument(
+        "--plant-room",
+        type=int,
+        default=16,
+        help="recall: answer tokens the plant's turn gets at least, whatever --max-new-tokens (0: none)",
+    )
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument(
@@ -648,6 +654,7 @@ def _config(a: argparse.Namespace) -> BenchConfig:
             filler_tokens=a.filler_tokens,
             branches=a.branches,
             question_forks=a.question_forks,
+            plant_room=a.plant_room,
             path=a.scenario_path,
         ),
         concurrency=a.concurrency,

@@ -82,6 +82,13 @@ class ScenarioConfig(BaseModel):
         le=4,
         description="recall chat: the question as a fork of this many branches, each asking for the fact",
     )
+    plant_room: int = Field(
+        16,
+        ge=0,
+        le=4096,
+        description="recall chat: answer tokens the plant's turn gets at least, whatever the benchmark's "
+        "cap (0: the cap; an echo of the fact cut mid-value is a wrong copy of it)",
+    )
     path: str | None = Field(None, description="sharegpt: the JSON/JSONL file to load")
 
 

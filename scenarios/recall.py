@@ -10,7 +10,8 @@ compression costs. What made the difference, measured on 20 chats:
 - the filler turns ask for the note's topic in a few words, not a summary: a summary copies a filler
   sentence, and the model then repeats that sentence instead of answering the question;
 - the question names the fact as planted and asks for the bare value;
-- the plant's answer has room to finish (`PLANT_ROOM` tokens, whatever `--max-new-tokens`): the model
+- the plant's answer has room to finish (`plant_room`, 16 tokens, whatever `--max-new-tokens`; the
+  echo of a four-digit code, its full stop and the end of the turn take 11): the model
   often echoes the fact ("The vault code is 4161."), and an echo cut at 8 tokens ("The vault code is
   416") is a wrong copy of the fact in the same words the answer uses. The full cache still answers
   from the user's statement; a compressed history that kept or recalled the echo answered "416".
@@ -49,8 +50,6 @@ SENTENCES = [
 ]
 
 
-PLANT_ROOM = 16  # the echo of a four-digit code, its full stop and the end of the turn: 11 tokens
-
 # With `question_forks`, branch i asks the question after ASK[i] (the first asks it as it is).
 ASK = ["", "Quick question. ", "One more thing. ", "Please help me. "]
 
@@ -81,7 +80,7 @@ def build(cfg: ScenarioConfig) -> Scenario:
     for i in range(cfg.sessions):
         r = rng_for(cfg.seed, "recall", i)
         statement, question, value = fact(r)
-        turns = [Turn(inputs=_user(f"Remember this: {statement}."), min_new_tokens=PLANT_ROOM)]
+        turns = [Turn(inputs=_user(f"Remember this: {statement}."), min_new_tokens=cfg.plant_room or None)]
         for _ in range(max(0, cfg.turns - 2)):
             topic = r.choice(TOPICS)
             text = fill(r, cfg.filler_tokens, lambda r, t=topic: r.choice(SENTENCES).format(t=t))

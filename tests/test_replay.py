@@ -90,14 +90,15 @@ def test_recall_question_as_a_fork() -> None:
 
 def test_answer_caps_leave_the_plant_room_to_finish() -> None:
     from sgl_kvevict.scenarios import build
-    from sgl_kvevict.scenarios.recall import PLANT_ROOM
 
     sc = build("recall", ScenarioConfig(sessions=2, turns=4))
     for s in sc.sessions:
         plant, filler, question = s.turns[0], s.turns[1], s.turns[-1]
-        assert plant.answer_cap(8) == PLANT_ROOM and plant.answer_cap(24) == 24  # a floor, not a cap
+        assert plant.answer_cap(8) == 16 and plant.answer_cap(24) == 24  # a floor, not a cap
         assert filler.answer_cap(8) == 8 and filler.answer_cap(24) == 24
         assert question.answer_cap(8) == question.answer_cap(64) == question.max_new_tokens
+    before = build("recall", ScenarioConfig(sessions=2, turns=4, plant_room=0))  # the earlier scenario
+    assert all(s.turns[0].answer_cap(8) == 8 for s in before.sessions)
 
 
 @pytest.mark.parametrize(
