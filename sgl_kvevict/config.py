@@ -35,7 +35,11 @@ MAX_HOST_TOKENS = 1 << 21  # bound on --kv-host-tokens (host columns)
 DEFAULT_HOST_TOKENS = 16384
 MAX_RECALL_PAGE = 256  # bound on --kv-recall-page (host columns per page)
 MAX_RECALL_EVERY = 4096  # bound on --kv-recall-every (decode steps)
+MAX_RECALL_FETCH_PAGES = 4096  # bound on --kv-recall-fetch-pages (pages per layer and KV head)
 DEFAULT_RECALL_PAGE = 8
+# A decode step recalls one page: its one query picks the page it needs among 8 candidates better than
+# between 2 (measured on the short recall replay).
+DEFAULT_RECALL_FETCH_PAGES = 8
 DEFAULT_RECALL_EVERY = 1  # the step's own query finds what the token it produces needs (measured)
 # A host page comes back only where a query gives its best entry at least this much attention: weaker
 # evidence swapped entries back and forth (3-5x the bytes moved) and answered no better (measured).
@@ -310,6 +314,14 @@ class ServerSettings(BaseModel):
         description="how a recall finds the host entries it needs: score per-page key summaries, then fetch "
         "only the best pages' columns (minmax: per-channel key bounds; mean: the mean key), or off: score "
         "every host key (--kv-recall-summary)",
+    )
+    recall_fetch_pages: int = Field(
+        DEFAULT_RECALL_FETCH_PAGES,
+        ge=1,
+        le=MAX_RECALL_FETCH_PAGES,
+        description="pages a paged recall fetches at least, per layer and KV head, chosen by their summaries "
+        "(it fetches 2R/page when that is more): the host keys a recall reads besides the summaries "
+        "(--kv-recall-fetch-pages)",
     )
     recall_every: int = Field(
         DEFAULT_RECALL_EVERY,

@@ -23,7 +23,7 @@ import pytest
 import requests
 
 from sgl_kvevict.cache import recall
-from sgl_kvevict.config import DEFAULT_RECALL_PAGE
+from sgl_kvevict.config import DEFAULT_RECALL_FETCH_PAGES, DEFAULT_RECALL_PAGE
 from sgl_kvevict.serve.serverproc import Server
 from sgl_kvevict.tools import oracle
 
@@ -194,7 +194,7 @@ def test_multi_turn_under_eviction_equals_hf(runs, model, policy: str):
             )
             if policy.endswith("-recall"):  # the prefill brought back entries the admission did not hold
                 # from more host entries than a recall fetches: it scored page summaries, then pages
-                fetched = max(recall.FETCH * RECALL, recall.FETCH_MIN_PAGES * DEFAULT_RECALL_PAGE)
+                fetched = max(recall.FETCH * RECALL, DEFAULT_RECALL_FETCH_PAGES * DEFAULT_RECALL_PAGE)
                 assert t - held > fetched, f"host history {t - held} too short for a paged recall"
                 at_prefill = [ev for ev in turn.timeline[1:] if int(ev["tokens"]) == t]
                 assert at_prefill and any(

@@ -194,6 +194,15 @@ def test_a_request_never_recalls_another_configs_or_branchs_entries(recall_serve
     assert state["host_used"] == 0 and state["host_branches"] == 0, state
 
 
+def test_each_turn_reports_the_scope_it_ran_in(recall_server: Server):
+    """`meta_info["kvevict"]["scope"]`: the server's branch scope, and a request's own config (an
+    override that names a policy starts from that policy's defaults: request scope)."""
+    turns = [FACT, *fillers(40, 1)]
+    branch, _ = session(recall_server, SNAP, turns)
+    request, _ = session(recall_server, {"policy": "d2o", "budget": BUDGET}, turns)
+    assert {r["scope"] for r in branch} == {"branch"} and {r["scope"] for r in request} == {"request"}
+
+
 def test_fork_branches_of_one_stored_history_each_recall(recall_server: Server):
     """Three questions sent at once off one stored history (a fork): each branch adopts the history as
     its own (copied into its own slots: the tree's copy stays shared and unwritten) with a copy of its
@@ -307,6 +316,13 @@ def test_bad_request_recall_is_http_400(recall_server: Server, kv: dict, needle:
         (["--kv-policy", "snapkv", "--kv-host-tokens", "100"], "--kv-recall-tokens"),
         (["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-page", "0"], "[1, 256]"),
         (["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-page", "257"], "[1, 256]"),
+        (["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-fetch-pages", "0"], "[1, 4096]"),
+        (
+            ["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-fetch-pages", "5000"],
+            "[1, 4096]",
+        ),
+        (["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-fetch-pages", "2.5"], "[1, 4096]"),
+        (["--kv-policy", "snapkv", "--kv-recall-fetch-pages", "16"], "--kv-recall-tokens"),
         (["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-every", "-1"], "[0, 4096]"),
         (
             ["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-every", "1.5"],

@@ -11,7 +11,7 @@ import torch
 from sgl_kvevict import kernels as K
 from sgl_kvevict.cache import capture, compressor, demote, engine, host, recall
 from sgl_kvevict.cache import state as st
-from sgl_kvevict.config import SETTINGS_ENV_VAR, ServerSettings
+from sgl_kvevict.config import DEFAULT_RECALL_FETCH_PAGES, SETTINGS_ENV_VAR, ServerSettings
 from sgl_kvevict.tools.pools import Pools
 
 L, H, G, D, N, W, R = 3, 2, 2, 16, 160, 16, 6
@@ -86,7 +86,15 @@ def _page_bound(q: torch.Tensor, keys: torch.Tensor, summary: str) -> float:
 
 
 def _reference_swaps(
-    p: Pools, req, s, page: int = 1, w: int = W, summary: str = "off", cap: int = R, floor: float = 0.0
+    p: Pools,
+    req,
+    s,
+    page: int = 1,
+    w: int = W,
+    summary: str = "off",
+    cap: int = R,
+    floor: float = 0.0,
+    fetch: int = DEFAULT_RECALL_FETCH_PAGES,
 ) -> list[list[set]]:
     """Which host columns each (layer, head) should hold on the device after recall, by plain loops:
     the last `w` window queries score (the largest probability any of them gives), and a host entry ranks
@@ -101,7 +109,7 @@ def _reference_swaps(
     length = s.tokens_for(kv_len)
     e = s.host.count
     r = min(R, hi - lo, e, cap)
-    n_sel = max(-(-recall.FETCH * r // page), recall.FETCH_MIN_PAGES)
+    n_sel = max(-(-recall.FETCH * r // page), fetch)
     n_pg = -(-e // page)
     out = []
     for ly in range(L):
@@ -337,15 +345,21 @@ def test_a_failure_inside_recall_changes_nothing(pools: Pools, monkeypatch, wher
 
 
 @pytest.mark.parametrize("summary", ["minmax", "mean"])
-@pytest.mark.parametrize(("page", "fresh"), [(4, 0), (2, 1), (3, 0)])
+@pytest.mark.parametrize(("page", "fresh", "fetch"), [(4, 0, 8), (2, 1, 8), (3, 0, 8), (2, 1, 3)])
 def test_paged_recall_swaps_what_the_reference_picks(
-    pools: Pools, summary: str, page: int, fresh: int, monkeypatch
+    pools: Pools, summary: str, page: int, fresh: int, fetch: int, monkeypatch
 ):
     """A recall over a host history of more pages than it fetches scores the pages' summaries, fetches
     the best pages' columns only, and swaps exactly what the loop reference picks among them; nothing is
     lost, and the summaries still describe the columns after the swap wrote into them (page 3: the last
-    page is partial)."""
-    cfg = ServerSettings(recall_tokens=R, recall_page=page, recall_summary=summary, recall_min_score=0)
+    page is partial). `fetch`: `--kv-recall-fetch-pages`."""
+    cfg = ServerSettings(
+        recall_tokens=R,
+        recall_page=page,
+        recall_summary=summary,
+        recall_min_score=0,
+        recall_fetch_pages=fetch,
+    )
     monkeypatch.setenv(SETTINGS_ENV_VAR, cfg.to_env())
     p = pools
     batch, req, s, heads, orig_k, orig_v = _setup(p, "snapkv")
@@ -356,7 +370,8 @@ def test_paged_recall_swaps_what_the_reference_picks(
     cap = fresh * page if fresh else R
     sums, n_sel = recall._paged(s.host, min(R, cap))
     assert sums is not None and n_sel < -(-s.host.count // page)  # fewer pages fetched than held
-    expect = _reference_swaps(p, req, s, page, fresh or W, summary, cap)
+    assert n_sel == max(-(-recall.FETCH * min(R, cap) // page), fetch)
+    expect = _reference_swaps(p, req, s, page, fresh or W, summary, cap, fetch=fetch)
     host_k = [host.POOL.k[ly][s.host.cols].clone() for ly in range(L)]
     s.recall_steps = fresh
     swapped = recall.recall(req, s)

@@ -644,6 +644,7 @@ def stats(req: Any) -> dict[str, Any] | None:
     out: dict[str, Any] = {
         "policy": s.cfg.policy,
         "budget": s.cfg.budget,
+        "scope": s.policy.config.scope,
         "kv_tokens": int(req.kv.kv_committed_len),
         "prefix_kv_tokens": s.anchor_kv,
         "logical_tokens": s.tokens_for(int(req.kv.kv_committed_len)),

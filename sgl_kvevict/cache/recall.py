@@ -56,10 +56,9 @@ logger = logging.getLogger("sgl_kvevict")
 # A prefill's recall scores with at most this many of the turn's newest tokens' queries (bounds its cost).
 PREFILL_QUERIES = 512
 # A paged recall of R entries fetches the columns of ceil(FETCH * R / page) pages per layer and KV head
-# (chosen by their summaries), at least FETCH_MIN_PAGES (a decode step recalls one page: its one query
-# picks among a few candidates better than between two), then keeps the best R of them by exact score.
+# (chosen by their summaries), at least `--kv-recall-fetch-pages`, then keeps the best R of them by exact
+# score.
 FETCH = 2
-FETCH_MIN_PAGES = 8
 
 
 def tick(req: Any) -> None:
@@ -287,7 +286,7 @@ def _paged(e: host.HostEntries, r: int) -> tuple[host.PageSummaries | None, int]
     fetch anyway: then it is exact and costs no more)."""
     cfg = server_settings()
     page = cfg.recall_page
-    n_sel = max(-(-FETCH * r // page), FETCH_MIN_PAGES)
+    n_sel = max(-(-FETCH * r // page), cfg.recall_fetch_pages)
     if cfg.recall_summary == "off" or K.n_pages(e.count, page) <= n_sel:
         return None, 0
     return summaries(e, page, cfg.recall_summary), n_sel

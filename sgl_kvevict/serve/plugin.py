@@ -23,12 +23,14 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from sgl_kvevict import policies
 from sgl_kvevict.config import (
     DEFAULT_RECALL_EVERY,
+    DEFAULT_RECALL_FETCH_PAGES,
     DEFAULT_RECALL_MIN_SCORE,
     DEFAULT_RECALL_PAGE,
     ENV_VAR,
     MAX_CAPTURE,
     MAX_HOST_TOKENS,
     MAX_RECALL_EVERY,
+    MAX_RECALL_FETCH_PAGES,
     MAX_RECALL_PAGE,
     MAX_RECALL_TOKENS,
     MAX_STEP_TOKENS,
@@ -185,6 +187,14 @@ def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
         "half the bytes) or off: score every host key (needs --kv-recall-tokens)",
     )
     group.add_argument(
+        "--kv-recall-fetch-pages",
+        type=_fetch_arg,
+        default=None,
+        help="pages a paged recall fetches at least, per layer and KV head, chosen by their summaries: "
+        f"more finds more in a long host history and reads more host keys (default "
+        f"{DEFAULT_RECALL_FETCH_PAGES}; at most {MAX_RECALL_FETCH_PAGES}; needs --kv-recall-tokens)",
+    )
+    group.add_argument(
         "--kv-recall-every",
         type=_every_arg,
         default=None,
@@ -224,6 +234,7 @@ _recall_arg = _int_arg(MAX_RECALL_TOKENS, "an integer number of tokens", lo=0)
 _host_arg = _int_arg(MAX_HOST_TOKENS, "an integer number of columns")
 _page_arg = _int_arg(MAX_RECALL_PAGE, "an integer number of columns")
 _every_arg = _int_arg(MAX_RECALL_EVERY, "an integer number of decode steps", lo=0)
+_fetch_arg = _int_arg(MAX_RECALL_FETCH_PAGES, "an integer number of pages")
 
 
 def _min_score_arg(text: str) -> float:
@@ -305,7 +316,8 @@ def _server_settings(ns: argparse.Namespace, model_cfg: dict | None) -> ServerSe
     tokens, ratio = min_budget if min_budget is not None else (None, None)
     recall = getattr(ns, "kv_recall_tokens", None) or 0
     tier = {}  # the host tier's settings given on the command line (--kv-host-tokens -> host_tokens, ...)
-    for field in ("host_tokens", "recall_page", "recall_summary", "recall_every", "recall_min_score"):
+    tier_fields = ("host_tokens", "recall_page", "recall_summary", "recall_fetch_pages", "recall_every")
+    for field in (*tier_fields, "recall_min_score"):
         val = getattr(ns, f"kv_{field}", None)
         if val is None:
             continue
