@@ -353,13 +353,8 @@ def test_paged_recall_swaps_what_the_reference_picks(
     the best pages' columns only, and swaps exactly what the loop reference picks among them; nothing is
     lost, and the summaries still describe the columns after the swap wrote into them (page 3: the last
     page is partial). `fetch`: `--kv-recall-fetch-pages`."""
-    cfg = ServerSettings(
-        recall_tokens=R,
-        recall_page=page,
-        recall_summary=summary,
-        recall_min_score=0,
-        recall_fetch_pages=fetch,
-    )
+    tier = {"recall_page": page, "recall_summary": summary, "recall_fetch_pages": fetch}
+    cfg = ServerSettings(recall_tokens=R, recall_min_score=0, **tier)
     monkeypatch.setenv(SETTINGS_ENV_VAR, cfg.to_env())
     p = pools
     batch, req, s, heads, orig_k, orig_v = _setup(p, "snapkv")
