@@ -572,7 +572,7 @@ def parse(argv: list[str] | None = None) -> BenchConfig:
         "--plant-room",
         type=int,
         default=16,
-        help="recall: answer tokens the plant's turn gets at least, whatever --max-new-tokens (0: none)",
+        help="recall, long: answer tokens the plant's turn gets at least, whatever --max-new-tokens (0: none)",
     )
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=24)

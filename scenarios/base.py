@@ -86,7 +86,7 @@ class ScenarioConfig(BaseModel):
         16,
         ge=0,
         le=4096,
-        description="recall chat: answer tokens the plant's turn gets at least, whatever the benchmark's "
+        description="recall chat and long: answer tokens the plant's turn gets at least, whatever the benchmark's "
         "cap (0: the cap; an echo of the fact cut mid-value is a wrong copy of it)",
     )
     path: str | None = Field(None, description="sharegpt: the JSON/JSONL file to load")
