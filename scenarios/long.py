@@ -57,8 +57,7 @@ def build(cfg: ScenarioConfig) -> Scenario:
     for i in range(cfg.sessions):
         r = rng_for(cfg.seed, "long", i)
         statement, question, value = recall.fact(r)
-        plant = [Message(role="user", content=f"Remember this: {statement}.")]
-        turns = [Turn(inputs=plant, min_new_tokens=cfg.plant_room or None)]  # as recall.py's plant
+        turns = [recall.plant(statement, cfg)]
         turns += [_middle_turn(r, cfg) for _ in range(cfg.turns - 2)]
         turns.append(Turn(inputs=[Message(role="user", content=question)], expect=value, max_new_tokens=16))
         sessions.append(Session(id=f"long-{i}", kind="long", system=system, turns=turns))

@@ -76,12 +76,17 @@ def _user(content: str) -> list[Message]:
     return [Message(role="user", content=content)]
 
 
+def plant(statement: str, cfg: ScenarioConfig) -> Turn:
+    """The turn that plants the fact, with room for the model's echo of it (`plant_room`)."""
+    return Turn(inputs=_user(f"Remember this: {statement}."), min_new_tokens=cfg.plant_room or None)
+
+
 def build(cfg: ScenarioConfig) -> Scenario:
     sessions = []
     for i in range(cfg.sessions):
         r = rng_for(cfg.seed, "recall", i)
         statement, question, value = fact(r)
-        turns = [Turn(inputs=_user(f"Remember this: {statement}."), min_new_tokens=cfg.plant_room or None)]
+        turns = [plant(statement, cfg)]
         for _ in range(max(0, cfg.turns - 2)):
             topic = r.choice(TOPICS)
             text = fill(r, cfg.filler_tokens, lambda r, t=topic: r.choice(SENTENCES).format(t=t))
