@@ -323,6 +323,12 @@ class ServerSettings(BaseModel):
         "(it fetches 2R/page when that is more): the host keys a recall reads besides the summaries "
         "(--kv-recall-fetch-pages)",
     )
+    recall_append: Literal["on", "off"] = Field(
+        "off",
+        description="after each turn's prefill, bring the turn's best host entries back into up to R fresh "
+        "slots appended to the row, displacing nothing; the turn decodes over its budget plus them, and "
+        "its next compression folds them back (--kv-recall-append)",
+    )
     recall_every: int = Field(
         DEFAULT_RECALL_EVERY,
         ge=0,

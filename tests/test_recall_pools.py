@@ -95,20 +95,22 @@ def _reference_swaps(
     cap: int = R,
     floor: float = 0.0,
     fetch: int = DEFAULT_RECALL_FETCH_PAGES,
+    append: int = 0,
 ) -> list[list[set]]:
     """Which host columns each (layer, head) should hold on the device after recall, by plain loops:
     the last `w` window queries score (the largest probability any of them gives), and a host entry ranks
     by the best score of its page. Paged (`summary` on and more pages than a recall fetches): only the
     columns of the best pages by their summary's score are candidates (a partial last page is padded
     with its last column, which takes part in the softmax but is never chosen). A chosen entry's page
-    scores at least `floor` (`--kv-recall-min-score`)."""
+    scores at least `floor` (`--kv-recall-min-score`). `append` > 0: the `append` best come back
+    whatever they beat (`--kv-recall-append`)."""
     kv_len = req.kv.kv_committed_len
     slots = p.r2t.req_to_token[0, :kv_len].long()
     n_sink = min(s.policy.config.sinks, s.comp_slots)
     lo, hi = n_sink, s.comp_slots
     length = s.tokens_for(kv_len)
     e = s.host.count
-    r = min(R, hi - lo, e, cap)
+    r = append or min(R, hi - lo, e, cap)
     n_sel = max(-(-recall.FETCH * r // page), fetch)
     n_pg = -(-e // page)
     out = []
@@ -141,6 +143,9 @@ def _reference_swaps(
                 for c in range(hs.numel())
             ]
             hbest = sorted(range(hs.numel()), key=lambda c: (-pm[c], -float(hs[c])))[:r]
+            if append:
+                per.append({int(s.host.cols[cand[c]]) for c in hbest})
+                continue
             hs = torch.tensor(pm)
             dworst = ds.argsort()[:r].tolist()
             per.append(
@@ -407,3 +412,100 @@ def test_paged_recall_equals_flat_when_it_would_fetch_every_page(pools: Pools, m
     assert recall.recall(req, s) == sum(len(x) for per in expect for x in per) > 0
     assert s.host.summaries is None
     s.drop_host()
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "lagkv"])
+@pytest.mark.parametrize(("summary", "page"), [("off", 1), ("off", 4), ("minmax", 4), ("mean", 3)])
+def test_append_brings_the_best_entries_into_fresh_slots(
+    pools: Pools, policy: str, summary: str, page: int, monkeypatch
+):
+    """`--kv-recall-append on`: after the prefill compression, each (layer, head)'s best host entries go
+    to fresh slots appended after the compacted history (the tail moves right), nothing is displaced,
+    the row and the host still hold every entry of the region exactly once, the host gives back as many
+    columns as were appended, and the counts say the row holds that many more slots for the same tokens.
+    Paged: the summaries still describe the columns (the holes were refilled from the branch's end)."""
+    tier = {"recall_page": page, "recall_summary": summary, "recall_fetch_pages": 2}
+    cfg = ServerSettings(recall_tokens=R, recall_min_score=0, recall_append="on", **tier)
+    monkeypatch.setenv(SETTINGS_ENV_VAR, cfg.to_env())
+    p = pools
+    batch, req, s, heads, orig_k, orig_v = _setup(p, policy)
+    probe = torch.randn(D, generator=p.gen)
+    want = _tags(orig_k, orig_v, probe)
+    with compressor.one_thread():
+        assert compressor.compress(req, "prefill") > 0
+    kv_len, comp, offset = req.kv.kv_committed_len, s.comp_slots, s.offset
+    length, count, free = s.tokens_for(kv_len), s.host.count, host.POOL.n_free
+    tail = p.r2t.req_to_token[0, comp:kv_len].clone()
+    sums, _ = recall._paged(s.host, R)
+    assert (sums is None) == (summary == "off")
+    expect = _reference_swaps(p, req, s, page, W, summary if sums is not None else "off", fetch=2, append=R)
+    host_k = [host.POOL.k[ly][s.host.cols].clone() for ly in range(L)]
+    cols_before = s.host.cols.clone()
+    s.append_due = True
+    assert recall.safe_append(req) == R
+    assert req.kv.kv_committed_len == kv_len + R and s.comp_slots == comp + R and s.offset == offset - R
+    assert s.tokens_for(req.kv.kv_committed_len) == length and s.appended == R
+    assert torch.equal(p.r2t.req_to_token[0, comp + R : kv_len + R], tail)  # the tail moved right, whole
+    assert s.host.count == count - R and host.POOL.n_free == free + R
+    new = p.r2t.req_to_token[0, comp : comp + R].long()
+    for ly in range(L):  # each head's appended slots hold exactly its best host entries
+        for h in range(H):
+            got = p.kv.get_key_buffer(ly)[new, h]
+            picked = [int((cols_before == c).nonzero()) for c in expect[ly][h]]
+            assert len(picked) == R
+            assert torch.equal(got.sort(0).values, host_k[ly][picked, h].sort(0).values), (ly, h)
+    ks, vs = _held(p, req, s)
+    assert torch.allclose(_tags(ks, vs, probe), want, atol=1e-4)  # nothing lost, nothing duplicated
+    assert s.recalled == R * L * H and s.bytes_moved == R * L * H * 2 * D * 4
+    for d in s.layer_state:
+        if d.get("carried") is not None:
+            assert d["carried"].shape[-1] == s.comp_slots + (kv_len - comp)
+            assert (d["carried"][..., comp : comp + R] == 0).all()
+    sm = s.host.summaries
+    if sums is not None:
+        assert sm is not None and sm.n <= s.host.count
+        for ly in range(L):
+            ref = K.page_summaries_ref(host.POOL.k[ly][s.host.cols[: sm.n]], page)
+            mine = sm.kmin if summary == "minmax" else sm.kmean
+            theirs = ref[0] if summary == "minmax" else ref[2]
+            assert torch.allclose(mine[:, ly].float(), theirs, atol=1e-5)
+        sm = recall.summaries(s.host, page, summary)  # brought up to the columns again
+        assert sm.n == s.host.count
+    # the turn's decode budget holds the appended columns: no compression fires for them
+    assert compressor._trigger(req, s, "decode") is None
+    s.drop_host()
+    assert host.POOL.n_free == host.POOL.size
+
+
+def test_append_rolls_back_on_a_failure(pools: Pools, monkeypatch):
+    """A failure in the last layer of an append: the layers already appended are put back, the fresh
+    slots are freed, the row and the host hold what they held, and recall is off for the request."""
+    cfg = ServerSettings(recall_tokens=R, recall_min_score=0, recall_append="on", recall_page=4)
+    monkeypatch.setenv(SETTINGS_ENV_VAR, cfg.to_env())
+    p = pools
+    batch, req, s, heads, orig_k, orig_v = _setup(p, "snapkv")
+    with compressor.one_thread():
+        assert compressor.compress(req, "prefill") > 0
+    kv_len = req.kv.kv_committed_len
+    row = p.r2t.req_to_token[0, :kv_len].clone()
+    cols = s.host.cols.clone()
+    host_k, host_v = host.POOL.k[:, cols].clone(), host.POOL.v[:, cols].clone()
+    avail = p.alloc.available_size()
+    real = recall.holes_filled
+    calls: list[int] = []
+
+    def fill(*args):
+        calls.append(1)
+        if len(calls) == L:
+            raise RuntimeError("injected")
+        return real(*args)
+
+    monkeypatch.setattr(recall, "holes_filled", fill)
+    s.append_due = True
+    assert recall.safe_append(req) == 0
+    assert req.kv.kv_committed_len == kv_len and torch.equal(p.r2t.req_to_token[0, :kv_len], row)
+    assert torch.equal(s.host.cols, cols)
+    assert torch.equal(host.POOL.k[:, cols], host_k) and torch.equal(host.POOL.v[:, cols], host_v)
+    assert p.alloc.available_size() == avail and s.recall == 0 and s.appended == 0
+    s.drop_host()
+    assert host.POOL.n_free == host.POOL.size

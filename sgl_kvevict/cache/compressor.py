@@ -213,27 +213,16 @@ def _exclusive_tree_nodes(req: Any, anchor: Any) -> list[Any]:
 def _target_slots(req: Any, s: st.ReqState, plan: Plan, own_start: int) -> torch.Tensor | None:
     """At least `k` slots the request owns for the kept K/V of a region that starts in the tree, or None
     with nothing changed. Its own tail slots first, then fresh ones; only when the pool cannot give
-    those, the tree nodes it alone holds are taken back (as eviction would take them).
-
-    Inside SGLang's free group (a finishing batch's releases, where the last compression of a turn runs),
-    slots that eviction frees come back only when the group ends: only the free slots count then."""
-    from sglang.srt.mem_cache.allocation import alloc_token_slots
-
+    those, the tree nodes it alone holds are taken back (as eviction would take them)."""
     rt = runtime.RT
     a, n, k = s.anchor_kv, plan.n, plan.k
     row = rt.req_to_token[req.kv.req_pool_idx]
     own = row[own_start : a + n].to(torch.int64)
     if own.numel() >= k:
         return own
-    in_group = getattr(rt.allocator, "free_group", None) is not None
-    pool = rt.allocator.available_size() + (0 if in_group else rt.tree.evictable_size())
-
-    def fresh(count: int) -> torch.Tensor:
-        out = rt.allocator.alloc(count) if in_group else alloc_token_slots(rt.tree, count)
-        return out.to(torch.int64)
-
+    pool = free_slots()
     if own.numel() + pool >= k:
-        return torch.cat([own, fresh(k - own.numel())])
+        return torch.cat([own, alloc_slots(k - own.numel())])
     anchor = s.anchor if s.anchor is not None else rt.tree.root_node
     nodes = _exclusive_tree_nodes(req, anchor)
     taken = sum(len(x.value) for x in nodes)
@@ -245,8 +234,30 @@ def _target_slots(req: Any, s: st.ReqState, plan: Plan, own_start: int) -> torch
     rt.tree.take_leaves(nodes)  # ...that we take out of the tree, bottom-up, keeping their slots
     got = torch.cat(parts)
     if got.numel() < k:
-        got = torch.cat([got, fresh(k - got.numel())])
+        got = torch.cat([got, alloc_slots(k - got.numel())])
     return got
+
+
+def _in_free_group() -> bool:
+    return getattr(runtime.RT.allocator, "free_group", None) is not None
+
+
+def free_slots() -> int:
+    """Slots the pool can give now: free ones, and the tree's evictable cache. Inside SGLang's free group
+    (a finishing batch's releases, where the last compression of a turn runs), slots that eviction frees
+    come back only when the group ends: only the free slots count then."""
+    rt = runtime.RT
+    return rt.allocator.available_size() + (0 if _in_free_group() else rt.tree.evictable_size())
+
+
+def alloc_slots(count: int) -> torch.Tensor:
+    """`count` fresh slots (evicting unlocked tree cache as SGLang would); the caller checked
+    `free_slots`."""
+    from sglang.srt.mem_cache.allocation import alloc_token_slots
+
+    rt = runtime.RT
+    out = rt.allocator.alloc(count) if _in_free_group() else alloc_token_slots(rt.tree, count)
+    return out.to(torch.int64)
 
 
 def _commit(req: Any, s: st.ReqState, plan: Plan, own_start: int) -> bool:
@@ -433,6 +444,8 @@ def _trigger(req: Any, s: st.ReqState, phase: Phase) -> tuple[int, int, int, int
     n_sink = max(0, min(cfg.sinks - s.anchor_tokens, n))
     n_recent = max(0, min(cfg.recent, n - n_sink))
     budget = s.cfg.resolve_budget(s.region_tokens(n), n_sink + n_recent)
+    if phase == "decode":  # the columns a recall appended this turn stay until the turn ends
+        budget += s.appended
     if not s.policy.should_compress(n, n_sink, n_recent, s.comp_slots, budget, phase):
         return None
     return n, n_sink, n_recent, budget
@@ -565,6 +578,8 @@ def account(job: Job, k: int, tail: int, keep: torch.Tensor | None, dt: float, a
         pos = torch.cat([before[..., :a], region, before[..., a + n :]], dim=-1)
         s.debug_event(pos, s.tokens_for(a + n + after))
     s.compacted(n, k, tail)
+    if job.phase != "decode":  # folded into the budget: the turn's appended columns are gone
+        s.appended = 0
     s.compressions += 1
     s.seconds += dt
     tot = rt.totals

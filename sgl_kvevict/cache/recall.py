@@ -162,6 +162,58 @@ def recall(req: Any, s: st.ReqState) -> int:
     return one.finish()
 
 
+def safe_append(req: Any) -> int:
+    """`append`, degrading the request's recall on a failure. Returns the slots the row grew by."""
+    s = st.get(req)
+    if s is None or not s.append_due:
+        return 0
+    s.append_due = False
+    if not demote.enabled(s):
+        return 0
+    try:
+        return append(req, s)
+    except Exception:
+        demote.fail(s, "recall (append)")
+        return 0
+
+
+def append(req: Any, s: st.ReqState) -> int:
+    """After a turn's prefill compression, before its first decode step: the turn's window queries bring
+    their best host entries back into `a` fresh slots appended to the compacted history, displacing
+    nothing (`--kv-recall-append`). The turn then decodes over its budget plus them; its next compression
+    that is not a decode step's folds them back into the budget (`compressor._trigger`). `a` is at most
+    R, the entries the branch evicted, and what the slot pool can spare (twice `a` must be free or
+    evictable: SGLang's next memory check must not retract for it). Returns `a` (0: nothing appended;
+    the turn's other recalls are unchanged)."""
+    demote.take(s)
+    kv, rt = req.kv, runtime.RT
+    if s.host is None or s.host.count == 0 or s.pending is not None or s.comp_slots == 0:
+        return 0
+    if kv.kv_allocated_len != kv.kv_committed_len or not compressor.own_region(req, s):
+        return 0
+    kv_len = int(kv.kv_committed_len)
+    lo, hi = _displaceable(s)
+    length = s.tokens_for(kv_len)
+    w = min(capture.count(kv.req_pool_idx, length), kv_len - hi)
+    a = min(s.recall, s.own_evicted, s.host.count, int(rt.req_to_token.shape[1]) - kv_len)
+    sums, n_sel = _paged(s.host, a)
+    if sums is not None:  # the fetched pages hold at least this many real columns
+        a = min(a, (n_sel - 1) * sums.page + 1)
+    if a <= 0 or w <= 0 or compressor.free_slots() < 2 * a:
+        return 0
+    one = _Recall.start(req, s, kv_len, length, lo, hi, a)
+    one.new = compressor.alloc_slots(a)
+    try:
+        for layer in range(rt.n_layers):
+            q = capture.STORE.get(kv.req_pool_idx, layer, length)[:, -w:]
+            one.layer(layer, q, causal=True)
+    except Exception:
+        one.rollback("recall (append)")
+        rt.allocator.free(one.new)
+        return 0
+    return one.finish()
+
+
 def _displaceable(s: st.ReqState) -> tuple[int, int]:
     """Row range recall may displace: the compacted history past the sinks (the uncompressed tail, where
     the queries sit, and the sinks are never displaced)."""
@@ -236,11 +288,12 @@ def exchange(
     return counts
 
 
-def _account(s: st.ReqState, swapped: int) -> None:
-    """Counters of one recall (a turn's, or a decode-time one): entries in, bytes both ways."""
+def _account(s: st.ReqState, swapped: int, one_way: bool = False) -> None:
+    """Counters of one recall (a turn's, or a decode-time one): entries in, bytes both ways (an append
+    moves them one way)."""
     rt, pool = runtime.RT, host.POOL
     s.recalled_into_history = s.recalled_into_history or swapped > 0
-    moved = swapped * 2 * rt.head_dim * rt.k_buffer(0).element_size() * 2
+    moved = swapped * 2 * rt.head_dim * rt.k_buffer(0).element_size() * (1 if one_way else 2)
     s.recalled += swapped
     s.bytes_moved += moved
     s.host_peak = max(s.host_peak, s.host.count if s.host is not None else 0)
@@ -311,6 +364,8 @@ class _Recall:
     n_sel: int  # pages fetched per head and layer when paged
     dbg: _DebugSwap | None = None
     decode: bool = False
+    new: torch.Tensor | None = None  # appending: the fresh device slots (int64) the columns go to
+    appended_pos: list[torch.Tensor] = field(default_factory=list)  # debug: their positions, per layer
     swapped: torch.Tensor | None = None  # on the device, read once at the end
     done: list[tuple] = field(default_factory=list)  # the swaps written so far (`rollback`)
 
@@ -327,8 +382,8 @@ class _Recall:
         return cls(req, s, m, tokens, lo, hi, r, row_slots, cols, sums, n_sel, dbg, decode)
 
     def layer(self, layer: int, q: torch.Tensor, causal: bool) -> None:
-        """Score and exchange at `layer` with queries `q` `[Hq, w, D]` (causal: they are the row's last
-        `w` entries; else every key precedes them)."""
+        """Score and exchange (or append) at `layer` with queries `q` `[Hq, w, D]` (causal: they are the
+        row's last `w` entries; else every key precedes them)."""
         rt, pool = runtime.RT, host.POOL
         dev = self.row_slots.device
         heads = torch.arange(pool.heads, device=pool.k.device).unsqueeze(-1)
@@ -347,6 +402,9 @@ class _Recall:
         keys = torch.cat([hk, rt.k_buffer(layer).index_select(0, self.row_slots)])
         p = K.window_attention(q, keys, torch.arange(keys.shape[0], device=dev), rt.scale, causal, "max")
         host_sc = p[:, :e] if valid is None else p[:, :e].masked_fill(~valid, float("-inf"))
+        if self.new is not None:
+            self._append(layer, host_sc, cand)
+            return
         counts = exchange(
             self.s,
             layer,
@@ -367,6 +425,42 @@ class _Recall:
         elif self.s.host.summaries is not None:  # scored flat: the swapped columns' summaries are stale
             self.s.host.summaries = None
 
+    def _append(self, layer: int, host_sc: torch.Tensor, cand: torch.Tensor | None) -> None:
+        """Append mode at `layer`: each KV head's best `a` host entries go to the fresh slots `new` (no
+        entry is displaced), and the branch's last `a` columns of that head fill the holes they leave, so
+        the branch ends `a` columns shorter (`finish` gives those back) and its pages stay dense."""
+        rt, pool, s = runtime.RT, host.POOL, self.s
+        a = int(self.new.numel())
+        _, idx = best_entries(host_sc[None], server_settings().recall_page, a)
+        hidx = idx[0] if cand is None else cand.gather(-1, idx[0])  # [H, a] branch column indices
+        hidx = hidx.to(pool.k.device)
+        heads = torch.arange(pool.heads, device=pool.k.device).unsqueeze(-1)
+        dev_heads = torch.arange(pool.heads, device=self.new.device).unsqueeze(-1)
+        at = self.cols[hidx]
+        rt.k_buffer(layer)[self.new.unsqueeze(0), dev_heads] = pool.k[layer][at, heads].to(
+            rt.k_buffer(0).device
+        )
+        rt.v_buffer(layer)[self.new.unsqueeze(0), dev_heads] = pool.v[layer][at, heads].to(
+            rt.v_buffer(0).device
+        )
+        self.done.append(("append", layer, hidx))
+        src, dst = holes_filled(hidx, int(self.cols.numel()))
+        for buf in (pool.k, pool.v):
+            buf[layer][self.cols[dst], heads] = buf[layer][self.cols[src], heads]
+        if self.dbg is not None:
+            hpos = self.dbg.hpos[layer]
+            self.appended_pos.append(hpos.gather(-1, hidx.cpu()))
+            hpos.scatter_(-1, dst.cpu(), hpos.gather(-1, src.cpu()))
+        if self.sums is not None:  # the pages the holes were in hold other entries now: re-summarise
+            sm = self.sums
+            page_ids = (dst // sm.page).to(self.row_slots.device)
+            c2 = int(self.cols.numel()) - a
+            cols, ok = K.gather_columns(page_ids, sm.page, c2)
+            now = _host_keys(layer, self.cols[cols.to(pool.k.device)], heads).to(self.row_slots.device)
+            K.refresh_pages(*sm.at(layer), page_ids, now.transpose(0, 1), ok)
+        elif s.host.summaries is not None:
+            s.host.summaries = None
+
     def rollback(self, what: str) -> None:
         """A failure part-way (some layers swapped): swap those layers back, newest first, so the row and
         the host hold what they held before this recall (nothing lost, nothing duplicated); then turn
@@ -374,7 +468,10 @@ class _Recall:
         may have seen the swapped columns); the next recall rebuilds them from the columns."""
         try:
             for args in reversed(self.done):
-                K.host_swap(*args)
+                if args[0] == "append":  # the chosen entries back to their columns (holes refilled)
+                    self._undo_append(*args[1:])
+                else:
+                    K.host_swap(*args)
             self.done.clear()
         except Exception:
             logger.exception("kvevict: undoing a failed recall failed")
@@ -382,13 +479,74 @@ class _Recall:
             self.s.host.summaries = None
         demote.fail(self.s, what)
 
+    def _undo_append(self, layer: int, hidx: torch.Tensor) -> None:
+        rt, pool = runtime.RT, host.POOL
+        heads = torch.arange(pool.heads, device=pool.k.device).unsqueeze(-1)
+        dev_heads = torch.arange(pool.heads, device=self.new.device).unsqueeze(-1)
+        at = self.cols[hidx]
+        pool.k[layer][at, heads] = rt.k_buffer(layer)[self.new.unsqueeze(0), dev_heads].to(pool.k.device)
+        pool.v[layer][at, heads] = rt.v_buffer(layer)[self.new.unsqueeze(0), dev_heads].to(pool.v.device)
+
     def finish(self) -> int:
+        if self.new is not None:
+            return self._finish_append()
         self.done.clear()
         swapped = int(self.swapped) if self.swapped is not None else 0
         if self.dbg is not None:
             self.dbg.record(self.s, self.tokens)
         _account(self.s, swapped)
         return swapped
+
+    def _finish_append(self) -> int:
+        """Every layer appended: the fresh slots join the row after the compacted history (the tail moves
+        right), the request's counts say so (`ReqState.unevicted`), and the branch gives back its last
+        `a` columns, whose entries now fill the holes."""
+        self.done.clear()
+        rt, pool, s, kv = runtime.RT, host.POOL, self.s, self.req.kv
+        a, hi = int(self.new.numel()), self.hi
+        row = rt.req_to_token[kv.req_pool_idx]
+        end = int(kv.kv_committed_len)
+        tail = row[hi:end].clone()
+        row[hi : hi + a] = self.new.to(row.dtype)
+        row[hi + a : end + a] = tail
+        kv.kv_committed_len = kv.kv_allocated_len = end + a
+        s.unevicted(a)
+        if slotstats.STATS is not None:  # fresh slots: no statistic yet
+            for li in range(rt.n_layers):
+                slotstats.STATS[li][self.new] = float("nan")
+        rt.tree.offsets[kv.req_pool_idx] = s.offset
+        e = s.host
+        c2 = e.count - a
+        pool.give_back(e.cols[c2:])
+        e.cols = e.cols[:c2].clone()
+        sm = e.summaries
+        if sm is not None:  # whole pages only: the next recall re-summarises the partial last one
+            full = c2 // sm.page
+            cut = [x[:full].clone() if x is not None else None for x in (sm.kmin, sm.kmax, sm.kmean)]
+            e.summaries = host.PageSummaries(*cut, n=full * sm.page, page=sm.page)
+        if self.dbg is not None:
+            e.positions = self.dbg.hpos[..., :c2].clone()
+            pos = self.dbg.pos
+            added = torch.stack(self.appended_pos)  # [L, H, a]
+            s.debug_event(torch.cat([pos[..., :hi], added, pos[..., hi:]], dim=-1), self.tokens)
+        moved = a * pool.heads * rt.n_layers
+        _account(s, moved, one_way=True)
+        return a
+
+
+def holes_filled(hidx: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(src, dst)` `[H, a]`: after each head's columns `hidx` `[H, a]` (distinct) leave a branch of `c`
+    columns, the moves that keep it dense in `c - a` columns: the head's entries in the last `a` columns
+    that stay fill, in order, the holes below `c - a`. Pairs past a head's count are `src == dst`
+    (no-ops), so the shape stays fixed and nothing is read back."""
+    h, a = hidx.shape
+    c2 = c - a
+    holes = torch.where(hidx < c2, hidx, c).sort(dim=-1).values  # the head's holes first, ascending
+    gone = torch.zeros(h, a + 1, dtype=torch.int8, device=hidx.device)  # column a: a sink for the rest
+    gone.scatter_(-1, torch.where(hidx >= c2, hidx - c2, a), 1)
+    stay = torch.sort(gone[:, :a], dim=-1, stable=True).indices + c2  # staying tail columns first
+    real = holes < c2
+    return stay, torch.where(real, holes, stay)
 
 
 def _host_keys(layer: int, cols: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
@@ -403,13 +561,18 @@ ARMED: dict[int, _Recall] = {}  # request row -> its recall inside the next forw
 GRAPHED = False
 
 
-def after_compress(req: Any, decode: bool) -> None:
-    """Called per request once a scheduler step's compressions committed: a due decode-time recall is
-    armed for the step's forward (its own queries, layer by layer), else runs now (`safe_recall`)."""
+def after_compress(req: Any, decode: bool) -> int:
+    """Called per request once a scheduler step's compressions committed: after a prefill, recalled
+    columns are appended (`safe_append`, with `--kv-recall-append`); a due decode-time recall is armed
+    for the step's forward (its own queries, layer by layer), else runs now (`safe_recall`). Returns
+    the slots the request's row grew by (the batch's lengths grow with it)."""
     global GRAPHED
     s = st.get(req)
     if s is None:
-        return
+        return 0
+    grown = 0 if decode else safe_append(req)
+    if grown:
+        s.recall_due = False  # the append brought back the turn's best entries
     stale = disarm(req.kv.req_pool_idx) if req.kv.req_pool_idx is not None else None
     if stale is not None and stale.s is s:  # armed for a forward that ran without the hook
         s.recall_due = True
@@ -419,10 +582,11 @@ def after_compress(req: Any, decode: bool) -> None:
     if decode:
         tick(req)
     if not due(req):
-        return
+        return grown
     if decode and not GRAPHED and arm(req, s, decode=True):
-        return
+        return grown
     safe_recall(req)
+    return grown
 
 
 def arm(req: Any, s: st.ReqState, decode: bool = False) -> bool:

@@ -92,6 +92,8 @@ class ReqState:
     # host tier (recall.py): entries per (layer, head) per request, at most this many per turn
     recall: int = 0
     recall_due: bool = False  # a prefill ran: recall once its compression has committed
+    append_due: bool = False  # a prefill ran: append recalled columns once its compression committed
+    appended: int = 0  # columns recall appended this turn: the turn's decode budget grows by them
     host: host_tier.HostEntries | None = None  # the host entries this request owns
     host_src: Any = None  # the adopted compressed node whose entries it takes at its first commit
     host_peak: int = 0
@@ -138,6 +140,22 @@ class ReqState:
         self.comp_slots = k - tail
         self.comp_tokens = tokens - tail
         self.own_evicted += n - k
+
+    def unevicted(self, count: int) -> None:
+        """A recall appended `count` host entries per layer and KV head to the compacted history: the row
+        holds `count` more slots for the same tokens (fewer evicted), until a compression folds them."""
+        self.comp_slots += count
+        self.own_evicted -= count
+        self.inherited_evicted = min(self.inherited_evicted, self.own_evicted)
+        self.appended += count
+        self.recalled_into_history = True
+        self.carry_stack = None
+        for d in self.layer_state:  # per-slot carried scores: the new entries carry none yet
+            old = d.get("carried")
+            if old is not None and old.shape[-1] >= self.comp_slots - count:
+                at = self.comp_slots - count
+                pad = old.new_zeros(*old.shape[:-1], count)
+                d["carried"] = torch.cat([old[..., :at], pad, old[..., at:]], dim=-1)
 
     def move_anchor(self, node: Any, tokens: int, slots: int, drop_history: bool) -> None:
         """The branch point moved down to `node`, `tokens` tokens held in `slots` slots further. With
@@ -247,6 +265,7 @@ def on_match(req: Any, region: Any, prefix_pos: torch.Tensor | None = None) -> R
     s.anchor, s.anchor_tokens, s.anchor_kv = region.anchor, region.anchor_tokens, region.anchor_kv
     s.own_evicted = s.inherited_evicted = s.comp_slots = s.comp_tokens = 0
     s.recalled_into_history = False
+    s.appended = 0
     s.reused_evicted = region.tokens - region.kv
     s.releasing = False
     s.pending = None  # planned against slots the request no longer holds

@@ -88,6 +88,7 @@ def _after_extend_alloc(reqs: list, offs: list[int]) -> None:
             continue
         s.after_extend = True
         s.recall_due = s.recall > 0
+        s.append_due = s.recall > 0 and server_settings().recall_append == "on"
         s.recall_steps = 0
         needs_window = "attn" in s.policy.needs or s.recall > 0
         if needs_window and not capture.ensure(row, s.policy.config.window, r.prefix_len):
@@ -140,8 +141,8 @@ def _compress_batch(batch) -> None:
     t0 = time.perf_counter()
     with compressor.one_thread():
         freed = engine.compress_batch(items, cap)
-        for r, (_, phase) in zip(reqs, items, strict=True):  # after this step's compressions committed
-            recall.after_compress(r, phase == "decode")
+        for i, (r, (_, phase)) in enumerate(zip(reqs, items, strict=True)):  # after the compressions
+            freed[i] -= recall.after_compress(r, phase == "decode")  # a recall may append slots
     rt.totals.step_seconds_max = max(rt.totals.step_seconds_max, time.perf_counter() - t0)
     if any(freed):
         delta = torch.tensor(freed, dtype=batch.seq_lens_cpu.dtype)

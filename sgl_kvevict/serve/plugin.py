@@ -195,6 +195,14 @@ def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
         f"{DEFAULT_RECALL_FETCH_PAGES}; at most {MAX_RECALL_FETCH_PAGES}; needs --kv-recall-tokens)",
     )
     group.add_argument(
+        "--kv-recall-append",
+        choices=("on", "off"),
+        default=None,
+        help="after each turn's prefill, bring the turn's best host entries back into up to R fresh slots "
+        "appended to the row, displacing nothing, until the turn ends (default off; needs "
+        "--kv-recall-tokens)",
+    )
+    group.add_argument(
         "--kv-recall-every",
         type=_every_arg,
         default=None,
@@ -316,7 +324,14 @@ def _server_settings(ns: argparse.Namespace, model_cfg: dict | None) -> ServerSe
     tokens, ratio = min_budget if min_budget is not None else (None, None)
     recall = getattr(ns, "kv_recall_tokens", None) or 0
     tier = {}  # the host tier's settings given on the command line (--kv-host-tokens -> host_tokens, ...)
-    tier_fields = ("host_tokens", "recall_page", "recall_summary", "recall_fetch_pages", "recall_every")
+    tier_fields = (
+        "host_tokens",
+        "recall_page",
+        "recall_summary",
+        "recall_fetch_pages",
+        "recall_append",
+        "recall_every",
+    )
     for field in (*tier_fields, "recall_min_score"):
         val = getattr(ns, f"kv_{field}", None)
         if val is None:
