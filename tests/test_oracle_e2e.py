@@ -57,8 +57,9 @@ SUMMARY: dict[str, oracle.TokenCheck] = {}
 VARIANTS: dict[str, tuple[str, dict]] = {
     "d2o-merge": ("d2o", {}),  # merge on: the oracle must notice
     "snapkv-branch": ("snapkv", {"scope": "branch"}),  # earlier turns re-compressed with the new tokens
-    # and evicted entries recalled from the host tier: in each prefill layer by layer, and in every
-    # decode step (the server's `--kv-recall-every 1`); every swap is a timeline event
+    # and evicted entries recalled from the host tier: in each prefill layer by layer, appended after its
+    # compression (`--kv-recall-append on`), and in every decode step (`--kv-recall-every 1`); every swap
+    # and append is a timeline event
     "snapkv-branch-recall": ("snapkv", {"scope": "branch"}),
 }
 RECALL = 16  # entries per layer and KV head a turn may recall (only the `-recall` labels; the rest 0)
@@ -119,6 +120,7 @@ def oracle_server() -> Iterator[Server]:
     yield from _server(
         ["--max-total-tokens", "16000", "--dtype", "float32", "--kv-policy", "streaming", "--kv-budget", "64"]
         + ["--kv-recall-tokens", str(RECALL), "--kv-recall-every", "1", "--kv-host-tokens", "8000"]
+        + ["--kv-recall-append", "on"]
     )
 
 
@@ -203,6 +205,14 @@ def test_multi_turn_under_eviction_equals_hf(runs, model, policy: str):
                     for lp, la in zip(ev["positions"], adm["positions"], strict=True)
                     for p, a in zip(lp, la, strict=True)
                 ), "no entry recalled inside the prefill"
+                # and after its compression, entries appended: the row held more for the same tokens
+                grew = [
+                    (a, b)
+                    for a, b in zip(turn.timeline[1:], turn.timeline[2:], strict=False)
+                    if int(a["tokens"]) == int(b["tokens"]) == len(turn.input_ids)
+                    and len(b["positions"][0][0]) > len(a["positions"][0][0])
+                ]
+                assert grew, "no recalled entry appended after the prefill compression"
         else:
             assert all(h == held for h in history), (
                 f"request scope evicted from the matched history: {history}"

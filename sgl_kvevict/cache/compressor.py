@@ -677,6 +677,7 @@ def stats(req: Any) -> dict[str, Any] | None:
             recalled=s.recalled,
             bytes_moved=s.bytes_moved,
             host_tokens=s.host_peak,
+            peak_kv_tokens=max(s.kv_peak, int(req.kv.kv_committed_len)),
             recall_skipped=s.recall_skipped,
         )
     if st.DEBUG:

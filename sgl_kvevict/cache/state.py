@@ -97,6 +97,7 @@ class ReqState:
     host: host_tier.HostEntries | None = None  # the host entries this request owns
     host_src: Any = None  # the adopted compressed node whose entries it takes at its first commit
     host_peak: int = 0
+    kv_peak: int = 0  # the most slots the row held at a decode step's start (appended columns included)
     recalled: int = 0
     bytes_moved: int = 0
     recall_skipped: int = 0

@@ -143,6 +143,9 @@ def _compress_batch(batch) -> None:
         freed = engine.compress_batch(items, cap)
         for i, (r, (_, phase)) in enumerate(zip(reqs, items, strict=True)):  # after the compressions
             freed[i] -= recall.after_compress(r, phase == "decode")  # a recall may append slots
+            s = st.get(r)
+            if s is not None:
+                s.kv_peak = max(s.kv_peak, int(r.kv.kv_committed_len))
     rt.totals.step_seconds_max = max(rt.totals.step_seconds_max, time.perf_counter() - t0)
     if any(freed):
         delta = torch.tensor(freed, dtype=batch.seq_lens_cpu.dtype)
