@@ -124,8 +124,10 @@ def test_a_short_question_turn_recalls_into_its_own_copy(recall_server: Server):
     got_on, got_off = _fact_entries(q_on, fact_pos), _fact_entries(q_off, fact_pos)
     answers = [tokenizer().decode(q["output_ids"]) for q in (q_on, q_off)]
     print("planted entries on the device with/without recall:", got_on, got_off, "answers:", answers)
-    # K and V, head_dim 64, both directions, 2 or 4 bytes an element
-    assert q_on["bytes_moved"] in (q_on["recalled"] * 2 * 64 * 2 * 2, q_on["recalled"] * 2 * 64 * 4 * 2)
+    # K and V, head_dim 64, 2 or 4 bytes an element: both directions for a swap, one for an append
+    swapped, appended = q_on["recalled"] - q_on["appended"], q_on["appended"]
+    assert appended > 0, q_on
+    assert q_on["bytes_moved"] in {(swapped * 2 + appended) * 2 * 64 * e for e in (2, 4)}, q_on
 
 
 @pytest.mark.parametrize("index", [6, 9, 11])
@@ -153,6 +155,8 @@ def test_a_fact_evicted_in_turn_1_is_answered_after_recall(recall_server: Server
         validate(q["kept_timeline"], 30, 3)
         if name == "on":
             assert q["recalled"] > 0 and q["kv_tokens"] < q["logical_tokens"] // 3, q
+            # the answer read over the budget plus the appended entries, folded back at the turn's end
+            assert q["appended"] > 0 and q["kv_tokens"] < q["peak_kv_tokens"] < q["logical_tokens"] // 2, q
     assert held["on"] > held["off"], (held, answers)
     assert recall_scenario.correct(answers["on"], expect), (expect, answers)
     assert not recall_scenario.correct(answers["off"], expect), (expect, answers)
@@ -340,6 +344,11 @@ def test_bad_request_recall_is_http_400(recall_server: Server, kv: dict, needle:
             "'minmax', 'mean', 'off'",
         ),
         (["--kv-policy", "snapkv", "--kv-recall-summary", "mean"], "--kv-recall-tokens"),
+        (
+            ["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-append", "yes"],
+            "--kv-recall-append",
+        ),
+        (["--kv-policy", "snapkv", "--kv-recall-append", "off"], "--kv-recall-tokens"),
         (["--kv-recall-tokens", "8"], "--kv-policy"),
     ],
 )

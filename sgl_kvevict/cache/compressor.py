@@ -675,6 +675,7 @@ def stats(req: Any) -> dict[str, Any] | None:
         out.update(
             recall_tokens=s.recall,
             recalled=s.recalled,
+            appended=s.recalled_appended,
             bytes_moved=s.bytes_moved,
             host_tokens=s.host_peak,
             peak_kv_tokens=max(s.kv_peak, int(req.kv.kv_committed_len)),

@@ -56,8 +56,8 @@ logger = logging.getLogger("sgl_kvevict")
 # A prefill's recall scores with at most this many of the turn's newest tokens' queries (bounds its cost).
 PREFILL_QUERIES = 512
 # A paged recall of R entries fetches the columns of ceil(FETCH * R / page) pages per layer and KV head
-# (chosen by their summaries), at least `--kv-recall-fetch-pages`, then keeps the best R of them by exact
-# score.
+# (chosen by their summaries), at least `--kv-recall-turn-pages` for a turn's recall (its prefill's, its
+# append) and `--kv-recall-fetch-pages` for a decode step's, then keeps the best R of them by exact score.
 FETCH = 2
 
 
@@ -151,7 +151,7 @@ def recall(req: Any, s: st.ReqState) -> int:
     if r <= 0 or w <= 0:
         s.recall_skipped += 1
         return 0
-    one = _Recall.start(req, s, kv_len, length, lo, hi, r)
+    one = _Recall.start(req, s, kv_len, length, lo, hi, r, decode=bool(fresh))
     try:
         for layer in range(runtime.RT.n_layers):
             q = capture.STORE.get(kv.req_pool_idx, layer, length)[:, -w:]  # [Hq, w, D], the row's last w
@@ -295,6 +295,7 @@ def _account(s: st.ReqState, swapped: int, one_way: bool = False) -> None:
     s.recalled_into_history = s.recalled_into_history or swapped > 0
     moved = swapped * 2 * rt.head_dim * rt.k_buffer(0).element_size() * (1 if one_way else 2)
     s.recalled += swapped
+    s.recalled_appended += swapped if one_way else 0
     s.bytes_moved += moved
     s.host_peak = max(s.host_peak, s.host.count if s.host is not None else 0)
     tot = pool.totals
@@ -333,13 +334,13 @@ def summaries(e: host.HostEntries, page: int, mode: str) -> host.PageSummaries:
     return sm
 
 
-def _paged(e: host.HostEntries, r: int) -> tuple[host.PageSummaries | None, int]:
-    """`(summaries, pages to fetch per head)` when a recall of `r` entries scores pages, `(None, 0)` when
-    it scores every host key (summaries off, or the branch has no more pages than a paged recall would
-    fetch anyway: then it is exact and costs no more)."""
+def _paged(e: host.HostEntries, r: int, turn: bool = True) -> tuple[host.PageSummaries | None, int]:
+    """`(summaries, pages to fetch per head)` when a recall of `r` entries (a turn's, else a decode
+    step's) scores pages, `(None, 0)` when it scores every host key (summaries off, or the branch has no
+    more pages than a paged recall would fetch anyway: then it is exact and costs no more)."""
     cfg = server_settings()
     page = cfg.recall_page
-    n_sel = max(-(-FETCH * r // page), cfg.recall_fetch_pages)
+    n_sel = max(-(-FETCH * r // page), cfg.recall_turn_pages if turn else cfg.recall_fetch_pages)
     if cfg.recall_summary == "off" or K.n_pages(e.count, page) <= n_sel:
         return None, 0
     return summaries(e, page, cfg.recall_summary), n_sel
@@ -375,7 +376,7 @@ class _Recall:
     ) -> _Recall:
         pool = host.POOL
         pool.touch(s.host)
-        sums, n_sel = _paged(s.host, r)
+        sums, n_sel = _paged(s.host, r, turn=not decode)
         row_slots = runtime.RT.req_to_token[req.kv.req_pool_idx, :m].to(torch.int64)
         dbg = _DebugSwap(s, m) if st.DEBUG and s.host.positions is not None else None
         cols = s.host.cols.to(pool.k.device)
@@ -393,7 +394,13 @@ class _Recall:
         else:
             sm = self.sums
             mode = "minmax" if sm.kmin is not None else "mean"
-            sc = K.page_scores(q.transpose(0, 1), *sm.at(layer), mode, rt.scale, "sum")
+            sc = K.page_scores(
+                q.transpose(0, 1),
+                *sm.at(layer),
+                mode,
+                rt.scale,
+                "sum",
+            )
             page_ids = K.select_pages(sc, self.n_sel)  # [H, n]
             cand, valid = K.gather_columns(page_ids, sm.page, int(self.cols.numel()))  # [H, c]
             hk = _host_keys(layer, self.cols[cand.to(pool.k.device)], heads).to(dev)  # [c, H, D]

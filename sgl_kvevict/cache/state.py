@@ -99,6 +99,7 @@ class ReqState:
     host_peak: int = 0
     kv_peak: int = 0  # the most slots the row held at a decode step's start (appended columns included)
     recalled: int = 0
+    recalled_appended: int = 0  # of `recalled`, the entries appended (moved one way, not exchanged)
     bytes_moved: int = 0
     recall_skipped: int = 0
     recall_steps: int = 0
