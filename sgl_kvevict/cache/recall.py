@@ -394,13 +394,7 @@ class _Recall:
         else:
             sm = self.sums
             mode = "minmax" if sm.kmin is not None else "mean"
-            sc = K.page_scores(
-                q.transpose(0, 1),
-                *sm.at(layer),
-                mode,
-                rt.scale,
-                "sum",
-            )
+            sc = K.page_scores(q.transpose(0, 1), *sm.at(layer), mode, rt.scale, "sum")
             page_ids = K.select_pages(sc, self.n_sel)  # [H, n]
             cand, valid = K.gather_columns(page_ids, sm.page, int(self.cols.numel()))  # [H, c]
             hk = _host_keys(layer, self.cols[cand.to(pool.k.device)], heads).to(dev)  # [c, H, D]
