@@ -55,15 +55,16 @@ def _user(text: str) -> list[int]:
 
 
 def session(
-    srv: Server, kv: dict, turns: list[str], n: int = 8, last_n: int | None = None
+    srv: Server, kv: dict, turns: list[str], n: int = 8, last_n: int | None = None, caps: list[int] | None = None
 ) -> tuple[list[dict], list[int]]:
     """Turns sent one by one as raw ids (each = every earlier id + the reply + the new user turn); the
-    last turn generates `last_n` tokens (default `n`)."""
+    last turn generates `last_n` tokens (default `n`), or each turn its entry of `caps`."""
     ids = chat_ids([{"role": "system", "content": "You are a helpful assistant."}])
     infos = []
     for i, text in enumerate(turns):
         ids = ids + _user(text)
         m = last_n if last_n is not None and i == len(turns) - 1 else n
+        m = caps[i] if caps is not None else m
         out = srv.generate(input_ids=ids, max_new_tokens=m, kv=kv)
         infos.append({**out["meta_info"]["kvevict"][0], "output_ids": out["output_ids"]})
         ids = ids + out["output_ids"]
@@ -143,11 +144,12 @@ def test_a_fact_evicted_in_turn_1_is_answered_after_recall(recall_server: Server
         index
     ]
     turns, expect = [t.inputs[0].content for t in sess.turns], sess.turns[-1].expect
+    caps = [t.answer_cap(8) for t in sess.turns]  # as the replay sends them: the plant's echo is whole
     fact_pos = _planted(turns[0], expect)
     held, answers = {}, {}
     for name, kv in (("off", {**SNAP, "recall_tokens": 0}), ("on", SNAP)):
         recall_server.flush()  # no run starts from another's stored prefix
-        infos, _ = session(recall_server, kv, turns, last_n=16)
+        infos, _ = session(recall_server, kv, turns, caps=caps)
         q = infos[-1]
         last = q["kept_timeline"][-1]["positions"]
         held[name] = sum(len(fact_pos.intersection(row)) for layer in last for row in layer)
