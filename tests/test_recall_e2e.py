@@ -55,7 +55,12 @@ def _user(text: str) -> list[int]:
 
 
 def session(
-    srv: Server, kv: dict, turns: list[str], n: int = 8, last_n: int | None = None, caps: list[int] | None = None
+    srv: Server,
+    kv: dict,
+    turns: list[str],
+    n: int = 8,
+    last_n: int | None = None,
+    caps: list[int] | None = None,
 ) -> tuple[list[dict], list[int]]:
     """Turns sent one by one as raw ids (each = every earlier id + the reply + the new user turn); the
     last turn generates `last_n` tokens (default `n`), or each turn its entry of `caps`."""

@@ -1,5 +1,6 @@
 """Test-only policies, registered only when KVEVICT_TEST_POLICIES=1 (never in a normal server); one of
-them, `test_recall_fault`, fails inside the recall stage (its exchange is wrapped for that policy only).
+them, `test_recall_fault`, fails inside the recall stage (its exchange and its append are wrapped, for
+that policy only).
 
 They plug in through their own `sglang.srt.plugins` entry point (`load`, see pyproject.toml), so the
 serving side never imports the tools."""
@@ -44,8 +45,9 @@ class StagedFaultPolicy(KNormPolicy):
 
 class RecallFaultPolicy(SnapKVPolicy):
     """SnapKV whose every recall fails right after its first swap that moved entries (see
-    `_failing_exchange`): the swap is written, then undone. A turn must then run exactly as with recall
-    off, since the failure comes before that layer's attention reads the row."""
+    `_failing_exchange`), or its append's first layer (`_failing_append`): what was written is undone.
+    A turn must then run exactly as with recall off, since the failure comes before any attention reads
+    the row."""
 
     name = "test_recall_fault"
 
@@ -64,6 +66,19 @@ def _failing_exchange(real: Callable[..., torch.Tensor]) -> Callable[..., torch.
     return exchange
 
 
+def _failing_append(real: Callable[..., None]) -> Callable[..., None]:
+    def append(self: Any, layer: int, *args: Any, **kwargs: Any) -> None:
+        real(self, layer, *args, **kwargs)
+        if self.s.policy.name == RecallFaultPolicy.name:
+            raise RuntimeError(
+                f"test_recall_fault: deliberate failure after swapping {int(self.new.numel())} entries "
+                f"per head into appended slots at layer {layer}"
+            )
+
+    append.kvevict_test_fault = True
+    return append
+
+
 def load() -> None:
     """Entry point: registers the test policies when KVEVICT_TEST_POLICIES=1 (idempotent)."""
     if os.environ.get("KVEVICT_TEST_POLICIES") != "1":
@@ -73,3 +88,5 @@ def load() -> None:
             register(cls)
     if not getattr(recall.exchange, "kvevict_test_fault", False):
         recall.exchange = _failing_exchange(recall.exchange)
+    if not getattr(recall._Recall._append, "kvevict_test_fault", False):
+        recall._Recall._append = _failing_append(recall._Recall._append)
