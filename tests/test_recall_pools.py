@@ -513,3 +513,24 @@ def test_append_rolls_back_on_a_failure(pools: Pools, monkeypatch):
     assert p.alloc.available_size() == avail and s.recall == 0 and s.appended == 0
     s.drop_host()
     assert host.POOL.n_free == host.POOL.size
+
+
+def test_a_paged_append_takes_no_more_than_its_fetched_pages_hold(pools: Pools, monkeypatch):
+    """One fetched page of 16 columns may be the branch's partial last page (one real column): the append
+    then takes one entry per head, never a padding column (which would duplicate a host entry)."""
+    tier = {"recall_page": 16, "recall_summary": "minmax", "recall_turn_pages": 1, "recall_fetch_pages": 1}
+    cfg = ServerSettings(recall_tokens=R, recall_min_score=0, recall_append="on", **tier)
+    monkeypatch.setenv(SETTINGS_ENV_VAR, cfg.to_env())
+    p = pools
+    batch, req, s, heads, orig_k, orig_v = _setup(p, "snapkv")
+    probe = torch.randn(D, generator=p.gen)
+    want = _tags(orig_k, orig_v, probe)
+    with compressor.one_thread():
+        assert compressor.compress(req, "prefill") > 0
+    assert recall._paged(s.host, R)[1] == 1  # one page fetched
+    s.append_due = True
+    assert recall.safe_append(req) == 1
+    ks, vs = _held(p, req, s)
+    assert torch.allclose(_tags(ks, vs, probe), want, atol=1e-4)  # nothing lost, nothing duplicated
+    s.drop_host()
+    assert host.POOL.n_free == host.POOL.size

@@ -196,9 +196,12 @@ def append(req: Any, s: st.ReqState) -> int:
     length = s.tokens_for(kv_len)
     w = min(capture.count(kv.req_pool_idx, length), kv_len - hi)
     a = min(s.recall, s.own_evicted, s.host.count, int(rt.req_to_token.shape[1]) - kv_len)
-    sums, n_sel = _paged(s.host, a)
-    if sums is not None:  # the fetched pages hold at least this many real columns
-        a = min(a, (n_sel - 1) * sums.page + 1)
+    while a > 0:  # a paged append picks from the fetched pages: at least (n - 1) * page + 1 real columns
+        sums, n_sel = _paged(s.host, a)
+        room = a if sums is None else min(a, (n_sel - 1) * sums.page + 1)
+        if room == a:
+            break
+        a = room
     if a <= 0 or w <= 0 or compressor.free_slots() < 2 * a:
         return 0
     one = _Recall.start(req, s, kv_len, length, lo, hi, a)
