@@ -9,10 +9,13 @@ For each host size E: one request whose region of E + budget tokens is compresse
 evicted E entries per layer and head are demoted to the host tier), then
 - a prefill of `--new-tokens` tokens recalls layer by layer (scores: the new tokens' queries over the E
   host keys and the row's keys, every layer);
+- the turn's append (`recall.append`, `--kv-recall-append`): a window of 32 queries brings R entries per
+  layer and head back into appended slots;
 - `--steps` decode steps recall layer by layer, one query each (at most one page per step).
 The score floor is 0 unless `--min-score` says otherwise (the most a recall moves). Each size runs
 once per `--summary` variant: `off` scores every host key; `minmax` and `mean` score the
-branch's page summaries and fetch the columns of the best 2R/page pages only (`--kv-recall-summary`).
+branch's page summaries and fetch the columns of the best pages only (`--kv-recall-summary`): at least
+`--turn-pages` for the prefill and the append, `--fetch-pages` for a decode step.
 Printed per host size and variant: seconds per prefill recall (all layers) and per decode step (all
 layers), the entries recalled, the bytes moved (K and V, both directions) and the host key bytes read to
 score (every key, or the fetched pages' twice: scoring and re-summarising after the swap). On a GPU the host keys would be read
@@ -33,12 +36,18 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sgl_kvevict.cache import compressor, host, recall  # noqa: E402
+from sgl_kvevict.cache import capture, compressor, host, recall  # noqa: E402
 from sgl_kvevict.cache import state as st  # noqa: E402
-from sgl_kvevict.config import SETTINGS_ENV_VAR, ServerSettings  # noqa: E402
+from sgl_kvevict.config import (  # noqa: E402
+    DEFAULT_RECALL_FETCH_PAGES,
+    DEFAULT_RECALL_TURN_PAGES,
+    SETTINGS_ENV_VAR,
+    ServerSettings,
+)
 from sgl_kvevict.tools.pools import Pools  # noqa: E402
 
 LAYERS, KV_HEADS, GROUP, DIM = 30, 3, 3, 64
+WINDOW = 32  # the append's window queries
 
 
 def forward_batch(decode: bool, n_new: int) -> SimpleNamespace:
@@ -77,6 +86,17 @@ def measure(e: int, budget: int, r: int, new_tokens: int, steps: int) -> dict:
     assert recall.arm(req, s), "the prefill recall did not arm"
     prefill_s = run_layers(p, forward_batch(False, new_tokens), new_tokens)
     prefill = (s.recalled - in0, s.bytes_moved - moved0, host.POOL.totals.keys_read - read0)
+    # the turn's append, with a captured window of random queries at the row's last positions
+    moved0, in0, read0 = s.bytes_moved, s.recalled, host.POOL.totals.keys_read
+    assert capture.ensure(0, WINDOW, 0)
+    length = s.tokens_for(int(req.kv.kv_committed_len))
+    for layer in range(LAYERS):
+        q = torch.randn(WINDOW, p.q_heads, DIM, generator=p.gen).to(torch.bfloat16)
+        capture.STORE.put(0, layer, q, torch.arange(length - WINDOW, length))
+    t0 = time.perf_counter()
+    assert recall.append(req, s) > 0, "nothing appended"
+    append_s = time.perf_counter() - t0
+    append = (s.recalled - in0, s.bytes_moved - moved0, host.POOL.totals.keys_read - read0)
     step_s, step_in, step_bytes, step_read = [], [], [], []
     for _ in range(steps):
         moved0, in0, read0 = s.bytes_moved, s.recalled, host.POOL.totals.keys_read
@@ -96,6 +116,10 @@ def measure(e: int, budget: int, r: int, new_tokens: int, steps: int) -> dict:
         "prefill_in": prefill[0],
         "prefill_bytes": prefill[1],
         "prefill_read": prefill[2],
+        "append_s": append_s,
+        "append_in": append[0],
+        "append_bytes": append[1],
+        "append_read": append[2],
         "step_s": statistics.median(step_s) if step_s else float("nan"),
         "step_in": statistics.mean(step_in) if step_in else 0,
         "step_bytes": statistics.mean(step_bytes) if step_bytes else 0,
@@ -116,6 +140,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="decode steps timed per size")
     ap.add_argument("--summary", default="off,minmax", help="--kv-recall-summary variants, side by side")
     ap.add_argument(
+        "--turn-pages", type=int, default=DEFAULT_RECALL_TURN_PAGES, help="--kv-recall-turn-pages"
+    )
+    ap.add_argument(
+        "--fetch-pages", type=int, default=DEFAULT_RECALL_FETCH_PAGES, help="--kv-recall-fetch-pages"
+    )
+    ap.add_argument(
         "--min-score",
         type=float,
         default=0.0,
@@ -126,10 +156,11 @@ def main() -> None:
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     print(
         "| host entries per layer and head | summary | prefill recall s (all layers) | entries in | bytes moved "
-        "| host keys read | decode step recall s (median, all layers) | entries in per step | bytes moved per "
+        "| host keys read | append s | entries appended | bytes moved | host keys read "
+        "| decode step recall s (median, all layers) | entries in per step | bytes moved per "
         "step | host keys read per step |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for e in (int(x) for x in args.host.split(",")):
         for summary in args.summary.split(","):
             os.environ[SETTINGS_ENV_VAR] = ServerSettings(
@@ -138,12 +169,16 @@ def main() -> None:
                 recall_every=1,
                 recall_summary=summary,
                 recall_min_score=args.min_score,
+                recall_turn_pages=args.turn_pages,
+                recall_fetch_pages=args.fetch_pages,
             ).to_env()
             print(f"[recall_cost] host {e}, summary {summary} ...", file=sys.stderr, flush=True)
             m = measure(e, args.budget, args.recall, args.new_tokens, args.steps)
             print(
                 f"| {m['host']:,} | {summary} | {m['prefill_s']:.3f} | {m['prefill_in']:,} "
-                f"| {m['prefill_bytes'] / 1e6:.2f} MB | {m['prefill_read'] / 1e6:.2f} MB | {m['step_s']:.4f} "
+                f"| {m['prefill_bytes'] / 1e6:.2f} MB | {m['prefill_read'] / 1e6:.2f} MB "
+                f"| {m['append_s']:.3f} | {m['append_in']:,} | {m['append_bytes'] / 1e6:.2f} MB "
+                f"| {m['append_read'] / 1e6:.2f} MB | {m['step_s']:.4f} "
                 f"| {m['step_in']:.0f} | {m['step_bytes'] / 1e3:.1f} KB | {m['step_read'] / 1e3:.1f} KB |",
                 flush=True,
             )
