@@ -14,8 +14,8 @@ evicted E entries per layer and head are demoted to the host tier), then
 - `--steps` decode steps recall layer by layer, one query each (at most one page per step).
 The score floor is 0 unless `--min-score` says otherwise (the most a recall moves). Each size runs
 once per `--summary` variant: `off` scores every host key; `minmax` and `mean` score the
-branch's page summaries and fetch the columns of the best pages only (`--kv-recall-summary`): at least
-`--turn-pages` for the prefill and the append, `--fetch-pages` for a decode step.
+branch's page summaries and fetch the columns of the best pages only (`--kv-recall-summary`), at least
+`--fetch-pages` of them (`--kv-recall-fetch-pages`).
 Printed per host size and variant: seconds per prefill recall (all layers) and per decode step (all
 layers), the entries recalled, the bytes moved (K and V, both directions) and the host key bytes read to
 score (every key, or the fetched pages' twice: scoring and re-summarising after the swap). On a GPU the host keys would be read
@@ -38,12 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sgl_kvevict.cache import capture, compressor, host, recall  # noqa: E402
 from sgl_kvevict.cache import state as st  # noqa: E402
-from sgl_kvevict.config import (  # noqa: E402
-    DEFAULT_RECALL_FETCH_PAGES,
-    DEFAULT_RECALL_TURN_PAGES,
-    SETTINGS_ENV_VAR,
-    ServerSettings,
-)
+from sgl_kvevict.config import DEFAULT_RECALL_FETCH_PAGES, SETTINGS_ENV_VAR, ServerSettings  # noqa: E402
 from sgl_kvevict.tools.pools import Pools  # noqa: E402
 
 LAYERS, KV_HEADS, GROUP, DIM = 30, 3, 3, 64
@@ -140,9 +135,6 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="decode steps timed per size")
     ap.add_argument("--summary", default="off,minmax", help="--kv-recall-summary variants, side by side")
     ap.add_argument(
-        "--turn-pages", type=int, default=DEFAULT_RECALL_TURN_PAGES, help="--kv-recall-turn-pages"
-    )
-    ap.add_argument(
         "--fetch-pages", type=int, default=DEFAULT_RECALL_FETCH_PAGES, help="--kv-recall-fetch-pages"
     )
     ap.add_argument(
@@ -169,7 +161,6 @@ def main() -> None:
                 recall_every=1,
                 recall_summary=summary,
                 recall_min_score=args.min_score,
-                recall_turn_pages=args.turn_pages,
                 recall_fetch_pages=args.fetch_pages,
             ).to_env()
             print(f"[recall_cost] host {e}, summary {summary} ...", file=sys.stderr, flush=True)

@@ -35,15 +35,12 @@ MAX_HOST_TOKENS = 1 << 21  # bound on --kv-host-tokens (host columns)
 DEFAULT_HOST_TOKENS = 16384
 MAX_RECALL_PAGE = 256  # bound on --kv-recall-page (host columns per page)
 MAX_RECALL_EVERY = 4096  # bound on --kv-recall-every (decode steps)
-MAX_RECALL_FETCH_PAGES = 4096  # bound on --kv-recall-fetch-pages, --kv-recall-turn-pages (per layer and head)
+MAX_RECALL_FETCH_PAGES = 4096  # bound on --kv-recall-fetch-pages (pages per layer and KV head)
 DEFAULT_RECALL_PAGE = 8
-# A decode step recalls one page: its one query picks the page it needs among 8 candidates better than
-# between 2 (measured on the short recall replay).
-DEFAULT_RECALL_FETCH_PAGES = 8
-# A turn's recall (its prefill's, its append) runs once per turn and picks R entries out of a history of
-# hundreds of pages: 64 candidate pages found 7 of 12 planted facts where 16 found 3 (the long recall
-# replay, 225 pages per layer and head; every key scored: 6).
-DEFAULT_RECALL_TURN_PAGES = 64
+# A recall picks among the pages its summaries rank best: in a history of hundreds of pages, 64 candidate
+# pages per layer and head found 7 of 12 planted facts where 8 (16 for a turn's R) found 2, and scoring
+# every key 6 (the long recall replay, 225 pages per layer and head); a decode step then reads 64 pages.
+DEFAULT_RECALL_FETCH_PAGES = 64
 DEFAULT_RECALL_EVERY = 1  # the step's own query finds what the token it produces needs (measured)
 # A host page comes back only where a query gives its best entry at least this much attention: weaker
 # evidence swapped entries back and forth (3-5x the bytes moved) and answered no better (measured).
@@ -323,15 +320,9 @@ class ServerSettings(BaseModel):
         DEFAULT_RECALL_FETCH_PAGES,
         ge=1,
         le=MAX_RECALL_FETCH_PAGES,
-        description="pages a decode step's paged recall fetches at least, per layer and KV head, chosen by "
-        "their summaries: the host keys it reads besides the summaries (--kv-recall-fetch-pages)",
-    )
-    recall_turn_pages: int = Field(
-        DEFAULT_RECALL_TURN_PAGES,
-        ge=1,
-        le=MAX_RECALL_FETCH_PAGES,
-        description="pages a turn's paged recall (in its prefill, and its append) fetches at least, per layer "
-        "and KV head (2R/page when that is more), chosen by their summaries (--kv-recall-turn-pages)",
+        description="pages a paged recall fetches at least, per layer and KV head, chosen by their summaries "
+        "(it fetches 2R/page when that is more): the host keys a recall reads besides the summaries "
+        "(--kv-recall-fetch-pages)",
     )
     recall_append: Literal["on", "off"] = Field(
         "on",

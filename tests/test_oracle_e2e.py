@@ -63,7 +63,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "snapkv-branch-recall": ("snapkv", {"scope": "branch"}),
 }
 RECALL = 16  # entries per layer and KV head a turn may recall (only the `-recall` labels; the rest 0)
-TURN_PAGES = 8  # pages a turn's recall fetches: fewer than the sessions' host histories hold (paged)
+FETCH_PAGES = 8  # pages a recall fetches: fewer than the sessions' host histories hold (paged)
 
 
 def kv_override(label: str) -> dict:
@@ -121,7 +121,7 @@ def oracle_server() -> Iterator[Server]:
     yield from _server(
         ["--max-total-tokens", "16000", "--dtype", "float32", "--kv-policy", "streaming", "--kv-budget", "64"]
         + ["--kv-recall-tokens", str(RECALL), "--kv-recall-every", "1", "--kv-host-tokens", "8000"]
-        + ["--kv-recall-append", "on", "--kv-recall-turn-pages", str(TURN_PAGES)]
+        + ["--kv-recall-append", "on", "--kv-recall-fetch-pages", str(FETCH_PAGES)]
     )
 
 
@@ -197,7 +197,7 @@ def test_multi_turn_under_eviction_equals_hf(runs, model, policy: str):
             )
             if policy.endswith("-recall"):  # the prefill brought back entries the admission did not hold
                 # from more host entries than a recall fetches: it scored page summaries, then pages
-                fetched = max(recall.FETCH * RECALL, TURN_PAGES * DEFAULT_RECALL_PAGE)
+                fetched = max(recall.FETCH * RECALL, FETCH_PAGES * DEFAULT_RECALL_PAGE)
                 assert t - held > fetched, f"host history {t - held} too short for a paged recall"
                 at_prefill = [ev for ev in turn.timeline[1:] if int(ev["tokens"]) == t]
                 assert at_prefill and any(

@@ -301,7 +301,7 @@ def test_a_failure_inside_recall_changes_nothing(pools: Pools, monkeypatch, wher
     recall off for that request only, and is counted; the request keeps its compression."""
     monkeypatch.setenv(
         SETTINGS_ENV_VAR,
-        ServerSettings(recall_tokens=R, recall_page=4, recall_min_score=0, recall_turn_pages=8).to_env(),
+        ServerSettings(recall_tokens=R, recall_page=4, recall_min_score=0, recall_fetch_pages=8).to_env(),
     )
     p = pools
     batch, req, s, heads, orig_k, orig_v = _setup(p, "snapkv")
@@ -360,7 +360,6 @@ def test_paged_recall_swaps_what_the_reference_picks(
     lost, and the summaries still describe the columns after the swap wrote into them (page 3: the last
     page is partial). `fetch`: `--kv-recall-fetch-pages`."""
     tier = {"recall_page": page, "recall_summary": summary, "recall_fetch_pages": fetch}
-    tier["recall_turn_pages"] = fetch
     cfg = ServerSettings(recall_tokens=R, recall_min_score=0, **tier)
     monkeypatch.setenv(SETTINGS_ENV_VAR, cfg.to_env())
     p = pools
@@ -426,7 +425,7 @@ def test_append_brings_the_best_entries_into_fresh_slots(
     the row and the host still hold every entry of the region exactly once, the host gives back as many
     columns as were appended, and the counts say the row holds that many more slots for the same tokens.
     Paged: the summaries still describe the columns (the holes were refilled from the branch's end)."""
-    tier = {"recall_page": page, "recall_summary": summary, "recall_turn_pages": 2}
+    tier = {"recall_page": page, "recall_summary": summary, "recall_fetch_pages": 2}
     cfg = ServerSettings(recall_tokens=R, recall_min_score=0, recall_append="on", **tier)
     monkeypatch.setenv(SETTINGS_ENV_VAR, cfg.to_env())
     p = pools
@@ -483,7 +482,7 @@ def test_append_rolls_back_on_a_failure(pools: Pools, monkeypatch):
     """A failure in the last layer of an append: the layers already appended are put back, the fresh
     slots are freed, the row and the host hold what they held, and recall is off for the request."""
     cfg = ServerSettings(
-        recall_tokens=R, recall_min_score=0, recall_append="on", recall_page=4, recall_turn_pages=8
+        recall_tokens=R, recall_min_score=0, recall_append="on", recall_page=4, recall_fetch_pages=8
     )
     monkeypatch.setenv(SETTINGS_ENV_VAR, cfg.to_env())
     p = pools
@@ -518,7 +517,7 @@ def test_append_rolls_back_on_a_failure(pools: Pools, monkeypatch):
 def test_a_paged_append_takes_no_more_than_its_fetched_pages_hold(pools: Pools, monkeypatch):
     """One fetched page of 16 columns may be the branch's partial last page (one real column): the append
     then takes one entry per head, never a padding column (which would duplicate a host entry)."""
-    tier = {"recall_page": 16, "recall_summary": "minmax", "recall_turn_pages": 1, "recall_fetch_pages": 1}
+    tier = {"recall_page": 16, "recall_summary": "minmax", "recall_fetch_pages": 1}
     cfg = ServerSettings(recall_tokens=R, recall_min_score=0, recall_append="on", **tier)
     monkeypatch.setenv(SETTINGS_ENV_VAR, cfg.to_env())
     p = pools

@@ -32,7 +32,7 @@ compression it always is; before a prefill, `arm` copies it out of the tree into
 first, as `compressor.own_region` does for a turn whose compression did not fire).
 
 Every failure here degrades the request's recall only (logged, counted); its compression continues.
-A failure part-way swaps back what the recall had swapped (`_Recall.rollback`), so the row and the host
+A failure part-way swaps back what the recall had swapped (`Recall.rollback`), so the row and the host
 hold what they held before it. Inside a prefill's forward the layers before the failure have already
 computed the new tokens over the recalled entries: those tokens' KV stays (it is what the model computed
 over a consistent set of entries), only the history is restored.
@@ -56,8 +56,8 @@ logger = logging.getLogger("sgl_kvevict")
 # A prefill's recall scores with at most this many of the turn's newest tokens' queries (bounds its cost).
 PREFILL_QUERIES = 512
 # A paged recall of R entries fetches the columns of ceil(FETCH * R / page) pages per layer and KV head
-# (chosen by their summaries), at least `--kv-recall-turn-pages` for a turn's recall (its prefill's, its
-# append) and `--kv-recall-fetch-pages` for a decode step's, then keeps the best R of them by exact score.
+# (chosen by their summaries), at least `--kv-recall-fetch-pages`, then keeps the best R of them by exact
+# score.
 FETCH = 2
 
 
@@ -151,7 +151,7 @@ def recall(req: Any, s: st.ReqState) -> int:
     if r <= 0 or w <= 0:
         s.recall_skipped += 1
         return 0
-    one = _Recall.start(req, s, kv_len, length, lo, hi, r, decode=bool(fresh))
+    one = Recall.start(req, s, kv_len, length, lo, hi, r)
     try:
         for layer in range(runtime.RT.n_layers):
             q = capture.STORE.get(kv.req_pool_idx, layer, length)[:, -w:]  # [Hq, w, D], the row's last w
@@ -204,7 +204,7 @@ def append(req: Any, s: st.ReqState) -> int:
         a = room
     if a <= 0 or w <= 0 or compressor.free_slots() < 2 * a:
         return 0
-    one = _Recall.start(req, s, kv_len, length, lo, hi, a)
+    one = Recall.start(req, s, kv_len, length, lo, hi, a)
     one.new = compressor.alloc_slots(a)
     try:
         for layer in range(rt.n_layers):
@@ -262,7 +262,7 @@ def exchange(
     that beat the lowest-scored kept entries of `[lo, hi)` swap places with them (`kernels.host_swap`).
     `row_sc` `[l, H, len(row_slots)]`, `host_sc` `[l, H, c]`: every host entry (`cand` None), or the
     candidates `cand` `[l, H, c]` (indices into the branch's columns, whole pages in a row). Each swap is
-    appended to `log` as it is written (a swap is its own inverse: `_Recall.rollback` replays the log
+    appended to `log` as it is written (a swap is its own inverse: `Recall.rollback` replays the log
     backwards). Returns the `[l, H]` swapped counts (on the device: no host sync)."""
     rt, pool, cfg = runtime.RT, host.POOL, server_settings()
     hs, hidx = best_entries(host_sc, cfg.recall_page, r)  # [l, H, r], best first
@@ -311,7 +311,7 @@ def _account(s: st.ReqState, swapped: int, one_way: bool = False) -> None:
 def summaries(e: host.HostEntries, page: int, mode: str) -> host.PageSummaries:
     """The branch's page summaries (`mode`'s only, in the KV dtype), brought up to its column count.
     Columns demoted since the last recall are read from the host once, and merged into the partial last
-    page (`page_summaries_append`); a swap refreshes the pages it wrote (`_Recall.layer`), so summaries
+    page (`page_summaries_append`); a swap refreshes the pages it wrote (`Recall.layer`), so summaries
     always describe the columns."""
     pool, rt = host.POOL, runtime.RT
     kb = rt.k_buffer(0)
@@ -337,13 +337,13 @@ def summaries(e: host.HostEntries, page: int, mode: str) -> host.PageSummaries:
     return sm
 
 
-def _paged(e: host.HostEntries, r: int, turn: bool = True) -> tuple[host.PageSummaries | None, int]:
-    """`(summaries, pages to fetch per head)` when a recall of `r` entries (a turn's, else a decode
-    step's) scores pages, `(None, 0)` when it scores every host key (summaries off, or the branch has no
-    more pages than a paged recall would fetch anyway: then it is exact and costs no more)."""
+def _paged(e: host.HostEntries, r: int) -> tuple[host.PageSummaries | None, int]:
+    """`(summaries, pages to fetch per head)` when a recall of `r` entries scores pages, `(None, 0)` when
+    it scores every host key (summaries off, or the branch has no more pages than a paged recall would
+    fetch anyway: then it is exact and costs no more)."""
     cfg = server_settings()
     page = cfg.recall_page
-    n_sel = max(-(-FETCH * r // page), cfg.recall_turn_pages if turn else cfg.recall_fetch_pages)
+    n_sel = max(-(-FETCH * r // page), cfg.recall_fetch_pages)
     if cfg.recall_summary == "off" or K.n_pages(e.count, page) <= n_sel:
         return None, 0
     return summaries(e, page, cfg.recall_summary), n_sel
@@ -351,7 +351,7 @@ def _paged(e: host.HostEntries, r: int, turn: bool = True) -> tuple[host.PageSum
 
 # ---- one recall, layer by layer (inside a forward, or after a compression) ------------------------
 @dataclass(eq=False)
-class _Recall:
+class Recall:
     """One recall of one request, run layer by layer: the row range it may displace, what it scores,
     and the running count."""
 
@@ -376,10 +376,10 @@ class _Recall:
     @classmethod
     def start(
         cls, req: Any, s: st.ReqState, m: int, tokens: int, lo: int, hi: int, r: int, decode: bool = False
-    ) -> _Recall:
+    ) -> Recall:
         pool = host.POOL
         pool.touch(s.host)
-        sums, n_sel = _paged(s.host, r, turn=not decode)
+        sums, n_sel = _paged(s.host, r)
         row_slots = runtime.RT.req_to_token[req.kv.req_pool_idx, :m].to(torch.int64)
         dbg = _DebugSwap(s, m) if st.DEBUG and s.host.positions is not None else None
         cols = s.host.cols.to(pool.k.device)
@@ -407,7 +407,7 @@ class _Recall:
         p = K.window_attention(q, keys, torch.arange(keys.shape[0], device=dev), rt.scale, causal, "max")
         host_sc = p[:, :e] if valid is None else p[:, :e].masked_fill(~valid, float("-inf"))
         if self.new is not None:
-            self._append(layer, host_sc, cand)
+            self.append_layer(layer, host_sc, cand)
             return
         counts = exchange(
             self.s,
@@ -429,7 +429,7 @@ class _Recall:
         elif self.s.host.summaries is not None:  # scored flat: the swapped columns' summaries are stale
             self.s.host.summaries = None
 
-    def _append(self, layer: int, host_sc: torch.Tensor, cand: torch.Tensor | None) -> None:
+    def append_layer(self, layer: int, host_sc: torch.Tensor, cand: torch.Tensor | None) -> None:
         """Append mode at `layer`: each KV head's best `a` host entries go to the fresh slots `new` (no
         entry is displaced), and the branch's last `a` columns of that head fill the holes they leave, so
         the branch ends `a` columns shorter (`finish` gives those back) and its pages stay dense."""
@@ -559,7 +559,7 @@ def _host_keys(layer: int, cols: torch.Tensor, heads: torch.Tensor) -> torch.Ten
 
 
 # ---- recall inside a forward (a prefill or a decode step) -----------------------------------------
-ARMED: dict[int, _Recall] = {}  # request row -> its recall inside the next forward
+ARMED: dict[int, Recall] = {}  # request row -> its recall inside the next forward
 # Set once a decode forward ran without the hook (a CUDA graph replay runs no Python): decode-time
 # recalls then run after the step's compression instead, with the queries the capture kept.
 GRAPHED = False
@@ -617,14 +617,14 @@ def arm(req: Any, s: st.ReqState, decode: bool = False) -> bool:
     return True
 
 
-def disarm(row: int) -> _Recall | None:
+def disarm(row: int) -> Recall | None:
     """Drop the recall armed for a request row (if any), and its hold on the branch's host entries."""
     if host.POOL is not None:
         host.POOL.in_use.pop(row, None)
     return ARMED.pop(row, None)
 
 
-def _plan_arm(req: Any, s: st.ReqState, decode: bool) -> _Recall | None:
+def _plan_arm(req: Any, s: st.ReqState, decode: bool) -> Recall | None:
     kv, row = req.kv, req.kv.req_pool_idx
     if not demote.enabled(s) or s.pending is not None or row is None:
         return None
@@ -651,7 +651,7 @@ def _plan_arm(req: Any, s: st.ReqState, decode: bool) -> _Recall | None:
     r = min(s.recall, hi - lo, s.host.count, cap)
     if r <= 0:
         return None
-    return _Recall.start(req, s, m, tokens, lo, hi, r, decode)
+    return Recall.start(req, s, m, tokens, lo, hi, r, decode)
 
 
 def before_attention(layer_mod, q, k, v, forward_batch, *args, **kwargs):

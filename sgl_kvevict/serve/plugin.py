@@ -26,7 +26,6 @@ from sgl_kvevict.config import (
     DEFAULT_RECALL_FETCH_PAGES,
     DEFAULT_RECALL_MIN_SCORE,
     DEFAULT_RECALL_PAGE,
-    DEFAULT_RECALL_TURN_PAGES,
     ENV_VAR,
     MAX_CAPTURE,
     MAX_HOST_TOKENS,
@@ -191,17 +190,9 @@ def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
         "--kv-recall-fetch-pages",
         type=_fetch_arg,
         default=None,
-        help="pages a decode step's paged recall fetches at least, per layer and KV head, chosen by their "
-        f"summaries: more finds more in a long host history and reads more host keys (default "
+        help="pages a paged recall fetches at least, per layer and KV head, chosen by their summaries: "
+        f"more finds more in a long host history and reads more host keys (default "
         f"{DEFAULT_RECALL_FETCH_PAGES}; at most {MAX_RECALL_FETCH_PAGES}; needs --kv-recall-tokens)",
-    )
-    group.add_argument(
-        "--kv-recall-turn-pages",
-        type=_fetch_arg,
-        default=None,
-        help="pages a turn's paged recall (in its prefill, and its append) fetches at least, per layer and "
-        f"KV head, chosen by their summaries (default {DEFAULT_RECALL_TURN_PAGES}; at most "
-        f"{MAX_RECALL_FETCH_PAGES}; needs --kv-recall-tokens)",
     )
     group.add_argument(
         "--kv-recall-append",
@@ -338,7 +329,6 @@ def _server_settings(ns: argparse.Namespace, model_cfg: dict | None) -> ServerSe
         "recall_page",
         "recall_summary",
         "recall_fetch_pages",
-        "recall_turn_pages",
         "recall_append",
         "recall_every",
     )

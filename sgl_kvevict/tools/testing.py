@@ -88,5 +88,5 @@ def load() -> None:
             register(cls)
     if not getattr(recall.exchange, "kvevict_test_fault", False):
         recall.exchange = _failing_exchange(recall.exchange)
-    if not getattr(recall._Recall._append, "kvevict_test_fault", False):
-        recall._Recall._append = _failing_append(recall._Recall._append)
+    if not getattr(recall.Recall.append_layer, "kvevict_test_fault", False):
+        recall.Recall.append_layer = _failing_append(recall.Recall.append_layer)
