@@ -68,6 +68,9 @@ def main() -> None:
     ap.add_argument(
         "--min-score", type=float, default=None, help="--kv-recall-min-score (default: the server's)"
     )
+    ap.add_argument(
+        "--append", choices=("on", "off"), default=None, help="--kv-recall-append (default: the server's)"
+    )
     a = ap.parse_args()
     scenario = rs.build(ScenarioConfig(sessions=a.sessions, turns=a.turns, seed=0, filler_tokens=150))
     for var in a.variants.split(","):
@@ -81,6 +84,8 @@ def main() -> None:
         args += ["--kv-host-tokens", "200000", *extra]
         if a.min_score is not None:
             args += [f"--kv-recall-min-score={a.min_score}"]
+        if a.append is not None:
+            args += [f"--kv-recall-append={a.append}"]
         if var == "none":
             kv = {"policy": "none"}
         else:
