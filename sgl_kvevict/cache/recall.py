@@ -31,6 +31,13 @@ tail (the recent window, where the queries sit) are never displaced. Shared slot
 compression it always is; before a prefill, `arm` copies it out of the tree into the request's slots
 first, as `compressor.own_region` does for a turn whose compression did not fire).
 
+*Append* (`append`, `--kv-recall-append`): once a turn's prefill compression committed, before its first
+decode step, the turn's window queries bring their best `a` <= R host entries per layer and KV head into
+fresh slots inserted after the compacted history, displacing nothing; the row grows by `a` for the same
+tokens (`ReqState.unevicted`), the turn's decode budget grows with it, and the turn's last compression
+folds them back. The branch's last `a` columns fill the holes on the host (`holes_filled`), which gives
+those columns back.
+
 Every failure here degrades the request's recall only (logged, counted); its compression continues.
 A failure part-way swaps back what the recall had swapped (`Recall.rollback`), so the row and the host
 hold what they held before it. Inside a prefill's forward the layers before the failure have already
