@@ -54,6 +54,18 @@ def _setup(p: Pools, policy: str):
     return batch, req, s, heads, orig_k, orig_v
 
 
+def _compressed(p: Pools, monkeypatch, cfg: ServerSettings, policy: str = "snapkv"):
+    """`_setup` under the server settings `cfg`, then the prefill compression (which demotes): the request,
+    its state, and the fingerprints of the region's entries (`_tags`) with the probe that makes them."""
+    monkeypatch.setenv(SETTINGS_ENV_VAR, cfg.to_env())
+    batch, req, s, heads, orig_k, orig_v = _setup(p, policy)
+    probe = torch.randn(D, generator=p.gen)
+    want = _tags(orig_k, orig_v, probe)
+    with compressor.one_thread():
+        assert compressor.compress(req, "prefill") > 0
+    return req, s, probe, want
+
+
 def _held(p: Pools, req, s) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per layer `[H, m]` entries: the row's region on the device, then the host columns."""
     kv_len = req.kv.kv_committed_len
@@ -360,14 +372,10 @@ def test_paged_recall_swaps_what_the_reference_picks(
     lost, and the summaries still describe the columns after the swap wrote into them (page 3: the last
     page is partial). `fetch`: `--kv-recall-fetch-pages`."""
     tier = {"recall_page": page, "recall_summary": summary, "recall_fetch_pages": fetch}
-    cfg = ServerSettings(recall_tokens=R, recall_min_score=0, **tier)
-    monkeypatch.setenv(SETTINGS_ENV_VAR, cfg.to_env())
     p = pools
-    batch, req, s, heads, orig_k, orig_v = _setup(p, "snapkv")
-    probe = torch.randn(D, generator=p.gen)
-    want = _tags(orig_k, orig_v, probe)
-    with compressor.one_thread():
-        assert compressor.compress(req, "prefill") > 0
+    req, s, probe, want = _compressed(
+        p, monkeypatch, ServerSettings(recall_tokens=R, recall_min_score=0, **tier)
+    )
     cap = fresh * page if fresh else R
     sums, n_sel = recall._paged(s.host, min(R, cap))
     assert sums is not None and n_sel < -(-s.host.count // page)  # fewer pages fetched than held
@@ -427,13 +435,8 @@ def test_append_brings_the_best_entries_into_fresh_slots(
     Paged: the summaries still describe the columns (the holes were refilled from the branch's end)."""
     tier = {"recall_page": page, "recall_summary": summary, "recall_fetch_pages": 2}
     cfg = ServerSettings(recall_tokens=R, recall_min_score=0, recall_append="on", **tier)
-    monkeypatch.setenv(SETTINGS_ENV_VAR, cfg.to_env())
     p = pools
-    batch, req, s, heads, orig_k, orig_v = _setup(p, policy)
-    probe = torch.randn(D, generator=p.gen)
-    want = _tags(orig_k, orig_v, probe)
-    with compressor.one_thread():
-        assert compressor.compress(req, "prefill") > 0
+    req, s, probe, want = _compressed(p, monkeypatch, cfg, policy)
     kv_len, comp, offset = req.kv.kv_committed_len, s.comp_slots, s.offset
     length, count, free = s.tokens_for(kv_len), s.host.count, host.POOL.n_free
     tail = p.r2t.req_to_token[0, comp:kv_len].clone()
@@ -519,13 +522,8 @@ def test_a_paged_append_takes_no_more_than_its_fetched_pages_hold(pools: Pools, 
     then takes one entry per head, never a padding column (which would duplicate a host entry)."""
     tier = {"recall_page": 16, "recall_summary": "minmax", "recall_fetch_pages": 1}
     cfg = ServerSettings(recall_tokens=R, recall_min_score=0, recall_append="on", **tier)
-    monkeypatch.setenv(SETTINGS_ENV_VAR, cfg.to_env())
     p = pools
-    batch, req, s, heads, orig_k, orig_v = _setup(p, "snapkv")
-    probe = torch.randn(D, generator=p.gen)
-    want = _tags(orig_k, orig_v, probe)
-    with compressor.one_thread():
-        assert compressor.compress(req, "prefill") > 0
+    req, s, probe, want = _compressed(p, monkeypatch, cfg)
     assert recall._paged(s.host, R)[1] == 1  # one page fetched
     s.append_due = True
     assert recall.safe_append(req) == 1

@@ -103,12 +103,17 @@ def safe_recall(req: Any) -> int:
     if s is None:
         return 0
     s.recall_due = False
+    return _degrading(req, s, recall, "recall")
+
+
+def _degrading(req: Any, s: st.ReqState, run: Any, what: str) -> int:
+    """`run(req, s)` when the request recalls; a failure turns its recall off (logged, counted)."""
     if not demote.enabled(s):
         return 0
     try:
-        return recall(req, s)
+        return run(req, s)
     except Exception:
-        demote.fail(s, "recall")
+        demote.fail(s, what)
         return 0
 
 
@@ -175,13 +180,7 @@ def safe_append(req: Any) -> int:
     if s is None or not s.append_due:
         return 0
     s.append_due = False
-    if not demote.enabled(s):
-        return 0
-    try:
-        return append(req, s)
-    except Exception:
-        demote.fail(s, "recall (append)")
-        return 0
+    return _degrading(req, s, append, "recall (append)")
 
 
 def append(req: Any, s: st.ReqState) -> int:
