@@ -32,11 +32,11 @@ compression it always is; before a prefill, `arm` copies it out of the tree into
 first, as `compressor.own_region` does for a turn whose compression did not fire).
 
 *Append* (`append`, `--kv-recall-append`): once a turn's prefill compression committed, before its first
-decode step, the turn's window queries bring their best `a` host entries per layer and KV head (R at
-most, and a quarter of the compacted history) into fresh slots inserted after the compacted history,
-displacing nothing; the row grows by `a` for the same tokens (`ReqState.unevicted`), the turn's decode
-budget grows with it, and the turn's last compression folds them back. The branch's last `a` columns
-fill the holes on the host (`holes_filled`), which gives those columns back.
+decode step, the turn's window queries bring their best `a` <= R host entries per layer and KV head into
+fresh slots inserted after the compacted history, displacing nothing; the row grows by `a` for the same
+tokens (`ReqState.unevicted`), the turn's decode budget grows with it, and the turn's last compression
+folds them back. The branch's last `a` columns fill the holes on the host (`holes_filled`), which gives
+those columns back.
 
 Every failure here degrades the request's recall only (logged, counted); its compression continues.
 A failure part-way swaps back what the recall had swapped (`Recall.rollback`), so the row and the host
@@ -66,10 +66,6 @@ PREFILL_QUERIES = 512
 # (chosen by their summaries), at least `--kv-recall-fetch-pages`, then keeps the best R of them by exact
 # score.
 FETCH = 2
-# An append brings back at most a quarter of the compacted history it joins: on the long recall replay
-# (budget 256) 64 appended entries per head took h2o from 4 to 7 answers of 12, while on short sessions
-# 64 entries beside a 40-token budget answered 2-5 fewer of 36 than exchanging within it.
-APPEND_SHARE = 4
 
 
 def tick(req: Any) -> None:
@@ -193,8 +189,7 @@ def append(req: Any, s: st.ReqState) -> int:
     nothing (`--kv-recall-append`). The turn then decodes over its budget plus them; its next compression
     that is not a decode step's folds them back into the budget (`compressor._trigger`). `a` is at most
     R, the entries the branch evicted, and what the slot pool can spare (twice `a` must be free or
-    evictable: SGLang's next memory check must not retract for it), and a quarter of the compacted
-    history (`APPEND_SHARE`). Returns `a` (0: nothing appended;
+    evictable: SGLang's next memory check must not retract for it). Returns `a` (0: nothing appended;
     the turn's other recalls are unchanged)."""
     demote.take(s)
     kv, rt = req.kv, runtime.RT
@@ -207,7 +202,6 @@ def append(req: Any, s: st.ReqState) -> int:
     length = s.tokens_for(kv_len)
     w = min(capture.count(kv.req_pool_idx, length), kv_len - hi)
     a = min(s.recall, s.own_evicted, s.host.count, int(rt.req_to_token.shape[1]) - kv_len)
-    a = min(a, max(1, (hi - lo) // APPEND_SHARE))
     while a > 0:  # a paged append picks from the fetched pages: at least (n - 1) * page + 1 real columns
         sums, n_sel = _paged(s.host, a)
         room = a if sums is None else min(a, (n_sel - 1) * sums.page + 1)
