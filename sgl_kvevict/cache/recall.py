@@ -202,15 +202,17 @@ def append(req: Any, s: st.ReqState) -> int:
     length = s.tokens_for(kv_len)
     w = min(capture.count(kv.req_pool_idx, length), kv_len - hi)
     a = min(s.recall, s.own_evicted, s.host.count, int(rt.req_to_token.shape[1]) - kv_len)
+    paged = None, 0
     while a > 0:  # a paged append picks from the fetched pages: at least (n - 1) * page + 1 real columns
-        sums, n_sel = _paged(s.host, a)
+        paged = _paged(s.host, a)
+        sums, n_sel = paged
         room = a if sums is None else min(a, (n_sel - 1) * sums.page + 1)
         if room == a:
             break
         a = room
     if a <= 0 or w <= 0 or compressor.free_slots() < 2 * a:
         return 0
-    one = Recall.start(req, s, kv_len, length, lo, hi, a)
+    one = Recall.start(req, s, kv_len, length, lo, hi, a, paged=paged)
     one.new = compressor.alloc_slots(a)
     try:
         for layer in range(rt.n_layers):
@@ -381,11 +383,21 @@ class Recall:
 
     @classmethod
     def start(
-        cls, req: Any, s: st.ReqState, m: int, tokens: int, lo: int, hi: int, r: int, decode: bool = False
+        cls,
+        req: Any,
+        s: st.ReqState,
+        m: int,
+        tokens: int,
+        lo: int,
+        hi: int,
+        r: int,
+        decode: bool = False,
+        paged: tuple[host.PageSummaries | None, int] | None = None,
     ) -> Recall:
+        """`paged`: `_paged(s.host, r)` when the caller has it already."""
         pool = host.POOL
         pool.touch(s.host)
-        sums, n_sel = _paged(s.host, r)
+        sums, n_sel = paged if paged is not None else _paged(s.host, r)
         row_slots = runtime.RT.req_to_token[req.kv.req_pool_idx, :m].to(torch.int64)
         dbg = _DebugSwap(s, m) if st.DEBUG and s.host.positions is not None else None
         cols = s.host.cols.to(pool.k.device)
@@ -439,20 +451,13 @@ class Recall:
         """Append mode at `layer`: each KV head's best `a` host entries go to the fresh slots `new` (no
         entry is displaced), and the branch's last `a` columns of that head fill the holes they leave, so
         the branch ends `a` columns shorter (`finish` gives those back) and its pages stay dense."""
-        rt, pool, s = runtime.RT, host.POOL, self.s
+        pool, s = host.POOL, self.s
         a = int(self.new.numel())
         _, idx = best_entries(host_sc[None], server_settings().recall_page, a)
         hidx = idx[0] if cand is None else cand.gather(-1, idx[0])  # [H, a] branch column indices
         hidx = hidx.to(pool.k.device)
         heads = torch.arange(pool.heads, device=pool.k.device).unsqueeze(-1)
-        dev_heads = torch.arange(pool.heads, device=self.new.device).unsqueeze(-1)
-        at = self.cols[hidx]
-        rt.k_buffer(layer)[self.new.unsqueeze(0), dev_heads] = pool.k[layer][at, heads].to(
-            rt.k_buffer(0).device
-        )
-        rt.v_buffer(layer)[self.new.unsqueeze(0), dev_heads] = pool.v[layer][at, heads].to(
-            rt.v_buffer(0).device
-        )
+        self._copy(layer, hidx, to_device=True)
         self.done.append(("append", layer, hidx))
         src, dst = holes_filled(hidx, int(self.cols.numel()))
         for buf in (pool.k, pool.v):
@@ -479,7 +484,7 @@ class Recall:
         try:
             for args in reversed(self.done):
                 if args[0] == "append":  # the chosen entries back to their columns (holes refilled)
-                    self._undo_append(*args[1:])
+                    self._copy(*args[1:], to_device=False)
                 else:
                     K.host_swap(*args)
             self.done.clear()
@@ -489,13 +494,18 @@ class Recall:
             self.s.host.summaries = None
         demote.fail(self.s, what)
 
-    def _undo_append(self, layer: int, hidx: torch.Tensor) -> None:
+    def _copy(self, layer: int, hidx: torch.Tensor, to_device: bool) -> None:
+        """Each KV head's branch columns `hidx` `[H, a]` to the fresh slots `new` (an append), or back
+        (`to_device` False: undoing one)."""
         rt, pool = runtime.RT, host.POOL
         heads = torch.arange(pool.heads, device=pool.k.device).unsqueeze(-1)
         dev_heads = torch.arange(pool.heads, device=self.new.device).unsqueeze(-1)
-        at = self.cols[hidx]
-        pool.k[layer][at, heads] = rt.k_buffer(layer)[self.new.unsqueeze(0), dev_heads].to(pool.k.device)
-        pool.v[layer][at, heads] = rt.v_buffer(layer)[self.new.unsqueeze(0), dev_heads].to(pool.v.device)
+        at, slots = self.cols[hidx], self.new.unsqueeze(0)
+        for dev, hst in ((rt.k_buffer(layer), pool.k[layer]), (rt.v_buffer(layer), pool.v[layer])):
+            if to_device:
+                dev[slots, dev_heads] = hst[at, heads].to(dev.device)
+            else:
+                hst[at, heads] = dev[slots, dev_heads].to(hst.device)
 
     def finish(self) -> int:
         if self.new is not None:

@@ -152,10 +152,10 @@ class ReqState:
         self.appended += count
         self.recalled_into_history = True
         self.carry_stack = None
+        at = self.comp_slots - count  # where the new entries sit: right after the old compacted history
         for d in self.layer_state:  # per-slot carried scores: the new entries carry none yet
             old = d.get("carried")
-            if old is not None and old.shape[-1] >= self.comp_slots - count:
-                at = self.comp_slots - count
+            if old is not None and old.shape[-1] >= at:
                 pad = old.new_zeros(*old.shape[:-1], count)
                 d["carried"] = torch.cat([old[..., :at], pad, old[..., at:]], dim=-1)
 
