@@ -155,8 +155,8 @@ def _reference_swaps(
                 for c in range(hs.numel())
             ]
             hbest = sorted(range(hs.numel()), key=lambda c: (-pm[c], -float(hs[c])))[:r]
-            if append:  # the best `append`; with a floor, those of them whose page reaches it
-                per.append({int(s.host.cols[cand[c]]) for c in hbest if pm[c] >= floor})
+            if append:
+                per.append({int(s.host.cols[cand[c]]) for c in hbest})
                 continue
             hs = torch.tensor(pm)
             dworst = ds.argsort()[:r].tolist()
@@ -477,52 +477,6 @@ def test_append_brings_the_best_entries_into_fresh_slots(
         assert sm.n == s.host.count
     # the turn's decode budget holds the appended columns: no compression fires for them
     assert compressor._trigger(req, s, "decode") is None
-    s.drop_host()
-    assert host.POOL.n_free == host.POOL.size
-
-
-@pytest.mark.parametrize("summary", ["off", "minmax"])
-def test_an_append_brings_back_no_more_than_the_floor_lets_the_neediest_head(
-    pools: Pools, summary: str, monkeypatch
-):
-    """With `--kv-recall-min-score`, an append brings back as many entries as the (layer, head) with the
-    most entries whose page reaches the floor: every head takes that many of its best (so each keeps all
-    of its own that reach the floor), and a floor no page reaches appends nothing."""
-    tier = {"recall_page": 4, "recall_summary": summary, "recall_fetch_pages": 2}
-    base = ServerSettings(recall_tokens=R, recall_min_score=0, recall_append="on", **tier)
-    req, s, probe, want = _compressed(pools, monkeypatch, base)
-    paged = recall._paged(s.host, R)[0] is not None
-    assert paged == (summary != "off")
-    mode = summary if paged else "off"
-    lo_f, hi_f, chosen = 0.0, 1.0, None
-    for _ in range(24):  # bisect for a floor that some, not all, of the neediest head's best reach
-        floor = (lo_f + hi_f) / 2
-        ref = _reference_swaps(pools, req, s, 4, W, mode, fetch=2, append=R, floor=floor)
-        most = max(len(x) for per in ref for x in per)
-        if 0 < most < R:
-            chosen = floor, ref, most
-            break
-        lo_f, hi_f = (floor, hi_f) if most == R else (lo_f, floor)
-    assert chosen is not None, "no floor splits this history's scores"
-    floor, ref, most = chosen
-    monkeypatch.setenv(SETTINGS_ENV_VAR, base.model_copy(update={"recall_min_score": floor}).to_env())
-    cols_before = s.host.cols.clone()
-    host_k = [host.POOL.k[ly][s.host.cols].clone() for ly in range(L)]
-    comp = s.comp_slots
-    s.append_due = True
-    assert recall.safe_append(req) == most
-    new = pools.r2t.req_to_token[0, comp : comp + most].long()
-    for ly in range(L):  # each head's appended entries include every one of its own above the floor
-        for h in range(H):
-            got = pools.kv.get_key_buffer(ly)[new, h]
-            for c in ref[ly][h]:
-                k = host_k[ly][int((cols_before == c).nonzero()), h]
-                assert (got == k).all(-1).any(), (ly, h, c)
-    ks, vs = _held(pools, req, s)
-    assert torch.allclose(_tags(ks, vs, probe), want, atol=1e-4)  # nothing lost, nothing duplicated
-    monkeypatch.setenv(SETTINGS_ENV_VAR, base.model_copy(update={"recall_min_score": 1.0}).to_env())
-    s.append_due = True
-    assert recall.safe_append(req) == 0  # no page holds all of a query's attention
     s.drop_host()
     assert host.POOL.n_free == host.POOL.size
 

@@ -213,33 +213,16 @@ def append(req: Any, s: st.ReqState) -> int:
     if a <= 0 or w <= 0 or compressor.free_slots() < 2 * a:
         return 0
     one = Recall.start(req, s, kv_len, length, lo, hi, a, paged=paged)
-    scored = []
-    for layer in range(rt.n_layers):  # score every layer first: the floor decides how many to append
-        q = capture.STORE.get(kv.req_pool_idx, layer, length)[:, -w:]
-        _, _, host_sc, cand, _, _ = one.score(layer, q, causal=True)
-        scored.append((host_sc, cand))
-    a = min(a, above_floor(torch.stack([sc for sc, _ in scored]), a))
-    if a <= 0:
-        return 0
     one.new = compressor.alloc_slots(a)
     try:
-        for layer, (host_sc, cand) in enumerate(scored):
-            one.append_layer(layer, host_sc, cand)
+        for layer in range(rt.n_layers):
+            q = capture.STORE.get(kv.req_pool_idx, layer, length)[:, -w:]
+            one.layer(layer, q, causal=True)
     except Exception:
         one.rollback("recall (append)")
         rt.allocator.free(one.new)
         return 0
     return one.finish()
-
-
-def above_floor(host_sc: torch.Tensor, r: int) -> int:
-    """How many entries an append brings back: the most, over layers and KV heads (`host_sc` `[L, H, e]`),
-    of a head's best `r` whose page scores at least `--kv-recall-min-score`. Every head appends the same
-    count (the row is rectangular), so a head that wants fewer takes its next best; a turn whose queries
-    lean on no host page appends nothing."""
-    cfg = server_settings()
-    hs, _ = best_entries(host_sc, cfg.recall_page, r)
-    return int((hs >= cfg.recall_min_score).sum(-1).max()) if hs.numel() else 0
 
 
 def _displaceable(s: st.ReqState) -> tuple[int, int]:
@@ -421,36 +404,8 @@ class Recall:
         return cls(req, s, m, tokens, lo, hi, r, row_slots, cols, sums, n_sel, dbg, decode)
 
     def layer(self, layer: int, q: torch.Tensor, causal: bool) -> None:
-        """Score and exchange at `layer` with queries `q` `[Hq, w, D]` (causal: they are the row's last `w`
-        entries; else every key precedes them)."""
-        p, e, host_sc, cand, page_ids, valid = self.score(layer, q, causal)
-        counts = exchange(
-            self.s,
-            layer,
-            self.row_slots,
-            self.lo,
-            self.hi,
-            p[None, :, e:],
-            host_sc[None],
-            self.r,
-            self.dbg,
-            None if cand is None else cand[None],
-            self.done,
-        )
-        self.swapped = counts.sum() if self.swapped is None else self.swapped + counts.sum()
-        pool = host.POOL
-        if cand is not None:  # the swap wrote displaced entries into the fetched pages: re-summarise them
-            heads = torch.arange(pool.heads, device=pool.k.device).unsqueeze(-1)
-            now = _host_keys(layer, self.cols[cand.to(pool.k.device)], heads)
-            K.refresh_pages(*self.sums.at(layer), page_ids, now.to(p.device).transpose(0, 1), valid)
-        elif self.s.host.summaries is not None:  # scored flat: the swapped columns' summaries are stale
-            self.s.host.summaries = None
-
-    def score(self, layer: int, q: torch.Tensor, causal: bool) -> tuple:
-        """`(p, e, host_sc, cand, page_ids, valid)` at `layer`: the queries' largest probability `p`
-        `[H, e + row]` over the `e` scored host entries (every one, or the fetched pages' columns `cand`
-        `[H, e]`, `valid` masking a partial page's padding) and the row's keys; `host_sc` is `p`'s host
-        part, padding at -inf."""
+        """Score and exchange (or append) at `layer` with queries `q` `[Hq, w, D]` (causal: they are the
+        row's last `w` entries; else every key precedes them)."""
         rt, pool = runtime.RT, host.POOL
         dev = self.row_slots.device
         heads = torch.arange(pool.heads, device=pool.k.device).unsqueeze(-1)
@@ -469,7 +424,28 @@ class Recall:
         keys = torch.cat([hk, rt.k_buffer(layer).index_select(0, self.row_slots)])
         p = K.window_attention(q, keys, torch.arange(keys.shape[0], device=dev), rt.scale, causal, "max")
         host_sc = p[:, :e] if valid is None else p[:, :e].masked_fill(~valid, float("-inf"))
-        return p, e, host_sc, cand, page_ids, valid
+        if self.new is not None:
+            self.append_layer(layer, host_sc, cand)
+            return
+        counts = exchange(
+            self.s,
+            layer,
+            self.row_slots,
+            self.lo,
+            self.hi,
+            p[None, :, e:],
+            host_sc[None],
+            self.r,
+            self.dbg,
+            None if cand is None else cand[None],
+            self.done,
+        )
+        self.swapped = counts.sum() if self.swapped is None else self.swapped + counts.sum()
+        if cand is not None:  # the swap wrote displaced entries into the fetched pages: re-summarise them
+            now = _host_keys(layer, self.cols[cand.to(pool.k.device)], heads).to(dev).transpose(0, 1)
+            K.refresh_pages(*self.sums.at(layer), page_ids, now, valid)
+        elif self.s.host.summaries is not None:  # scored flat: the swapped columns' summaries are stale
+            self.s.host.summaries = None
 
     def append_layer(self, layer: int, host_sc: torch.Tensor, cand: torch.Tensor | None) -> None:
         """Append mode at `layer`: each KV head's best `a` host entries go to the fresh slots `new` (no
