@@ -37,9 +37,9 @@ MAX_RECALL_PAGE = 256  # bound on --kv-recall-page (host columns per page)
 MAX_RECALL_EVERY = 4096  # bound on --kv-recall-every (decode steps)
 MAX_RECALL_FETCH_PAGES = 4096  # bound on --kv-recall-fetch-pages (pages per layer and KV head)
 DEFAULT_RECALL_PAGE = 8
-# A recall picks among a quarter of the branch's pages, those its summaries rank best, at most this many:
-# in a history of hundreds of pages a wide filter finds the planted fact (the long recall replay, 225
-# pages per layer and head: 8 pages answered 3-4 of 12), so a decode step reads at most 64 pages.
+# A recall picks among the pages its summaries rank best: in a history of hundreds of pages, 64 candidate
+# pages per layer and head found 7 of 12 planted facts where 8 (16 for a turn's R) found 2, and scoring
+# every key 6 (the long recall replay, 225 pages per layer and head); a decode step then reads 64 pages.
 DEFAULT_RECALL_FETCH_PAGES = 64
 DEFAULT_RECALL_EVERY = 1  # the step's own query finds what the token it produces needs (measured)
 # A host page comes back only where a query gives its best entry at least this much attention: weaker
@@ -320,9 +320,9 @@ class ServerSettings(BaseModel):
         DEFAULT_RECALL_FETCH_PAGES,
         ge=1,
         le=MAX_RECALL_FETCH_PAGES,
-        description="the most pages a paged recall fetches per layer and KV head: it fetches a quarter of "
-        "the branch's pages, those its summaries rank best, at most this many, at least 2R/page; the host "
-        "keys a recall reads besides the summaries (--kv-recall-fetch-pages)",
+        description="pages a paged recall fetches at least, per layer and KV head, chosen by their summaries "
+        "(it fetches 2R/page when that is more): the host keys a recall reads besides the summaries "
+        "(--kv-recall-fetch-pages)",
     )
     recall_append: Literal["on", "off"] = Field(
         "on",

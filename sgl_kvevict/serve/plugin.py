@@ -190,9 +190,8 @@ def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
         "--kv-recall-fetch-pages",
         type=_fetch_arg,
         default=None,
-        help="the most pages a paged recall fetches per layer and KV head: it fetches the quarter of the "
-        "branch's pages its summaries rank best, at most this many, at least 2R/page; more finds more in a "
-        f"long host history and reads more host keys (default "
+        help="pages a paged recall fetches at least, per layer and KV head, chosen by their summaries: "
+        f"more finds more in a long host history and reads more host keys (default "
         f"{DEFAULT_RECALL_FETCH_PAGES}; at most {MAX_RECALL_FETCH_PAGES}; needs --kv-recall-tokens)",
     )
     group.add_argument(
