@@ -3,7 +3,7 @@ the entries a torch reference picks, keeping device + host = the region's origin
 
 from __future__ import annotations
 
-from math import ceil, inf
+from math import inf
 
 import pytest
 import torch
@@ -123,9 +123,8 @@ def _reference_swaps(
     length = s.tokens_for(kv_len)
     e = s.host.count
     r = append or min(R, hi - lo, e, cap)
+    n_sel = max(-(-recall.FETCH * r // page), fetch)
     n_pg = -(-e // page)
-    # a quarter of the branch's pages, at most `fetch`, at least twice r's worth
-    n_sel = max(-(-recall.FETCH * r // page), min(fetch, -(-n_pg // recall.FETCH_SHARE)))
     out = []
     for ly in range(L):
         q = capture.STORE.get(0, ly, length)  # [Hq, W, D]
@@ -380,8 +379,7 @@ def test_paged_recall_swaps_what_the_reference_picks(
     cap = fresh * page if fresh else R
     sums, n_sel = recall._paged(s.host, min(R, cap))
     assert sums is not None and n_sel < -(-s.host.count // page)  # fewer pages fetched than held
-    quarter = ceil(ceil(s.host.count / page) / 4)
-    assert n_sel == max(-(-recall.FETCH * min(R, cap) // page), min(fetch, quarter))
+    assert n_sel == max(-(-recall.FETCH * min(R, cap) // page), fetch)
     expect = _reference_swaps(p, req, s, page, fresh or W, summary, cap, fetch=fetch)
     host_k = [host.POOL.k[ly][s.host.cols].clone() for ly in range(L)]
     s.recall_steps = fresh

@@ -62,11 +62,10 @@ from sgl_kvevict.config import server_settings
 logger = logging.getLogger("sgl_kvevict")
 # A prefill's recall scores with at most this many of the turn's newest tokens' queries (bounds its cost).
 PREFILL_QUERIES = 512
-# A paged recall of R entries fetches, per layer and KV head, the columns of the best 1/FETCH_SHARE of the
-# branch's pages by their summaries, at most `--kv-recall-fetch-pages` of them but never fewer than
-# ceil(FETCH * R / page); then it keeps the best R of their entries by exact score (`pages_to_fetch`).
+# A paged recall of R entries fetches the columns of ceil(FETCH * R / page) pages per layer and KV head
+# (chosen by their summaries), at least `--kv-recall-fetch-pages`, then keeps the best R of them by exact
+# score.
 FETCH = 2
-FETCH_SHARE = 4
 
 
 def tick(req: Any) -> None:
@@ -351,23 +350,11 @@ def _paged(e: host.HostEntries, r: int) -> tuple[host.PageSummaries | None, int]
     it scores every host key (summaries off, or the branch has no more pages than a paged recall would
     fetch anyway: then it is exact and costs no more)."""
     cfg = server_settings()
-    n_sel = pages_to_fetch(e.count, r)
-    if cfg.recall_summary == "off" or K.n_pages(e.count, cfg.recall_page) <= n_sel:
-        return None, 0
-    return summaries(e, cfg.recall_page, cfg.recall_summary), n_sel
-
-
-def pages_to_fetch(count: int, r: int) -> int:
-    """Pages a recall of `r` entries fetches per layer and KV head from a branch of `count` host columns:
-    a quarter of its pages, at most `--kv-recall-fetch-pages`, at least twice `r`'s worth. The summaries
-    then act as a filter by what the window as a whole leans on, and the exact score picks inside it:
-    scoring every key of a short history lets single queries' stray peaks in (budget 40: 28-29 answers of
-    36 with every key, 30-31 with 8 of 37 pages), while a long one needs its filter wide (225 pages: 3-4
-    of 12 with 8 pages, 5-7 with 64)."""
-    cfg = server_settings()
     page = cfg.recall_page
-    share = -(-K.n_pages(count, page) // FETCH_SHARE)
-    return max(-(-FETCH * r // page), min(cfg.recall_fetch_pages, share))
+    n_sel = max(-(-FETCH * r // page), cfg.recall_fetch_pages)
+    if cfg.recall_summary == "off" or K.n_pages(e.count, page) <= n_sel:
+        return None, 0
+    return summaries(e, page, cfg.recall_summary), n_sel
 
 
 # ---- one recall, layer by layer (inside a forward, or after a compression) ------------------------
