@@ -457,7 +457,10 @@ class Recall:
         hidx = idx[0] if cand is None else cand.gather(-1, idx[0])  # [H, a] branch column indices
         hidx = hidx.to(pool.k.device)
         heads = torch.arange(pool.heads, device=pool.k.device).unsqueeze(-1)
-        self._copy(layer, hidx, to_device=True)
+        rt = runtime.RT
+        slots = self.new.unsqueeze(0).expand(pool.heads, -1)  # [H, a]: every head's entry to the same slot
+        args = ([rt.k_buffer(layer)], [rt.v_buffer(layer)], slots[None], pool.k[layer : layer + 1])
+        K.host_fetch(*args, pool.v[layer : layer + 1], self.cols[hidx][None])
         self.done.append(("append", layer, hidx))
         src, dst = holes_filled(hidx, int(self.cols.numel()))
         for buf in (pool.k, pool.v):
@@ -484,7 +487,7 @@ class Recall:
         try:
             for args in reversed(self.done):
                 if args[0] == "append":  # the chosen entries back to their columns (holes refilled)
-                    self._copy(*args[1:], to_device=False)
+                    self._undo_append(*args[1:])
                 else:
                     K.host_swap(*args)
             self.done.clear()
@@ -494,18 +497,15 @@ class Recall:
             self.s.host.summaries = None
         demote.fail(self.s, what)
 
-    def _copy(self, layer: int, hidx: torch.Tensor, to_device: bool) -> None:
-        """Each KV head's branch columns `hidx` `[H, a]` to the fresh slots `new` (an append), or back
-        (`to_device` False: undoing one)."""
+    def _undo_append(self, layer: int, hidx: torch.Tensor) -> None:
+        """The entries `append_layer` fetched into the fresh slots `new` back to each KV head's branch
+        columns `hidx` `[H, a]` (the holes were refilled since: the columns must be written again)."""
         rt, pool = runtime.RT, host.POOL
         heads = torch.arange(pool.heads, device=pool.k.device).unsqueeze(-1)
         dev_heads = torch.arange(pool.heads, device=self.new.device).unsqueeze(-1)
         at, slots = self.cols[hidx], self.new.unsqueeze(0)
         for dev, hst in ((rt.k_buffer(layer), pool.k[layer]), (rt.v_buffer(layer), pool.v[layer])):
-            if to_device:
-                dev[slots, dev_heads] = hst[at, heads].to(dev.device)
-            else:
-                hst[at, heads] = dev[slots, dev_heads].to(hst.device)
+            hst[at, heads] = dev[slots, dev_heads].to(hst.device)
 
     def finish(self) -> int:
         if self.new is not None:
