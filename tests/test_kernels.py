@@ -478,7 +478,34 @@ def test_kernel_compiles_for_gpu(module, kernel, consts, dtype):
 
 @triton_only
 def test_triton_dispatch_env():
-    assert K.use_triton(torch.zeros(1))
+    """Triton in this process: a CUDA tensor, or the interpreter's opt-in for a CPU one."""
+    assert K.use_triton(torch.zeros(1, device=DEVICE))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_kernels_do_not_sync():
+    """On a GPU the Triton kernels and their wrappers never make the host wait: CUDA's sync debug mode
+    turns any synchronising call (a scalar read, a device-to-host copy, a data-dependent shape) into an
+    error."""
+    n, b = 300, 75
+    kb, slots = _pool(n, 3, 64, torch.bfloat16, seed=5)
+    vb, _ = _pool(n, 3, 64, torch.bfloat16, seed=6)
+    q = torch.randn(9, 8, 64, device=DEVICE).bfloat16()
+    o_proj = torch.randn(9, 64, 96, device=DEVICE).bfloat16()
+    keep = _sorted_keep(n, 3, b, seed=7)
+    keep_l = torch.stack([keep, keep])
+    tau = torch.zeros(3, device=DEVICE)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        K.window_attention(q, kb, slots, 0.125, True, "max")
+        K.lag_scores(kb, slots[:256], 64)
+        K.vo_norms(vb, slots, o_proj)
+        K.d2o_merge(kb, vb, slots, keep, tau, 0.7, False)
+        K.compact([kb, kb.clone()], [vb, vb.clone()], slots, keep_l)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
 
 
 @triton_only

@@ -275,6 +275,52 @@ def test_recall_path_has_no_host_sync():
     assert sc.total == 0, sc.counts
 
 
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("swap", [True, False])
+@pytest.mark.parametrize("ragged", [False, True])
+def test_cuda_host_swap_with_a_pinned_host_store(swap, ragged):
+    """The tier's layout on a GPU: the device rows on CUDA, the host store in pinned CPU memory, which the
+    Triton kernel reads and writes through its mapped pointer (the ids never travel to the host)."""
+    kb, vb, slots, hk, hv, cols = _swap_case(3, 3, 9, torch.bfloat16, seed=31)
+    hk, hv = hk.cpu().pin_memory(), hv.cpu().pin_memory()
+    counts = torch.tensor([[0, 9, 4], [1, 2, 3], [9, 9, 9]], device=DEVICE) if ragged else None
+    want = [x.cpu() for x in kb], [x.cpu() for x in vb], hk.clone(), hv.clone()
+    ref = K.host_swap_ref if swap else K.host_fetch_ref
+    ref(*want[:2], slots.cpu(), *want[2:], cols.cpu(), None if counts is None else counts.cpu())
+    (K.host_swap if swap else K.host_fetch)(kb, vb, slots, hk, hv, cols, counts)  # Triton on CUDA
+    torch.cuda.synchronize()
+    assert hk.is_pinned() and not hk.is_cuda
+    for got, exp in zip([*kb, *vb, hk, hv], [*want[0], *want[1], want[2], want[3]], strict=True):
+        assert torch.equal(got.cpu(), exp)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_recall_path_does_not_sync():
+    """`test_recall_path_has_no_host_sync` on a GPU, checked by CUDA itself: in sync debug mode "error"
+    any call that makes the host wait for the device raises. Summaries on the device, host store pinned."""
+    keys = _keys(300, 3, 16, torch.bfloat16, seed=12)
+    q = torch.randn(8, 9, 16, device=DEVICE).bfloat16()
+    kb, vb, _, hk, hv, _ = _swap_case(2, 3, 5, torch.bfloat16, seed=13)
+    hk, hv = hk.cpu().pin_memory(), hv.cpu().pin_memory()
+    dev_slots = torch.arange(5, device=DEVICE).expand(2, 3, 5)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        summ = K.page_summaries(keys, 16)
+        summ = K.page_summaries_append(*summ, 300, keys[:40], 16)
+        for mode in ("minmax", "mean"):
+            scores = K.page_scores(q, *summ, mode, 0.125)
+        ids = K.select_pages(scores, 2)
+        cols, valid = K.gather_columns(ids, 16, 340)
+        K.refresh_pages(*summ, ids, keys[:32].permute(1, 0, 2), valid)
+        host_cols = cols[:, :5].expand(2, 3, 5).clamp_max(hk.shape[1] - 1)
+        K.host_swap(kb, vb, dev_slots, hk, hv, host_cols)
+        K.host_fetch(kb, vb, dev_slots, hk, hv, host_cols)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
 # --------------------------------------------------------------------------------------------------
 # Triton kernels vs torch references
 # --------------------------------------------------------------------------------------------------
