@@ -204,7 +204,7 @@ def bench_host(bench: Bench, e: int, gen: torch.Generator) -> None:
     if dev == "cuda":
         stores = {"pinned host": stores["host"].pin_memory(), "device": stores["host"].to(dev)}
     for where, hk in stores.items():
-        hv = hk.clone()
+        hv = hk.clone().pin_memory() if hk.is_pinned() else hk.clone()  # a clone is pageable
         bench.add(
             f"host_swap ({where})",
             e,

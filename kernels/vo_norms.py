@@ -23,9 +23,9 @@ def _ref_chunks(
 ) -> torch.Tensor:
     """`[Hkv, n]` from `rows(start, stop)` -> `[c, Hkv, D]` value rows. Each token's norm is computed from
     its own row only, so the norms a forward writes per slot (`vo_norms_rows`, often one token) and the
-    ones a compression recomputes from the pool (`vo_norms`) agree. Bit for bit when values and W_O are
-    16-bit (bf16/fp16: their products are exact in fp32, so BLAS's kernel choice for a small chunk, FMA or
-    not, does not matter; tested); for fp32 ones to fp32 rounding (small chunks take other kernels)."""
+    ones a compression recomputes from the pool (`vo_norms`) agree to fp32 rounding. With 16-bit values and
+    W_O the products are exact in fp32, but the sum over D follows the BLAS kernel a chunk's size picks, so
+    a one-token chunk can land an ulp away (seen with torch 2.11 on an x86 CPU; equal here)."""
     hq, d, hidden = o_proj.shape
     g = hq // hkv
     w = o_proj.float().reshape(hkv, g, d, hidden)

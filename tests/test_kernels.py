@@ -378,15 +378,17 @@ def test_vo_norms_ref_naive(monkeypatch, dtype, hq, hkv, chunked):
 
 @pytest.mark.parametrize("hq,hkv", GQA)
 @pytest.mark.parametrize("chunk", [1, 2, 5, 300])
-def test_vo_norms_rows_equal_pool_norms_bitwise_bf16(hq, hkv, chunk):
-    """The rows a forward writes, in chunks of any size (one decode token, a prefill chunk), get the very
-    norms `vo_norms` recomputes from the pool later: 16-bit values and weights make every product exact."""
+def test_vo_norms_rows_equal_pool_norms_bf16(hq, hkv, chunk):
+    """The rows a forward writes, in chunks of any size (one decode token, a prefill chunk), get the norms
+    `vo_norms` recomputes from the pool later, to fp32 rounding. 16-bit values and weights make every
+    product exact, but the sum over D follows the BLAS kernel: equal bit for bit with this machine's torch,
+    one fp32 ulp apart for one-token chunks on another (an x86 CPU with torch 2.11)."""
     vb, slots = _pool(300, hkv, 64, torch.bfloat16, seed=42)
     vb, slots = vb.cpu(), slots.cpu()
     o_proj = torch.randn(hq, 64, 96, generator=torch.Generator().manual_seed(43)).to(torch.bfloat16)
     want = K.vo_norms_ref(vb, slots, o_proj)
     got = torch.cat([K.vo_norms_rows(vb[slots[i : i + chunk]], o_proj) for i in range(0, 300, chunk)], 1)
-    assert torch.equal(got, want)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
 
 
 def test_dispatch_cpu_uses_ref(monkeypatch):
