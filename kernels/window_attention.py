@@ -18,6 +18,8 @@ from .dispatch import next_pow2, use_triton
 
 # Logits per chunk of KV heads are [G, W, N] fp32; bound the chunk so N=8192 stays small in memory.
 _MAX_LOGITS = 1 << 20
+# Triton pass 1: tokens per program, in blocks of 64 (N=8192 gives 32 splits per query head).
+_SPLIT_BLOCKS = 4
 
 
 def _check(w: int, n: int, causal: bool) -> None:
@@ -59,12 +61,15 @@ def window_attention_ref(
 
 @triton.jit
 def _wa_lse_kernel(
-    q_ptr, k_ptr, slots_ptr, lse_ptr, N, W, D, G, scale,
+    q_ptr, k_ptr, slots_ptr, m_ptr, s_ptr, N, W, D, G, scale, SPLIT, n_splits,
     sq_h, sq_w, sk_s, sk_h,
     BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
 ):  # fmt: skip
-    """Pass 1, one program per query head: log-sum-exp of every window query over all N tokens."""
+    """Pass 1, one program per (query head, split of SPLIT tokens): each window query's running max and
+    sum of exponentials over the split (the wrapper combines the splits into the log-sum-exp). Splitting
+    N keeps a GPU busy: one program per query head alone used 9 of an H200's 132 SMs."""
     hq = tl.program_id(0)
+    sp = tl.program_id(1)
     hkv = hq // G
     offs_w = tl.arange(0, BLOCK_W)
     offs_d = tl.arange(0, BLOCK_D)
@@ -78,7 +83,8 @@ def _wa_lse_kernel(
     q = q.to(tl.float32)
     m = tl.full([BLOCK_W], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_W], tl.float32)
-    for n0 in range(0, N, BLOCK_N):
+    start = sp * SPLIT  # SPLIT is a multiple of BLOCK_N: a block never crosses into the next split
+    for n0 in range(start, tl.minimum(start + SPLIT, N), BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         slot = tl.load(slots_ptr + offs_n, mask=mask_n, other=0)
@@ -93,9 +99,13 @@ def _wa_lse_kernel(
             visible = visible & (offs_n[None, :] <= (N - W + offs_w)[:, None])
         logits = tl.where(visible, logits, float("-inf"))
         m_new = tl.maximum(m, tl.max(logits, axis=1))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(logits - m_new[:, None]), axis=1)
+        # a causal split can hold nothing a query sees: its max stays -inf, its sum 0 (no inf - inf)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(logits - m_safe[:, None]), axis=1)
         m = m_new
-    tl.store(lse_ptr + hq * W + offs_w, m + tl.log(s), mask=mask_w)
+    out = (hq * n_splits + sp) * W + offs_w
+    tl.store(m_ptr + out, m, mask=mask_w)
+    tl.store(s_ptr + out, s, mask=mask_w)
 
 
 @triton.jit
@@ -160,17 +170,22 @@ def window_attention_triton(
     q = q.contiguous()
     slots = slots.contiguous()
     assert k_buffer.stride(2) == 1, "k_buffer last dim must be contiguous"
-    lse = torch.empty(hq, w, dtype=torch.float32, device=q.device)
     out = torch.empty(hkv, n, dtype=torch.float32, device=q.device)
     if n == 0:
         return out
     bw, bd = max(16, next_pow2(w)), max(16, next_pow2(d))
     bn = 64
-    _wa_lse_kernel[(hq,)](
-        q, k_buffer, slots, lse, n, w, d, g, float(scale),
+    split = bn * _SPLIT_BLOCKS
+    n_splits = triton.cdiv(n, split)
+    m_part = torch.empty(hq, n_splits, w, dtype=torch.float32, device=q.device)
+    s_part = torch.empty_like(m_part)
+    _wa_lse_kernel[(hq, n_splits)](
+        q, k_buffer, slots, m_part, s_part, n, w, d, g, float(scale), split, n_splits,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         BLOCK_W=bw, BLOCK_N=bn, BLOCK_D=bd, CAUSAL=causal,
     )  # fmt: skip
+    m_all = m_part.amax(1, keepdim=True)  # finite: every query sees token 0
+    lse = (m_all + (s_part * (m_part - m_all).exp()).sum(1, keepdim=True).log()).squeeze(1).contiguous()
     _wa_prob_kernel[(hkv, triton.cdiv(n, bn))](
         q, k_buffer, slots, lse, out, n, w, d, g, float(scale), 1.0 if reduce == "max" else 1.0 / (g * w),
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),

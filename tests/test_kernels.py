@@ -423,7 +423,7 @@ _INDEX_PTRS = {
     "start_ptr",
     "cnt_ptr",
 }
-_FP32_PTRS = {"lse_ptr", "out_ptr", "u_ptr"}
+_FP32_PTRS = {"lse_ptr", "out_ptr", "u_ptr", "m_ptr", "s_ptr"}
 _GPU_KERNELS = [
     ("window_attention", "_wa_lse_kernel", {"BLOCK_W": 32, "BLOCK_N": 64, "BLOCK_D": 64, "CAUSAL": True}),
     (
@@ -522,6 +522,22 @@ def test_triton_window_attention(n, hq, hkv, dtype, causal, reduce):
     q = torch.randn(hq, w, d, generator=torch.Generator().manual_seed(n + 1)).to(dtype).to(DEVICE)
     got = K.window_attention(q, k_buffer, slots, d**-0.5, causal, reduce)  # dispatches to Triton here
     want = K.window_attention_ref(q, k_buffer, slots, d**-0.5, causal, reduce)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+@triton_only
+@pytest.mark.parametrize("split_blocks", [1, 2])
+@pytest.mark.parametrize("reduce", ["mean", "max"])
+def test_triton_window_attention_splits(monkeypatch, split_blocks, reduce):
+    """Pass 1 splits N across programs: with 64-token splits, the last split (token 128) is in the future
+    of the window's first 31 queries, so they see nothing there and the combine must ignore it."""
+    monkeypatch.setattr(wa_mod, "_SPLIT_BLOCKS", split_blocks)
+    n, d = 129, 40
+    k_buffer, slots = _pool(n, 3, d, torch.float32, seed=9)
+    q = torch.randn(9, 32, d, generator=torch.Generator().manual_seed(10)).to(DEVICE)
+    got = K.window_attention(q, k_buffer, slots, d**-0.5, True, reduce)  # dispatches to Triton here
+    want = K.window_attention_ref(q, k_buffer, slots, d**-0.5, True, reduce)
+    assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
