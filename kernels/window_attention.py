@@ -64,10 +64,12 @@ def _wa_lse_kernel(
     q_ptr, k_ptr, slots_ptr, m_ptr, s_ptr, N, W, D, G, scale, SPLIT, n_splits,
     sq_h, sq_w, sk_s, sk_h,
     BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,
 ):  # fmt: skip
     """Pass 1, one program per (query head, split of SPLIT tokens): each window query's running max and
-    sum of exponentials over the split (the wrapper combines the splits into the log-sum-exp). Splitting
-    N keeps a GPU busy: one program per query head alone used 9 of an H200's 132 SMs."""
+    sum of exponentials over the split (`_wa_combine_kernel` merges the splits into the log-sum-exp;
+    with ONE_SPLIT the log-sum-exp is written to `m_ptr` here). Splitting N keeps a GPU busy: one program
+    per query head alone used 9 of an H200's 132 SMs."""
     hq = tl.program_id(0)
     sp = tl.program_id(1)
     hkv = hq // G
@@ -104,8 +106,31 @@ def _wa_lse_kernel(
         s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(logits - m_safe[:, None]), axis=1)
         m = m_new
     out = (hq * n_splits + sp) * W + offs_w
-    tl.store(m_ptr + out, m, mask=mask_w)
-    tl.store(s_ptr + out, s, mask=mask_w)
+    if ONE_SPLIT:
+        tl.store(m_ptr + out, m + tl.log(s), mask=mask_w)
+    else:
+        tl.store(m_ptr + out, m, mask=mask_w)
+        tl.store(s_ptr + out, s, mask=mask_w)
+
+
+@triton.jit
+def _wa_combine_kernel(m_ptr, s_ptr, lse_ptr, W, n_splits, BLOCK_W: tl.constexpr):
+    """Pass 1b, one program per query head: the splits' maxima and sums into each query's log-sum-exp (a
+    split a causal query sees nothing of has max -inf and adds 0; every query sees token 0)."""
+    hq = tl.program_id(0)
+    offs_w = tl.arange(0, BLOCK_W)
+    mask_w = offs_w < W
+    m_all = tl.full([BLOCK_W], float("-inf"), tl.float32)
+    for sp in range(0, n_splits):
+        m = tl.load(m_ptr + (hq * n_splits + sp) * W + offs_w, mask=mask_w, other=float("-inf"))
+        m_all = tl.maximum(m_all, m)
+    m_all = tl.where(mask_w, m_all, 0.0)
+    total = tl.zeros([BLOCK_W], tl.float32)
+    for sp in range(0, n_splits):
+        m = tl.load(m_ptr + (hq * n_splits + sp) * W + offs_w, mask=mask_w, other=float("-inf"))
+        part = tl.load(s_ptr + (hq * n_splits + sp) * W + offs_w, mask=mask_w, other=0.0)
+        total += part * tl.exp(m - m_all)
+    tl.store(lse_ptr + hq * W + offs_w, m_all + tl.log(total), mask=mask_w)
 
 
 @triton.jit
@@ -182,10 +207,13 @@ def window_attention_triton(
     _wa_lse_kernel[(hq, n_splits)](
         q, k_buffer, slots, m_part, s_part, n, w, d, g, float(scale), split, n_splits,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
-        BLOCK_W=bw, BLOCK_N=bn, BLOCK_D=bd, CAUSAL=causal,
+        BLOCK_W=bw, BLOCK_N=bn, BLOCK_D=bd, CAUSAL=causal, ONE_SPLIT=n_splits == 1,
     )  # fmt: skip
-    m_all = m_part.amax(1, keepdim=True)  # finite: every query sees token 0
-    lse = (m_all + (s_part * (m_part - m_all).exp()).sum(1, keepdim=True).log()).squeeze(1).contiguous()
+    if n_splits == 1:
+        lse = m_part.view(hq, w)
+    else:
+        lse = torch.empty(hq, w, dtype=torch.float32, device=q.device)
+        _wa_combine_kernel[(hq,)](m_part, s_part, lse, w, n_splits, BLOCK_W=bw)
     _wa_prob_kernel[(hkv, triton.cdiv(n, bn))](
         q, k_buffer, slots, lse, out, n, w, d, g, float(scale), 1.0 if reduce == "max" else 1.0 / (g * w),
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),

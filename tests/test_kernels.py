@@ -425,7 +425,12 @@ _INDEX_PTRS = {
 }
 _FP32_PTRS = {"lse_ptr", "out_ptr", "u_ptr", "m_ptr", "s_ptr"}
 _GPU_KERNELS = [
-    ("window_attention", "_wa_lse_kernel", {"BLOCK_W": 32, "BLOCK_N": 64, "BLOCK_D": 64, "CAUSAL": True}),
+    (
+        "window_attention",
+        "_wa_lse_kernel",
+        {"BLOCK_W": 32, "BLOCK_N": 64, "BLOCK_D": 64, "CAUSAL": True, "ONE_SPLIT": False},
+    ),
+    ("window_attention", "_wa_combine_kernel", {"BLOCK_W": 32}),
     (
         "window_attention",
         "_wa_prob_kernel",
