@@ -17,10 +17,11 @@ and keeps the ids rectangular.
 Shapes: device buffers per layer `[slots, Hkv, D]` (SGLang's `k_buffer[l]`), host store `[L, cols, Hkv, D]`,
 ids `[L, Hkv, r]` int64. One launch per layer, no host sync: sizes come from shapes only.
 
-On a GPU the Triton kernel is meant to read and write a pinned host store directly (a pinned tensor's
-pointer is mapped into the device's address space), so the ids chosen on the device never travel to the
-host. That path is not exercised on this CPU-only machine (the interpreter runs both stores on the CPU).
-The torch reference moves ids to each buffer's device, which syncs when the devices differ.
+On a GPU the Triton kernel reads and writes a pinned host store directly (a pinned tensor's pointer is
+mapped into the device's address space), so the ids chosen on the device never travel to the host
+(checked on an H200: `tests/test_page_scores.py::test_cuda_host_swap_with_a_pinned_host_store`). The
+store must be pinned: Triton refuses a pageable one at launch. The torch reference moves ids to each
+buffer's device, which syncs when the devices differ.
 """
 
 from __future__ import annotations
