@@ -255,23 +255,27 @@ def test_host_swap_twice_is_identity():
         assert torch.equal(got, exp)
 
 
+def _recall_path(keys, q, kb, vb, hk, hv, dev_slots) -> None:
+    """Summaries, scores, selection, column ids, refresh, swap and fetch, as a paged recall runs them."""
+    summ = K.page_summaries(keys, 16)
+    summ = K.page_summaries_append(*summ, 300, keys[:40], 16)
+    for mode in ("minmax", "mean"):
+        scores = K.page_scores(q, *summ, mode, 0.125)
+    ids = K.select_pages(scores, 2)
+    cols, valid = K.gather_columns(ids, 16, 340)
+    K.refresh_pages(*summ, ids, keys[:32].permute(1, 0, 2), valid)
+    host_cols = cols[:, :5].expand(2, 3, 5).clamp_max(hk.shape[1] - 1)
+    K.host_swap(kb, vb, dev_slots, hk, hv, host_cols)
+    K.host_fetch(kb, vb, dev_slots, hk, hv, host_cols)
+
+
 def test_recall_path_has_no_host_sync():
     """Summaries, scores, selection, column ids and the swap: nothing that would make a GPU wait."""
     keys = _keys(300, 3, 16, torch.bfloat16, seed=12).cpu()
     q = torch.randn(8, 9, 16).bfloat16()
     kb, vb, _, hk, hv, _ = _swap_case(2, 3, 5, torch.bfloat16, seed=13)
     with SyncCounter() as sc:
-        summ = K.page_summaries(keys, 16)
-        summ = K.page_summaries_append(*summ, 300, keys[:40], 16)
-        for mode in ("minmax", "mean"):
-            scores = K.page_scores(q, *summ, mode, 0.125)
-        ids = K.select_pages(scores, 2)
-        cols, valid = K.gather_columns(ids, 16, 340)
-        K.refresh_pages(*summ, ids, keys[:32].permute(1, 0, 2), valid)
-        host_cols = cols[:, :5].expand(2, 3, 5).clamp_max(hk.shape[1] - 1)
-        dev_slots = torch.arange(5).expand(2, 3, 5)
-        K.host_swap(kb, vb, dev_slots, hk, hv, host_cols)
-        K.host_fetch(kb, vb, dev_slots, hk, hv, host_cols)
+        _recall_path(keys, q, kb, vb, hk, hv, torch.arange(5).expand(2, 3, 5))
     assert sc.total == 0, sc.counts
 
 
@@ -306,16 +310,7 @@ def test_cuda_recall_path_does_not_sync():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        summ = K.page_summaries(keys, 16)
-        summ = K.page_summaries_append(*summ, 300, keys[:40], 16)
-        for mode in ("minmax", "mean"):
-            scores = K.page_scores(q, *summ, mode, 0.125)
-        ids = K.select_pages(scores, 2)
-        cols, valid = K.gather_columns(ids, 16, 340)
-        K.refresh_pages(*summ, ids, keys[:32].permute(1, 0, 2), valid)
-        host_cols = cols[:, :5].expand(2, 3, 5).clamp_max(hk.shape[1] - 1)
-        K.host_swap(kb, vb, dev_slots, hk, hv, host_cols)
-        K.host_fetch(kb, vb, dev_slots, hk, hv, host_cols)
+        _recall_path(keys, q, kb, vb, hk, hv, dev_slots)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
