@@ -237,7 +237,9 @@ def main() -> None:
     else:
         mods = {n: importlib.import_module(f"{ATTN}.{n}") for n in KERNEL_FILES}
     dtype = getattr(torch, args.dtype)
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    # bf16: a few output ulps. fp32: SGLang's kernels call tl.dot at Triton's default input precision,
+    # TF32 on sm_80 and newer (about 1e-3 here), IEEE under the interpreter.
+    tol = 2e-2 if dtype == torch.bfloat16 else (5e-3 if args.device == "cuda" else 1e-4)
     cases = (
         [(2, 96, 24), (3, 160, 48)]
         if args.device == "cpu"
