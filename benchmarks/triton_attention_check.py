@@ -75,16 +75,16 @@ def _mixed_slots(orig_k, kb, row) -> tuple[int, int]:
     return int(mixed.sum()), int(matched.sum())
 
 
-def _indices(r2t, rows, lens):
+def build_kv_indices(r2t, rows, lens):
     """`kv_indptr`, `kv_indices` exactly as `TritonAttnBackend._fill_kv_indptr_and_indices` builds them
     for a non-translated pool: indptr = cumsum(seq_lens), SGLang's own gather kernel over req_to_token."""
     import torch
     from sglang.kernels.ops.attention.kv_indices import create_flashinfer_kv_indices_triton
 
     bs = rows.numel()
-    kv_indptr = torch.zeros(bs + 1, dtype=torch.int32)
+    kv_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=r2t.device)
     kv_indptr[1:] = torch.cumsum(lens, dim=0)
-    kv_indices = torch.empty(int(lens.sum()), dtype=torch.int64)
+    kv_indices = torch.empty(int(lens.sum()), dtype=torch.int64, device=r2t.device)
     create_flashinfer_kv_indices_triton[(bs, 1)](
         r2t,
         rows,
@@ -99,7 +99,7 @@ def _indices(r2t, rows, lens):
     return kv_indptr, kv_indices
 
 
-def _ref_attention(q, k, v, scale, n_prefix: int):
+def ref_attention(q, k, v, scale, n_prefix: int):
     """float64 attention of queries [E, Hq, D] over k/v [N, Hkv, D]; query j sees keys < n_prefix + j + 1."""
     import torch
 
@@ -108,7 +108,7 @@ def _ref_attention(q, k, v, scale, n_prefix: int):
     v = v.double().repeat_interleave(group, 1)
     s = torch.einsum("ehd,nhd->hen", q.double(), k) * scale
     e, n = q.shape[0], k.shape[0]
-    mask = torch.arange(n)[None, :] > (n_prefix + torch.arange(e))[:, None]
+    mask = torch.arange(n, device=q.device)[None, :] > (n_prefix + torch.arange(e, device=q.device))[:, None]
     s = s.masked_fill(mask[None], float("-inf"))
     return torch.einsum("hen,nhd->ehd", s.softmax(-1), v)
 
@@ -157,7 +157,7 @@ def check_kernels(small: bool, dtype_name: str = "bfloat16") -> list[dict]:
             "offsets": offsets,
             "freed": freed,
         }
-        kv_indptr, kv_indices = _indices(r2t, rows, lens)
+        kv_indptr, kv_indices = build_kv_indices(r2t, rows, lens)
         gathered = torch.cat([r2t[i, : int(lens[i])].long() for i in range(n_reqs)])
         res["kv_indices_equal_req_to_token"] = bool(torch.equal(kv_indices, gathered))
         worst = {"decode_vs_ref": 0.0, "decode_vs_native": 0.0, "extend_vs_ref": 0.0, "extend_vs_native": 0.0}
@@ -182,7 +182,7 @@ def check_kernels(small: bool, dtype_name: str = "bfloat16") -> list[dict]:
             )
             for i in range(n_reqs):
                 row = r2t[i, : int(lens[i])].long()
-                ref = _ref_attention(q[i : i + 1], kb[row], vb[row], scale, int(lens[i]))
+                ref = ref_attention(q[i : i + 1], kb[row], vb[row], scale, int(lens[i]))
                 worst["decode_vs_ref"] = max(
                     worst["decode_vs_ref"], (o[i : i + 1].double() - ref).abs().max().item()
                 )
@@ -207,7 +207,7 @@ def check_kernels(small: bool, dtype_name: str = "bfloat16") -> list[dict]:
             for i in range(n_reqs):
                 row = r2t[i, : int(lens[i]) + extend].long()
                 sl = slice(i * extend, (i + 1) * extend)
-                ref = _ref_attention(qe[sl], kb[row], vb[row], scale, int(lens[i]))
+                ref = ref_attention(qe[sl], kb[row], vb[row], scale, int(lens[i]))
                 worst["extend_vs_ref"] = max(
                     worst["extend_vs_ref"], (oe[sl].double() - ref).abs().max().item()
                 )

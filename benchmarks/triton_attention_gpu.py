@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from triton_attention_check import build_kv_indices, ref_attention  # benchmarks/ is on sys.path
 
 from sgl_kvevict import kernels as K
 
@@ -117,20 +118,6 @@ def load_kernels(files: Path) -> dict[str, types.ModuleType]:
     return mods
 
 
-def _reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, n_prefix: int
-) -> torch.Tensor:
-    """float64 attention of queries `[E, Hq, D]` over `[N, Hkv, D]`; query j sees keys < n_prefix + j + 1."""
-    k = k.double().repeat_interleave(GROUP, 1)
-    v = v.double().repeat_interleave(GROUP, 1)
-    s = torch.einsum("ehd,nhd->hen", q.double(), k) * scale
-    future = (
-        torch.arange(k.shape[0], device=q.device)[None, :]
-        > (n_prefix + torch.arange(q.shape[0], device=q.device))[:, None]
-    )
-    return torch.einsum("hen,nhd->ehd", s.masked_fill(future[None], float("-inf")).softmax(-1), v)
-
-
 def run_case(
     mods: dict, device: str, dtype: torch.dtype, n_reqs: int, tokens: int, budget: int, seed: int
 ) -> dict:
@@ -163,12 +150,7 @@ def run_case(
         lens.append(budget + 5 * i)
     seq = torch.tensor(lens, dtype=torch.int64, device=device)
     rows = torch.arange(n_reqs, dtype=torch.int64, device=device)
-    indptr = torch.zeros(n_reqs + 1, dtype=torch.int32, device=device)
-    indptr[1:] = torch.cumsum(seq, 0)
-    indices = torch.empty(int(seq.sum()), dtype=torch.int64, device=device)
-    mods["kv_indices"].create_flashinfer_kv_indices_triton[(n_reqs, 1)](
-        r2t, rows, seq, indptr, None, indices, r2t.stride(0), ENTRY_PAGE_SIZE=1, TOKEN_BLOCK_PARALLEL=False
-    )
+    indptr, indices = build_kv_indices(r2t, rows, seq)  # SGLang's gather kernel, loaded above
     gathered = torch.cat([r2t[i, : lens[i]].long() for i in range(n_reqs)])
     res: dict[str, Any] = {
         "requests": n_reqs,
@@ -187,7 +169,7 @@ def run_case(
         q, kb, vb, o, indptr, indices, logits, lse, splits, MAX_SPLITS, scale, 1.0, 1.0
     )
     res["max_abs_decode_vs_ref"] = max(
-        (o[i : i + 1].double() - _reference(q[i : i + 1], kept_k[i], kept_v[i], scale, lens[i]))
+        (o[i : i + 1].double() - ref_attention(q[i : i + 1], kept_k[i], kept_v[i], scale, lens[i]))
         .abs()
         .max()
         .item()
@@ -209,7 +191,7 @@ def run_case(
         sl = slice(i * extend, (i + 1) * extend)
         k_all, v_all = torch.cat([kept_k[i], ke[sl]]), torch.cat([kept_v[i], ve[sl]])
         worst = max(
-            worst, (oe[sl].double() - _reference(qe[sl], k_all, v_all, scale, lens[i])).abs().max().item()
+            worst, (oe[sl].double() - ref_attention(qe[sl], k_all, v_all, scale, lens[i])).abs().max().item()
         )
     res["max_abs_extend_vs_ref"] = worst
     return res

@@ -18,11 +18,11 @@ import importlib.util
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from timing import times_ms  # benchmarks/timing.py (scripts run with benchmarks/ on sys.path)
 
 from sgl_kvevict import kernels as K
 
@@ -50,16 +50,15 @@ def load_before(commit: str):
 
 
 def times(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
-    """(best, median) ms over `repeats` synchronised calls after 5 warm-ups."""
-    out = []
-    for i in range(repeats + 5):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+    """(best, median) ms over `repeats` calls, each waiting for the GPU, after 5 warm-ups."""
+
+    def synced() -> None:
         fn()
         torch.cuda.synchronize()
-        if i >= 5:
-            out.append((time.perf_counter() - t0) * 1e3)
-    out.sort()
+
+    for _ in range(4):  # `times_ms` warms up once more
+        synced()
+    out = sorted(times_ms(synced, repeats))
     return out[0], out[len(out) // 2]
 
 
