@@ -29,7 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "scenarios": set(),
     "config": {"policies"},
     "cache": {"config", "policies", "kernels"},
-    "serve": {"cache", "config", "policies", "kernels", "launch", "model"},
+    "serve": {"cache", "config", "policies", "kernels", "launch", "model", "cpu_compat"},
     "model": set(),
     "launch": {"model"},
     "cluster": {"serve", "launch", "model", "config"},

@@ -46,6 +46,7 @@ from sgl_kvevict.config import (
     short,
     spelling,
 )
+from sgl_kvevict.cpu_compat import bf16_linear
 from sgl_kvevict.policies.base import PolicyConfig
 from sgl_kvevict.serve import modelcheck
 
@@ -530,6 +531,8 @@ def load() -> None:
     )
     _register_backend()
     _patch_engine()
+    if not bf16_linear.native_bf16():  # every server on such a CPU, with or without a policy
+        HookRegistry.register(bf16_linear.TARGET, bf16_linear.apply, HookType.AROUND)
     cfg = server_config()
     if cfg.active:
         from sgl_kvevict.serve import hooks

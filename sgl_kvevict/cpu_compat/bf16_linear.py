@@ -1,0 +1,87 @@
+"""bf16 linear layers computed in fp64 on a CPU without bf16 instructions.
+
+Where the CPU has neither AVX512-BF16 nor AMX, torch's bf16 GEMM takes a slow path: on a 2-core AVX2
+EPYC, one SmolLM2 MLP projection over 512 tokens took 94 ms in bf16 and 24 ms as "convert to fp64,
+multiply, round back" (1 thread; `python -m sgl_kvevict.cpu_compat.bf16_linear` measures it on the
+machine at hand). At 2 tokens (a decode step) it is about 1.4x slower than bf16 (0.62 against 0.43 ms).
+The model stays bf16 (weights, activations, the KV pool); only the product is formed wider.
+
+Why fp64 and not fp32: bf16 products are exact in either, but fp32 sums round differently with the
+batch's shape (MKL blocks a 2-row and a 300-row product differently), so a token computed in a bigger
+batch could differ from the same token computed alone, and the suite's token-identity checks (a
+budget covering the context equals `none`) failed. Summed in fp64 and rounded once to bf16, a row's
+result does not depend on the rows beside it (`tests/test_bf16_linear.py`). The weights are converted
+per call, not cached, so the server's memory does not grow.
+
+Registered on SGLang's `UnquantizedLinearMethod.apply` by the plugin's entry point; it changes
+nothing on a GPU, on a CPU with native bf16, for other dtypes, or with `SGL_KVEVICT_BF16_LINEAR=native`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger("sgl_kvevict")
+TARGET = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply"
+_logged = False
+
+
+def native_bf16() -> bool:
+    """Whether the CPU multiplies bf16 natively (AVX512-BF16 or AMX), or the operator asked for it."""
+    if os.environ.get("SGL_KVEVICT_BF16_LINEAR", "") == "native":
+        return True
+    cpu = torch.cpu
+    return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear` of bf16 operands formed in fp64 and rounded back to bf16."""
+    out = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    return out.to(x.dtype)
+
+
+def apply(original: Any, method: Any, layer: Any, x: torch.Tensor, bias: Any = None, *args, **kwargs):
+    """AROUND hook: bf16 CPU inputs go through `linear`; everything else to SGLang's own `apply`."""
+    w = getattr(layer, "weight", None)
+    if (
+        args
+        or kwargs
+        or x.device.type != "cpu"
+        or x.dtype != torch.bfloat16
+        or not isinstance(w, torch.Tensor)
+        or w.dtype != torch.bfloat16
+    ):
+        return original(method, layer, x, bias, *args, **kwargs)
+    global _logged
+    if not _logged:
+        _logged = True
+        logger.info("bf16 linear layers compute in fp64 on this CPU (no AVX512-BF16 or AMX)")
+    return linear(x, w, bias)
+
+
+def main() -> None:
+    """Time SmolLM2-135M's MLP projection both ways, 1 thread, median of 20 (what the docstring cites)."""
+    import time
+
+    torch.set_num_threads(1)
+    w = torch.randn(1536, 576, dtype=torch.bfloat16)
+    print(f"native bf16 on this CPU: {native_bf16()}")
+    for n in (2, 16, 512):
+        x = torch.randn(n, 576, dtype=torch.bfloat16)
+        for name, fn in (("bf16", lambda x=x: F.linear(x, w)), ("fp64", lambda x=x: linear(x, w, None))):
+            fn()
+            ts = []
+            for _ in range(20):
+                t = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t)
+            print(f"{n:4d} tokens, {name}: {sorted(ts)[10] * 1e3:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
