@@ -1,9 +1,10 @@
 """bf16 linear layers computed in fp64 on a CPU without bf16 instructions.
 
 Where the CPU has neither AVX512-BF16 nor AMX, torch's bf16 GEMM takes a slow path: on a 2-core AVX2
-EPYC, one SmolLM2 MLP projection over 512 tokens took 94 ms in bf16 and 24 ms as "convert to fp64,
-multiply, round back" (1 thread; `python -m sgl_kvevict.cpu_compat.bf16_linear` measures it on the
-machine at hand). At 2 tokens (a decode step) it is about 1.4x slower than bf16 (0.62 against 0.43 ms).
+EPYC, one SmolLM2 MLP projection over 512 tokens took 96 ms in bf16 and 23 ms as "convert to
+fp64, multiply, round back"; at 2 tokens (a decode step) fp64 is slower, 0.67 against 0.46 ms (1 thread,
+`results/bf16-linear/times.txt`;
+`python -m sgl_kvevict.cpu_compat.bf16_linear` measures it on the machine at hand).
 The model stays bf16 (weights, activations, the KV pool); only the product is formed wider.
 
 Why fp64 and not fp32: bf16 products are exact in either, but fp32 sums round differently with the
