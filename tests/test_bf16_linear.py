@@ -76,3 +76,9 @@ def test_the_hook_is_registered_where_the_cpu_lacks_bf16(monkeypatch: pytest.Mon
     assert (bf16_linear.apply in hooks) == (not bf16_linear.native_bf16())
     monkeypatch.setenv("SGL_KVEVICT_BF16_LINEAR", "native")
     assert bf16_linear.native_bf16()
+
+
+def test_a_torch_that_cannot_tell_leaves_the_products_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SGL_KVEVICT_BF16_LINEAR", raising=False)
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
+    assert bf16_linear.native_bf16()

@@ -36,8 +36,10 @@ def native_bf16() -> bool:
     """Whether the CPU multiplies bf16 natively (AVX512-BF16 or AMX), or the operator asked for it."""
     if os.environ.get("SGL_KVEVICT_BF16_LINEAR", "") == "native":
         return True
-    cpu = torch.cpu
-    return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())
+    probes = [getattr(torch.cpu, n, None) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    if any(p is None for p in probes):
+        return True  # a torch that cannot tell: leave SGLang's products alone
+    return any(bool(p()) for p in probes)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
