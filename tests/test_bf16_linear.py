@@ -1,4 +1,4 @@
-"""The bf16 linear layers formed in fp32 on CPUs without bf16 instructions (`cpu_compat/bf16_linear.py`).
+"""The bf16 linear layers formed in fp64 on CPUs without bf16 instructions (`cpu_compat/bf16_linear.py`).
 
 Pure tensor math: the product against a float64 reference, and which inputs the hook leaves to SGLang.
 That the servers of the suite run with it (or not, on a CPU with native bf16) is what every e2e test

@@ -1,10 +1,10 @@
 """bf16 linear layers computed in fp64 on a CPU without bf16 instructions.
 
 Where the CPU has neither AVX512-BF16 nor AMX, torch's bf16 GEMM takes a slow path: on a 2-core AVX2
-EPYC, one SmolLM2 MLP projection over 512 tokens took 96 ms in bf16 and 23 ms as "convert to
-fp64, multiply, round back"; at 2 tokens (a decode step) fp64 is slower, 0.67 against 0.46 ms (1 thread,
+EPYC, one SmolLM2 MLP projection over 512 tokens took 101 ms in bf16 and 25 ms as "convert to
+fp64, multiply, round back"; at 2 tokens (a decode step) fp64 is slower, 0.60 against 0.44 ms (1 thread,
 `results/bf16-linear/times.txt`;
-`python -m sgl_kvevict.cpu_compat.bf16_linear` measures it on the machine at hand).
+`python benchmarks/bf16_linear.py` measures it on the machine at hand).
 The model stays bf16 (weights, activations, the KV pool); only the product is formed wider.
 
 Why fp64 and not fp32: bf16 products are exact in either, but fp32 sums round differently with the
@@ -65,26 +65,3 @@ def apply(original: Any, method: Any, layer: Any, x: torch.Tensor, bias: Any = N
         _logged = True
         logger.info("bf16 linear layers compute in fp64 on this CPU (no AVX512-BF16 or AMX)")
     return linear(x, w, bias)
-
-
-def main() -> None:
-    """Time SmolLM2-135M's MLP projection both ways, 1 thread, median of 20 (what the docstring cites)."""
-    import time
-
-    torch.set_num_threads(1)
-    w = torch.randn(1536, 576, dtype=torch.bfloat16)
-    print(f"native bf16 on this CPU: {native_bf16()}")
-    for n in (2, 16, 512):
-        x = torch.randn(n, 576, dtype=torch.bfloat16)
-        for name, fn in (("bf16", lambda x=x: F.linear(x, w)), ("fp64", lambda x=x: linear(x, w, None))):
-            fn()
-            ts = []
-            for _ in range(20):
-                t = time.perf_counter()
-                fn()
-                ts.append(time.perf_counter() - t)
-            print(f"{n:4d} tokens, {name}: {sorted(ts)[10] * 1e3:.3f} ms")
-
-
-if __name__ == "__main__":
-    main()
