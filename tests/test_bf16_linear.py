@@ -82,3 +82,17 @@ def test_a_torch_that_cannot_tell_leaves_the_products_alone(monkeypatch: pytest.
     monkeypatch.delenv("SGL_KVEVICT_BF16_LINEAR", raising=False)
     monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
     assert bf16_linear.native_bf16()
+
+
+def test_fp64_weights_are_kept_refreshed_on_write_and_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    x, w, b = _operands(4, seed=2)
+    first = bf16_linear.wide(w)
+    assert bf16_linear.wide(w) is first, "a kept copy is reused"
+    w.mul_(2)  # an in-place weight update moves the version counter
+    again = bf16_linear.wide(w)
+    assert again is not first and torch.equal(again, w.double())
+    assert torch.equal(bf16_linear.linear(x, w, b), F.linear(x.double(), w.double(), b.double()).bfloat16())
+    monkeypatch.setattr(bf16_linear, "CACHE_BYTES", 0)
+    other = (torch.randn(8, 576) / 24).bfloat16()
+    assert bf16_linear.wide(other) is not bf16_linear.wide(other), "past the cap: converted per call"
+    assert id(other) not in bf16_linear._wide

@@ -2,8 +2,7 @@
 
 Where the CPU has neither AVX512-BF16 nor AMX, torch's bf16 GEMM takes a slow path: on a 2-core AVX2
 EPYC, one SmolLM2 MLP projection over 512 tokens took 101 ms in bf16 and 25 ms as "convert to
-fp64, multiply, round back"; at 2 tokens (a decode step) fp64 is slower, 0.60 against 0.44 ms (1 thread,
-`results/bf16-linear/times.txt`;
+fp64, multiply, round back" (1 thread, `results/bf16-linear/times.txt`;
 `python benchmarks/bf16_linear.py` measures it on the machine at hand).
 The model stays bf16 (weights, activations, the KV pool); only the product is formed wider.
 
@@ -11,8 +10,12 @@ Why fp64 and not fp32: bf16 products are exact in either, but fp32 sums round di
 batch's shape (MKL blocks a 2-row and a 300-row product differently), so a token computed in a bigger
 batch could differ from the same token computed alone, and the suite's token-identity checks (a
 budget covering the context equals `none`) failed. Summed in fp64 and rounded once to bf16, a row's
-result does not depend on the rows beside it (`tests/test_bf16_linear.py`). The weights are converted
-per call, not cached, so the server's memory does not grow.
+result does not depend on the rows beside it (`tests/test_bf16_linear.py`).
+
+The fp64 copy of each weight is kept (4x the bf16 bytes: 0.85 GB for SmolLM2-135M's layers) while
+all copies together stay under `CACHE_BYTES`; converting per call cost more than the product itself
+at decode sizes. A weight written in place (its version counter moves) is converted afresh; weights past
+the cap are converted per call.
 
 Registered on SGLang's `UnquantizedLinearMethod.apply` by the plugin's entry point; it changes
 nothing on a GPU, on a CPU with native bf16, for other dtypes, or with `SGL_KVEVICT_BF16_LINEAR=native`.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from typing import Any
 
 import torch
@@ -30,6 +34,9 @@ import torch.nn.functional as F
 logger = logging.getLogger("sgl_kvevict")
 TARGET = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply"
 _logged = False
+CACHE_BYTES = 2 << 30  # fp64 weight copies kept per process, at most
+# id(weight) -> (the weight, weakly; its version when converted; the fp64 copy)
+_wide: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
 
 
 def native_bf16() -> bool:
@@ -42,9 +49,22 @@ def native_bf16() -> bool:
     return any(bool(p()) for p in probes)
 
 
+def wide(weight: torch.Tensor) -> torch.Tensor:
+    """The fp64 copy of `weight`, kept while the copies fit `CACHE_BYTES`."""
+    key = id(weight)
+    hit = _wide.get(key)
+    if hit is not None and hit[0]() is weight and hit[1] == weight._version:
+        return hit[2]
+    _wide.pop(key, None)
+    w64 = weight.double()
+    if sum(w.numel() * 8 for _, _, w in _wide.values()) + w64.numel() * 8 <= CACHE_BYTES:
+        _wide[key] = (weakref.ref(weight, lambda _, key=key: _wide.pop(key, None)), weight._version, w64)
+    return w64
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear` of bf16 operands formed in fp64 and rounded back to bf16."""
-    out = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    out = F.linear(x.double(), wide(weight), None if bias is None else bias.double())
     return out.to(x.dtype)
 
 
