@@ -46,7 +46,7 @@ from sgl_kvevict.config import (
     short,
     spelling,
 )
-from sgl_kvevict.cpu_compat import bf16_linear, prefix_attention
+from sgl_kvevict.cpu_compat import bf16_linear
 from sgl_kvevict.policies.base import PolicyConfig
 from sgl_kvevict.serve import modelcheck
 
@@ -533,7 +533,6 @@ def load() -> None:
     _patch_engine()
     if not bf16_linear.native_bf16():  # every server on such a CPU, with or without a policy
         HookRegistry.register(bf16_linear.TARGET, bf16_linear.apply, HookType.AROUND)
-        HookRegistry.register(prefix_attention.TARGET, prefix_attention.apply, HookType.AROUND)
     cfg = server_config()
     if cfg.active:
         from sgl_kvevict.serve import hooks
