@@ -12,7 +12,7 @@ batch could differ from the same token computed alone, and the suite's token-ide
 budget covering the context equals `none`) failed. Summed in fp64 and rounded once to bf16, a row's
 result does not depend on the rows beside it (`tests/test_bf16_linear.py`).
 
-The fp64 copy of each weight is kept (4x the bf16 bytes: 0.85 GB for SmolLM2-135M's layers) while
+The fp64 copy of each weight is kept (8 bytes per parameter, 4x the bf16 bytes) while
 all copies together stay under `CACHE_BYTES`; converting per call cost more than the product itself
 at decode sizes. A weight written in place (its version counter moves) is converted afresh; weights past
 the cap are converted per call.
