@@ -1,7 +1,7 @@
 """bf16 linear layers computed in fp64 on a CPU without bf16 instructions.
 
 Where the CPU has neither AVX512-BF16 nor AMX, torch's bf16 GEMM takes a slow path: on a 2-core AVX2
-EPYC, one SmolLM2 MLP projection over 512 tokens took 101 ms in bf16 and 25 ms as "convert to
+EPYC, one SmolLM2 MLP projection over 512 tokens took 99.6 ms in bf16 and 23.9 ms as "convert to
 fp64, multiply, round back" (1 thread, `results/bf16-linear/times.txt`;
 `python benchmarks/bf16_linear.py` measures it on the machine at hand).
 The model stays bf16 (weights, activations, the KV pool); only the product is formed wider.
