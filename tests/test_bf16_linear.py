@@ -7,6 +7,8 @@ covers; `test_the_hook_is_registered_where_the_cpu_lacks_bf16` checks the regist
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -96,3 +98,8 @@ def test_fp64_weights_are_kept_refreshed_on_write_and_capped(monkeypatch: pytest
     other = (torch.randn(8, 576) / 24).bfloat16()
     assert bf16_linear.wide(other) is not bf16_linear.wide(other), "past the cap: converted per call"
     assert id(other) not in bf16_linear._wide
+    assert bf16_linear._kept_bytes == sum(c.numel() * 8 for _, _, c in bf16_linear._wide.values())
+    kept = bf16_linear._kept_bytes
+    del w, first, again
+    gc.collect()
+    assert bf16_linear._kept_bytes == kept - 1536 * 576 * 8, "a dead weight's copy leaves the count"

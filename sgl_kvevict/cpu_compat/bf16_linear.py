@@ -37,6 +37,14 @@ _logged = False
 CACHE_BYTES = 2 << 30  # fp64 weight copies kept per process, at most
 # id(weight) -> (the weight, weakly; its version when converted; the fp64 copy)
 _wide: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
+_kept_bytes = 0  # the bytes of the copies in `_wide`, counted as they come and go
+
+
+def _drop(key: int) -> None:
+    global _kept_bytes
+    hit = _wide.pop(key, None)
+    if hit is not None:
+        _kept_bytes -= hit[2].numel() * 8
 
 
 def native_bf16() -> bool:
@@ -55,10 +63,12 @@ def wide(weight: torch.Tensor) -> torch.Tensor:
     hit = _wide.get(key)
     if hit is not None and hit[0]() is weight and hit[1] == weight._version:
         return hit[2]
-    _wide.pop(key, None)
+    _drop(key)
     w64 = weight.double()
-    if sum(w.numel() * 8 for _, _, w in _wide.values()) + w64.numel() * 8 <= CACHE_BYTES:
-        _wide[key] = (weakref.ref(weight, lambda _, key=key: _wide.pop(key, None)), weight._version, w64)
+    global _kept_bytes
+    if _kept_bytes + w64.numel() * 8 <= CACHE_BYTES:
+        _wide[key] = (weakref.ref(weight, lambda _, key=key: _drop(key)), weight._version, w64)
+        _kept_bytes += w64.numel() * 8
     return w64
 
 
