@@ -5,6 +5,10 @@ and the entries recalled.
 
     HF_HUB_OFFLINE=1 python benchmarks/recall_probe.py --sessions 8 --variants off,1:0,8:0,8:1,none
 
+`--parts` adds, per question-turn event, what the device holds by part of the chat (entries per layer
+and KV head): the system prompt, the plant and the model's echo of it, the older filler notes and their
+answers, the last note and its answer, the question, the answer so far.
+
 A variant is `off` (recall_tokens 0), `none` (the full cache, on its own server so no compressed run
 reuses its stored prefixes) or `PAGE:EVERY[:SUMMARY]` (`--kv-recall-page PAGE --kv-recall-every EVERY
 --kv-recall-summary SUMMARY`, the summary `minmax` when left out; R = `--recall`). The chat format is the raw ChatML of tests/test_recall_e2e.py (system prompt, user turns),
@@ -38,15 +42,40 @@ def fact_positions(sess: Session) -> set[int]:
     return set(range(start, start + len(code)))
 
 
-def run_session(srv: Server, kv: dict, sess: Session) -> list[dict]:
+def run_session(srv: Server, kv: dict, sess: Session) -> tuple[list[dict], list[str]]:
+    """The turns' stats, and the part of the chat each position belongs to (`part`)."""
     ids = chat_ids(SYSTEM)
+    parts = ["system"] * len(ids)
     infos = []
-    for turn in sess.turns:
+    n = len(sess.turns)
+    for t, turn in enumerate(sess.turns):
         ids = ids + user(turn.inputs[0].content)
+        parts += [part(t, n, answer=False)] * (len(ids) - len(parts))
         out = srv.generate(input_ids=ids, max_new_tokens=turn.answer_cap(8), kv=kv)
         infos.append({**(out["meta_info"].get("kvevict") or [{}])[0], "output_ids": out["output_ids"]})
         ids = ids + out["output_ids"]
-    return infos
+        parts += [part(t, n, answer=True)] * (len(ids) - len(parts))
+    return infos, parts
+
+
+def part(t: int, n: int, answer: bool) -> str:
+    """Turn t of n: the plant (0), the filler notes (the last one apart), the question (n - 1)."""
+    name = "plant" if t == 0 else "question" if t == n - 1 else "last note" if t == n - 2 else "notes"
+    return f"{name} answer" if answer else name
+
+
+def composition(info: dict, parts: list[str]) -> list[dict[str, float]]:
+    """Per kept-timeline event: entries held per (layer, KV head), by part of the chat."""
+    out = []
+    for ev in info.get("kept_timeline") or []:
+        rows = [row for layer in ev["positions"] for row in layer]
+        counts: dict[str, float] = {}
+        for row in rows:
+            for p in row:
+                name = parts[p] if p < len(parts) else "question answer"
+                counts[name] = counts.get(name, 0) + 1 / len(rows)
+        out.append(counts)
+    return out
 
 
 def held(info: dict, fact: set[int]) -> list[int]:
@@ -71,6 +100,7 @@ def main() -> None:
     ap.add_argument(
         "--append", choices=("on", "off"), default=None, help="--kv-recall-append (default: the server's)"
     )
+    ap.add_argument("--parts", action="store_true", help="what the device holds, by part of the chat")
     a = ap.parse_args()
     scenario = rs.build(ScenarioConfig(sessions=a.sessions, turns=a.turns, seed=0, filler_tokens=150))
     for var in a.variants.split(","):
@@ -94,7 +124,7 @@ def main() -> None:
         with Server(args, env=CHECKED_ENV, timeout=1200) as srv:
             ok, ends, moved = 0, [], []
             for sess in scenario.sessions:
-                infos = run_session(srv, kv, sess)
+                infos, parts = run_session(srv, kv, sess)
                 q = infos[-1]
                 answer = tokenizer().decode(q["output_ids"])
                 good = rs.correct(answer, sess.turns[-1].expect)
@@ -105,6 +135,10 @@ def main() -> None:
                 print(
                     f"  {var} {sess.id}: correct={good} held={h} answer={answer.strip()[:30]!r}", flush=True
                 )
+                if a.parts and var != "none":
+                    for i, counts in enumerate(composition(q, parts)):
+                        cells = ", ".join(f"{k} {v:.1f}" for k, v in counts.items())
+                        print(f"    event {i}: {sum(counts.values()):.0f} held: {cells}", flush=True)
             print(
                 f"== {var}: {ok}/{len(scenario.sessions)} answered; held at the end {ends}; recalled/session {moved}"
             )

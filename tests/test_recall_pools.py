@@ -481,6 +481,35 @@ def test_append_brings_the_best_entries_into_fresh_slots(
     assert host.POOL.n_free == host.POOL.size
 
 
+def test_a_turns_recall_scores_with_its_own_queries_only(pools: Pools, monkeypatch):
+    """A turn whose own tokens are fewer than the window (a short question after a long answer): the
+    append scores with the queries of the turn's tokens only, not the previous turn's tail the window
+    also holds (those would bring back what that turn's answer read)."""
+    tier = {"recall_page": 1, "recall_summary": "off"}
+    cfg = ServerSettings(recall_tokens=R, recall_min_score=0, recall_append="on", **tier)
+    p = pools
+    req, s, _, _ = _compressed(p, monkeypatch, cfg)
+    kv_len, comp = req.kv.kv_committed_len, s.comp_slots
+    mine = W // 4
+    s.turn_start = s.tokens_for(kv_len) - mine
+    assert recall.own(s, s.tokens_for(kv_len)) == mine
+    expect = _reference_swaps(p, req, s, 1, mine, append=R)
+    whole = _reference_swaps(p, req, s, 1, W, append=R)
+    assert expect != whole, "the test needs the turn's queries to pick differently from the window's"
+    host_k = [host.POOL.k[ly][s.host.cols].clone() for ly in range(L)]
+    cols_before = s.host.cols.clone()
+    s.append_due = True
+    assert recall.safe_append(req) == R
+    new = p.r2t.req_to_token[0, comp : comp + R].long()
+    for ly in range(L):
+        for h in range(H):
+            picked = [int((cols_before == c).nonzero()) for c in expect[ly][h]]
+            got = p.kv.get_key_buffer(ly)[new, h]
+            assert torch.equal(got.sort(0).values, host_k[ly][picked, h].sort(0).values), (ly, h)
+    s.drop_host()
+    assert host.POOL.n_free == host.POOL.size
+
+
 def test_append_rolls_back_on_a_failure(pools: Pools, monkeypatch):
     """A failure in the last layer of an append: the layers already appended are put back, the fresh
     slots are freed, the row and the host hold what they held, and recall is off for the request."""

@@ -13,8 +13,8 @@ steps.
 score is the largest probability any of those queries (and query heads of its KV head) gives it: a fact
 one query of the question leans on is worth bringing back, however many other queries ignore it (the
 mean the policies use dilutes it by the window's length). In a prefill the queries are the turn's new
-tokens (the last `PREFILL_QUERIES` of them); after it, the captured window; during decode, the queries
-of the steps since the last recall.
+tokens (the last `PREFILL_QUERIES` of them); after it, the captured window's queries of the turn's own
+tokens (`own`); during decode, the queries of the steps since the last recall.
 
 *Pages*: a host entry ranks by the best score of its page (`--kv-recall-page` consecutive host columns of
 its head, which hold tokens evicted together, mostly neighbours), so the token a query finds brings its
@@ -97,6 +97,13 @@ def due(req: Any) -> bool:
     return s is not None and s.recall_due and s.pending is None and not s.after_extend
 
 
+def own(s: st.ReqState, length: int) -> int:
+    """How many of the row's newest `length` logical tokens are the turn's own. A turn's recall scores
+    with those queries only: a window reaching back into the previous turn would bring back what that
+    turn's answer read (its note), not what this turn asks for."""
+    return length - (s.turn_start or 0)
+
+
 def safe_recall(req: Any) -> int:
     """`recall`, degrading the request's recall on a failure. Returns the entries swapped in."""
     s = st.get(req)
@@ -156,7 +163,7 @@ def recall(req: Any, s: st.ReqState) -> int:
     # a turn's start scores with its whole window; a decode-time recall with the queries of the steps
     # since the last recall only (the answer forming now, not the prompt the turn's start already used)
     fresh, s.recall_steps = s.recall_steps, 0
-    w = min(capture.count(kv.req_pool_idx, length), kv_len - hi, fresh or kv_len)
+    w = min(capture.count(kv.req_pool_idx, length), kv_len - hi, fresh or own(s, length))
     r = min(s.recall, hi - lo, s.host.count)
     if fresh:  # during decode: at most one page per step since the last recall (bounds a step's bytes)
         r = min(r, fresh * server_settings().recall_page)
@@ -200,7 +207,7 @@ def append(req: Any, s: st.ReqState) -> int:
     kv_len = int(kv.kv_committed_len)
     lo, hi = _displaceable(s)
     length = s.tokens_for(kv_len)
-    w = min(capture.count(kv.req_pool_idx, length), kv_len - hi)
+    w = min(capture.count(kv.req_pool_idx, length), kv_len - hi, own(s, length))
     a = min(s.recall, s.own_evicted, s.host.count, int(rt.req_to_token.shape[1]) - kv_len)
     paged = None, 0
     while a > 0:  # a paged append picks from the fetched pages: at least (n - 1) * page + 1 real columns

@@ -103,6 +103,8 @@ class ReqState:
     bytes_moved: int = 0
     recall_skipped: int = 0
     recall_steps: int = 0
+    # logical tokens before this turn's own: recall scores with the turn's queries only (`recall.own`)
+    turn_start: int | None = None
     # a recall swapped entries into the compacted history since it was last formed: it is no longer
     # the stored node it was adopted from (the tree must not treat it as a duplicate of that node)
     recalled_into_history: bool = False

@@ -84,6 +84,8 @@ def _after_extend_alloc(reqs: list, offs: list[int]) -> None:
         if s is None:
             continue
         s.ran = True
+        if s.turn_start is None:  # the turn's first chunk: what it matched is the history before it
+            s.turn_start = int(r.prefix_len)
         if not s.active:
             continue
         s.after_extend = True
