@@ -98,7 +98,7 @@ def test_fp64_weights_are_kept_refreshed_on_write_and_capped(monkeypatch: pytest
     other = (torch.randn(8, 576) / 24).bfloat16()
     assert bf16_linear.wide(other) is not bf16_linear.wide(other), "past the cap: converted per call"
     assert id(other) not in bf16_linear._wide
-    assert bf16_linear._kept_bytes == sum(c.numel() * 8 for _, _, c in bf16_linear._wide.values())
+    assert bf16_linear._kept_bytes == sum(c.nbytes for _, _, c in bf16_linear._wide.values())
     kept = bf16_linear._kept_bytes
     del w, first, again
     gc.collect()

@@ -171,6 +171,18 @@ def _reference_swaps(
     return out
 
 
+def _assert_appended(p: Pools, comp: int, expect, host_k: list[torch.Tensor], cols_before) -> None:
+    """Each head's R slots appended after the compacted history (`comp` slots) hold exactly the host
+    entries `expect` names (branch columns, as they were before the append)."""
+    new = p.r2t.req_to_token[0, comp : comp + R].long()
+    for ly in range(L):
+        for h in range(H):
+            got = p.kv.get_key_buffer(ly)[new, h]
+            picked = [int((cols_before == c).nonzero()) for c in expect[ly][h]]
+            assert len(picked) == R
+            assert torch.equal(got.sort(0).values, host_k[ly][picked, h].sort(0).values), (ly, h)
+
+
 @pytest.mark.parametrize("policy", ["streaming", "snapkv", "lagkv"])
 @pytest.mark.parametrize("path", ["batched", "single"])
 @pytest.mark.parametrize(("page", "fresh", "floor"), [(1, 0, 0.0), (4, 0, 0.0), (4, 3, 0.0), (1, 0, 0.1)])
@@ -451,13 +463,7 @@ def test_append_brings_the_best_entries_into_fresh_slots(
     assert s.tokens_for(req.kv.kv_committed_len) == length and s.appended == R
     assert torch.equal(p.r2t.req_to_token[0, comp + R : kv_len + R], tail)  # the tail moved right, whole
     assert s.host.count == count - R and host.POOL.n_free == free + R
-    new = p.r2t.req_to_token[0, comp : comp + R].long()
-    for ly in range(L):  # each head's appended slots hold exactly its best host entries
-        for h in range(H):
-            got = p.kv.get_key_buffer(ly)[new, h]
-            picked = [int((cols_before == c).nonzero()) for c in expect[ly][h]]
-            assert len(picked) == R
-            assert torch.equal(got.sort(0).values, host_k[ly][picked, h].sort(0).values), (ly, h)
+    _assert_appended(p, comp, expect, host_k, cols_before)
     ks, vs = _held(p, req, s)
     assert torch.allclose(_tags(ks, vs, probe), want, atol=1e-4)  # nothing lost, nothing duplicated
     assert s.recalled == R * L * H and s.bytes_moved == R * L * H * 2 * D * 4
@@ -500,12 +506,7 @@ def test_a_turns_recall_scores_with_its_own_queries_only(pools: Pools, monkeypat
     cols_before = s.host.cols.clone()
     s.append_due = True
     assert recall.safe_append(req) == R
-    new = p.r2t.req_to_token[0, comp : comp + R].long()
-    for ly in range(L):
-        for h in range(H):
-            picked = [int((cols_before == c).nonzero()) for c in expect[ly][h]]
-            got = p.kv.get_key_buffer(ly)[new, h]
-            assert torch.equal(got.sort(0).values, host_k[ly][picked, h].sort(0).values), (ly, h)
+    _assert_appended(p, comp, expect, host_k, cols_before)
     s.drop_host()
     assert host.POOL.n_free == host.POOL.size
 

@@ -160,8 +160,8 @@ def recall(req: Any, s: st.ReqState) -> int:
     kv_len = int(kv.kv_committed_len)
     lo, hi = _displaceable(s)
     length = s.tokens_for(kv_len)
-    # a turn's start scores with its whole window; a decode-time recall with the queries of the steps
-    # since the last recall only (the answer forming now, not the prompt the turn's start already used)
+    # a turn's start scores with its own tokens' window queries; a decode-time recall with the queries of
+    # the steps since the last recall only (the answer forming now, not the prompt the start already used)
     fresh, s.recall_steps = s.recall_steps, 0
     w = min(capture.count(kv.req_pool_idx, length), kv_len - hi, fresh or own(s, length))
     r = min(s.recall, hi - lo, s.host.count)

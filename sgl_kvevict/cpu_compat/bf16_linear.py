@@ -44,7 +44,7 @@ def _drop(key: int) -> None:
     global _kept_bytes
     hit = _wide.pop(key, None)
     if hit is not None:
-        _kept_bytes -= hit[2].numel() * 8
+        _kept_bytes -= hit[2].nbytes
 
 
 def native_bf16() -> bool:
@@ -66,9 +66,9 @@ def wide(weight: torch.Tensor) -> torch.Tensor:
     _drop(key)
     w64 = weight.double()
     global _kept_bytes
-    if _kept_bytes + w64.numel() * 8 <= CACHE_BYTES:
+    if _kept_bytes + w64.nbytes <= CACHE_BYTES:
         _wide[key] = (weakref.ref(weight, lambda _, key=key: _drop(key)), weight._version, w64)
-        _kept_bytes += w64.numel() * 8
+        _kept_bytes += w64.nbytes
     return w64
 
 
