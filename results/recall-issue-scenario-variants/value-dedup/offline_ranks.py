@@ -21,16 +21,18 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import recall_probe as rp  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from scenarios import recall as rs  # noqa: E402
-from scenarios.base import ScenarioConfig  # noqa: E402
 from sgl_kvevict.model import default_model_path  # noqa: E402
+from sgl_kvevict.scenarios import recall as rs  # noqa: E402
+from sgl_kvevict.scenarios.base import ScenarioConfig  # noqa: E402
 from tests.helpers import tokenizer  # noqa: E402
 
 torch.set_grad_enabled(False)
 tok = tokenizer()
 m = AutoModelForCausalLM.from_pretrained(
-    default_model_path(), torch_dtype=torch.float32, attn_implementation="eager"
+    default_model_path(), dtype=torch.float32, attn_implementation="eager"
 )
+hkv, g = m.config.num_key_value_heads, m.config.num_attention_heads // m.config.num_key_value_heads
+pairs = m.config.num_hidden_layers * hkv  # (layer, KV head) pairs
 scenario = rs.build(ScenarioConfig(sessions=3, turns=14, seed=0, filler_tokens=150))
 for sess in scenario.sessions:
     ids = rp.chat_ids(rp.SYSTEM)
@@ -51,7 +53,7 @@ for sess in scenario.sessions:
     T = len(ids)
     print(sess.id, "T", T, "question from", start, "fact", sorted(fact), flush=True)
     dev = list(range(4)) + list(range(start - 252, T))
-    host = [i for i in range(4, start - 252)]
+    host = list(range(4, start - 252))
     for name in ("own", "dedup", "dedup95", "vnorm"):
         ranks = []
         top = collections.Counter()
@@ -59,7 +61,7 @@ for sess in scenario.sessions:
         for L, a in enumerate(o.attentions):
             a = a[0]  # [Hq, T, T]
             rows = a[:, start:T, :start]  # history keys only
-            sc = rows.amax(1).view(3, 3, start).amax(1)  # [Hkv, start]
+            sc = rows.amax(1).view(hkv, g, start).amax(1)  # [Hkv, start]
             v = o.past_key_values.layers[L].values[0]  # [Hkv, T, D]
             sc = sc[:, host]
             hv, dv = v[:, host], v[:, dev]
@@ -71,7 +73,7 @@ for sess in scenario.sessions:
                 sc = sc * (1 - mx).clamp_min(0) if name == "dedup" else sc.masked_fill(mx > 0.95, 0)
             if name == "vnorm":
                 sc = sc * hv.norm(dim=-1)
-            for h in range(3):
+            for h in range(hkv):
                 order = [host[i] for i in sc[h].argsort(descending=True).tolist()]
                 r = min(order.index(p) for p in fact)
                 ranks.append(r)
@@ -80,7 +82,7 @@ for sess in scenario.sessions:
                     partc[parts[p]] += 1
         ranks.sort()
         print(
-            f"  {name}: fact's best rank per layer/head: median {ranks[len(ranks) // 2]}, <8: {sum(r < 8 for r in ranks)}/90, <64: {sum(r < 64 for r in ranks)}/90",
+            f"  {name}: fact's best rank per layer/head: median {ranks[len(ranks) // 2]}, <8: {sum(r < 8 for r in ranks)}/{pairs}, <64: {sum(r < 64 for r in ranks)}/{pairs}",
             flush=True,
         )
         print("   top-8 tokens:", top.most_common(12), flush=True)
