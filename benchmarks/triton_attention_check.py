@@ -34,6 +34,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from replay_client import ChatIds  # noqa: E402
+
 OUT_DIR = Path("results/triton-attention")
 POLICIES = {
     "streaming": {},
@@ -300,11 +303,14 @@ def _requests(n: int, budget: int, order: list[str]) -> Iterator[tuple[str, Any]
         kv = {"policy": "streaming", "budget": budget}
 
         def two_turns(srv, msgs=msgs, kv=kv):
-            # turn 2 carries what turn 1 generated, so it reuses turn 1's compressed node whole (a fixed
-            # history would not match it); when both servers' turn 1 agree, their turn-2 prompts agree
-            first = _gen(srv, chat(msgs), n, kv)
-            said = {"role": "assistant", "content": first["text"]}
-            second = _gen(srv, chat([*msgs, said, *FOLLOW_UP]), n, kv)
+            # turn 2's ids extend turn 1's prompt and answer token for token, as an agent sends them, so
+            # it matches turn 1's compressed node (a re-encoded chat would not); when both servers' turn 1
+            # agree, their turn-2 prompts agree
+            ids = chat(msgs)
+            first = _gen(srv, ids, n, kv)
+            ci = ChatIds(tok)
+            follow = ci.message("user", FOLLOW_UP[0]["content"]) + ci.gen_prompt
+            second = _gen(srv, ids + ci.after_answer(first["ids"]) + follow, n, kv)
             return {**second, "first_turn_ids": first["ids"], "first_turn_logprobs": first["logprobs"]}
 
         yield name, two_turns
