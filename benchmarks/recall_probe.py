@@ -58,6 +58,29 @@ def run_session(srv: Server, kv: dict, sess: Session) -> tuple[list[dict], list[
     return infos, parts
 
 
+def hf_session(model: object, sess: Session, answer_tokens: int = 8) -> tuple[list[int], list[str], int]:
+    """The session as the Hugging Face `model` itself would hold it at the question (offline probes):
+    `(ids, parts, start)`, every turn with the model's own greedy answer, ending with the question, which
+    starts at `start`."""
+    import torch
+
+    ids = chat_ids(SYSTEM)
+    parts = ["system"] * len(ids)
+    n = len(sess.turns)
+    for t, turn in enumerate(sess.turns):
+        start = len(ids)
+        ids = ids + user(turn.inputs[0].content)
+        parts += [part(t, n, answer=False)] * (len(ids) - len(parts))
+        if t == n - 1:
+            return ids, parts, start
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=turn.answer_cap(answer_tokens), do_sample=False
+        )
+        ids = ids + out[0, len(ids) :].tolist()
+        parts += [part(t, n, answer=True)] * (len(ids) - len(parts))
+    raise ValueError(f"session {sess.id} has no turns")
+
+
 def part(t: int, n: int, answer: bool) -> str:
     """Turn t of n: the plant (0), the filler notes (the last one apart), the question (n - 1)."""
     name = "plant" if t == 0 else "question" if t == n - 1 else "last note" if t == n - 2 else "notes"

@@ -36,14 +36,7 @@ m = AutoModelForCausalLM.from_pretrained(
 hkv, g = m.config.num_key_value_heads, m.config.num_attention_heads // m.config.num_key_value_heads
 scenario = rs.build(ScenarioConfig(sessions=3, turns=14, seed=0, filler_tokens=150))
 for sess in scenario.sessions:
-    ids = rp.chat_ids(rp.SYSTEM)
-    for t, turn in enumerate(sess.turns):
-        start = len(ids)  # the last turn's: the question's first position
-        ids = ids + rp.user(turn.inputs[0].content)
-        if t == len(sess.turns) - 1:
-            break
-        out = m.generate(torch.tensor([ids]), max_new_tokens=turn.answer_cap(8), do_sample=False)
-        ids = ids + out[0, len(ids) :].tolist()
+    ids, _, start = rp.hf_session(m, sess)  # start: the question's first position
     q_end = len(ids)
     ans = m.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, q_end:].tolist()
     ids = ids + ans

@@ -35,19 +35,7 @@ hkv, g = m.config.num_key_value_heads, m.config.num_attention_heads // m.config.
 pairs = m.config.num_hidden_layers * hkv  # (layer, KV head) pairs
 scenario = rs.build(ScenarioConfig(sessions=3, turns=14, seed=0, filler_tokens=150))
 for sess in scenario.sessions:
-    ids = rp.chat_ids(rp.SYSTEM)
-    n = len(sess.turns)
-    parts = ["system"] * len(ids)
-    for t, turn in enumerate(sess.turns):
-        start = len(ids)
-        ids = ids + rp.user(turn.inputs[0].content)
-        parts += [rp.part(t, n, answer=False)] * (len(ids) - len(parts))
-        if t == n - 1:
-            break
-        out = m.generate(torch.tensor([ids]), max_new_tokens=turn.answer_cap(8), do_sample=False)
-        new = out[0, len(ids) :].tolist()
-        ids = ids + new
-        parts += [rp.part(t, n, answer=True)] * (len(ids) - len(parts))
+    ids, parts, start = rp.hf_session(m, sess)
     fact = rp.fact_positions(sess)
     o = m(torch.tensor([ids]), output_attentions=True, output_hidden_states=False, use_cache=True)
     T = len(ids)
