@@ -20,11 +20,13 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sgl_kvevict.scenarios import recall as rs  # noqa: E402
-from sgl_kvevict.scenarios.base import ScenarioConfig, Session  # noqa: E402
+from sgl_kvevict.scenarios.base import ScenarioConfig, Session, Turn  # noqa: E402
 from sgl_kvevict.serve.serverproc import Server  # noqa: E402
 from tests.helpers import CHECKED_ENV, chat_ids, tokenizer  # noqa: E402
 
@@ -42,43 +44,53 @@ def fact_positions(sess: Session) -> set[int]:
     return set(range(start, start + len(code)))
 
 
-def run_session(srv: Server, kv: dict, sess: Session) -> tuple[list[dict], list[str]]:
-    """The turns' stats, and the part of the chat each position belongs to (`part`)."""
+def walk(
+    sess: Session, answer: Callable[[list[int], Turn], list[int]], question: bool = True
+) -> tuple[list[int], list[str], int]:
+    """The session sent turn by turn in raw ChatML, each turn answered by `answer(ids, turn)` (its output
+    ids): `(ids, parts, start)`, with the part of the chat each position belongs to (`part`) and where the
+    last turn starts. `question` False stops before the last turn is answered."""
     ids = chat_ids(SYSTEM)
     parts = ["system"] * len(ids)
-    infos = []
     n = len(sess.turns)
+    start = len(ids)
     for t, turn in enumerate(sess.turns):
+        start = len(ids)
         ids = ids + user(turn.inputs[0].content)
         parts += [part(t, n, answer=False)] * (len(ids) - len(parts))
+        if t == n - 1 and not question:
+            break
+        ids = ids + answer(ids, turn)
+        parts += [part(t, n, answer=True)] * (len(ids) - len(parts))
+    return ids, parts, start
+
+
+def run_session(srv: Server, kv: dict, sess: Session) -> tuple[list[dict], list[str]]:
+    """The turns' stats, and the part of the chat each position belongs to (`part`)."""
+    infos = []
+
+    def answer(ids: list[int], turn: Turn) -> list[int]:
         out = srv.generate(input_ids=ids, max_new_tokens=turn.answer_cap(8), kv=kv)
         infos.append({**(out["meta_info"].get("kvevict") or [{}])[0], "output_ids": out["output_ids"]})
-        ids = ids + out["output_ids"]
-        parts += [part(t, n, answer=True)] * (len(ids) - len(parts))
+        return out["output_ids"]
+
+    _, parts, _ = walk(sess, answer)
     return infos, parts
 
 
-def hf_session(model: object, sess: Session, answer_tokens: int = 8) -> tuple[list[int], list[str], int]:
+def hf_session(model: Any, sess: Session, answer_tokens: int = 8) -> tuple[list[int], list[str], int]:
     """The session as the Hugging Face `model` itself would hold it at the question (offline probes):
     `(ids, parts, start)`, every turn with the model's own greedy answer, ending with the question, which
     starts at `start`."""
     import torch
 
-    ids = chat_ids(SYSTEM)
-    parts = ["system"] * len(ids)
-    n = len(sess.turns)
-    for t, turn in enumerate(sess.turns):
-        start = len(ids)
-        ids = ids + user(turn.inputs[0].content)
-        parts += [part(t, n, answer=False)] * (len(ids) - len(parts))
-        if t == n - 1:
-            return ids, parts, start
-        out = model.generate(
-            torch.tensor([ids]), max_new_tokens=turn.answer_cap(answer_tokens), do_sample=False
-        )
-        ids = ids + out[0, len(ids) :].tolist()
-        parts += [part(t, n, answer=True)] * (len(ids) - len(parts))
-    raise ValueError(f"session {sess.id} has no turns")
+    def answer(ids: list[int], turn: Turn) -> list[int]:
+        cap = turn.answer_cap(answer_tokens)
+        return model.generate(torch.tensor([ids]), max_new_tokens=cap, do_sample=False)[
+            0, len(ids) :
+        ].tolist()
+
+    return walk(sess, answer, question=False)
 
 
 def part(t: int, n: int, answer: bool) -> str:
