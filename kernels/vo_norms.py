@@ -23,19 +23,18 @@ def _ref_chunks(
 ) -> torch.Tensor:
     """`[Hkv, n]` from `rows(start, stop)` -> `[c, Hkv, D]` value rows. Each token's norm is computed from
     its own row only, so the norms a forward writes per slot (`vo_norms_rows`, often one token) and the
-    ones a compression recomputes from the pool (`vo_norms`) are the same bits. The product is formed in
-    fp64: the sum over D follows the BLAS kernel a chunk's size picks, and in fp32 a one-token chunk landed
-    an ulp away from the same row in a longer chunk (torch 2.11 on an AVX512 x86 CPU); with 16-bit values
-    and W_O each term is exact and so is their fp64 sum, whatever the order."""
+    ones a compression recomputes from the pool (`vo_norms`) agree to fp32 rounding. With 16-bit values and
+    W_O the products are exact in fp32, but the sum over D follows the BLAS kernel a chunk's size picks, so
+    a one-token chunk can land an ulp away (seen with torch 2.11 on an x86 CPU, and on an AVX512 Xeon)."""
     hq, d, hidden = o_proj.shape
     g = hq // hkv
-    w = o_proj.double().reshape(hkv, g, d, hidden)
+    w = o_proj.float().reshape(hkv, g, d, hidden)
     out = torch.empty(hkv, n, dtype=torch.float32, device=device)
     step = max(1, _MAX_PROD // (hq * hidden))
     for n0 in range(0, n, step):
-        v = rows(n0, min(n, n0 + step)).double().transpose(0, 1)  # [Hkv, c, D]
+        v = rows(n0, min(n, n0 + step)).float().transpose(0, 1)  # [Hkv, c, D]
         prod = torch.matmul(v[:, None], w)  # [Hkv, G, c, hidden]
-        out[:, n0 : n0 + step] = prod.abs_().sum(dim=-1).mean(dim=1).float()
+        out[:, n0 : n0 + step] = prod.abs_().sum(dim=-1).mean(dim=1)
     return out
 
 

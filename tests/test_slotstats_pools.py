@@ -3,8 +3,8 @@
 Values reach the pool as in a forward pass: the statistic's own hook (`slotstats.before_attention`, with
 SGLang's `ForwardMode`) runs on the values, then they are written. After every compression step (batched
 compaction, per-request compaction, staged writes into a tree-owned region, split plans, D2O's merge) the
-statistic of every slot in the request's row must equal `kernels.vo_norms` recomputed from the pool, or be
-NaN (stale) where a merge rewrote the value. CriticalKV must keep exactly what it keeps when it
+statistic of every slot in the request's row must equal `kernels.vo_norms` recomputed from the pool (to fp32
+rounding), or be NaN (stale) where a merge rewrote the value. CriticalKV must keep exactly what it keeps when it
 recomputes every norm.
 """
 
@@ -73,7 +73,10 @@ def _stale_rows(rank: Rank, req) -> int:
         got = slotstats.STATS[layer, row]  # [n, H]
         want = kernels.vo_norms(rank.kv.get_value_buffer(layer), row, rank.rt.o_proj(layer)).t()
         nan = torch.isnan(got)
-        assert torch.equal(got[~nan], want[~nan]), f"layer {layer}: a slot's norm is not its value's"
+        # fp32 rounding apart at most: a one-token chunk's sum can land an ulp from a longer chunk's
+        # (kernels.vo_norms); another value's norm differs by far more
+        ok = torch.allclose(got[~nan], want[~nan], rtol=1e-6, atol=0)
+        assert ok, f"layer {layer}: a slot's norm is not its value's"
         stale += int(nan.sum())
     return stale
 
