@@ -73,10 +73,10 @@ def _stale_rows(rank: Rank, req) -> int:
         got = slotstats.STATS[layer, row]  # [n, H]
         want = kernels.vo_norms(rank.kv.get_value_buffer(layer), row, rank.rt.o_proj(layer)).t()
         nan = torch.isnan(got)
-        # fp32 rounding apart at most: a one-token chunk's sum can land an ulp from a longer chunk's
-        # (kernels.vo_norms); another value's norm differs by far more
-        ok = torch.allclose(got[~nan], want[~nan], rtol=1e-6, atol=0)
-        assert ok, f"layer {layer}: a slot's norm is not its value's"
+        # to fp32 rounding, as test_kernels' rows-vs-pool check (a one-token chunk's sum can land an ulp
+        # from a longer chunk's); another value's norm differs by far more
+        msg = f"layer {layer}: a slot's norm is not its value's"
+        torch.testing.assert_close(got[~nan], want[~nan], rtol=1e-6, atol=0, msg=msg)
         stale += int(nan.sum())
     return stale
 
