@@ -6,6 +6,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from sgl_kvevict.scenarios import recall
+
 
 def pct(xs: list[float], q: float) -> float | None:
     xs = sorted(x for x in xs if x is not None)
@@ -277,12 +279,29 @@ def plots(runs: list[dict], summaries: list[dict], out: Path) -> list[str]:
     return files
 
 
+def by_kind(q: list[dict]) -> tuple[str, int]:
+    """The question turns answered per kind of fact ("codes 12/12, names 0/12, budgets 12/12"), and the misses
+    that gave the filler turns' answer."""
+    right: dict[str, list[int]] = {}
+    for t in q:
+        got = right.setdefault(recall.kind(str(t["expect"])), [0, 0])
+        got[0] += bool(t["correct"])
+        got[1] += 1
+    names = {"code": "codes", "name": "names", "number": "budgets"}
+    parts = [f"{names[k]} {right[k][0]}/{right[k][1]}" for k in names if k in right]
+    filler = sum(not t["correct"] and recall.gave_filler_answer(t["answer"] or "") for t in q)
+    return ", ".join(parts), filler
+
+
 def recall_markdown(runs: list[dict]) -> str:
-    """Per run, the question turns of a recall scenario: answered, device vs logical KV, the host tier."""
+    """Per run, the question turns of a recall scenario: answered (in all and per kind of fact), device
+    vs logical KV, the host tier."""
     head = (
-        "| run | answered | device KV while answering / logical at the question (mean) "
+        "| run | answered | codes, names, budgets answered | misses giving the filler answer "
+        "| device KV while answering / logical at the question (mean) "
         "| host tokens at the question (mean) "
-        "| recalled per turn (mean entries) | bytes moved per turn (mean) |\n|---|---|---|---|---|---|"
+        "| recalled per turn (mean entries) | bytes moved per turn (mean) |\n"
+        "|---|---|---|---|---|---|---|---|"
     )
     rows = [head]
     for r in runs:
@@ -290,6 +309,7 @@ def recall_markdown(runs: list[dict]) -> str:
         if not q:
             continue
         ok = sum(bool(t["correct"]) for t in q)
+        kinds, filler = by_kind(q)
         # the KV the answer was read over: recall may append columns for the turn, folded at its end
         kv = mean([t.get("peak_kv_tokens") or t["kv_tokens"] for t in q])
         lg = mean([t["logical_tokens"] for t in q])
@@ -298,7 +318,7 @@ def recall_markdown(runs: list[dict]) -> str:
         moved = mean([t.get("bytes_moved") for t in r["turns"]])
         share = f"{kv:.0f} / {lg:.0f} ({100 * kv / lg:.0f}%)" if kv is not None and lg else "-"
         rows.append(
-            f"| {r['label']} | {ok} of {len(q)} | {share} | {fmt(host, '{:.0f}')} | "
+            f"| {r['label']} | {ok} of {len(q)} | {kinds} | {filler} | {share} | {fmt(host, '{:.0f}')} | "
             f"{fmt(rec, '{:.0f}') if rec else '-'} | {f'{moved / 1e6:.2f} MB' if moved else '-'} |"
         )
     return "\n".join(rows)

@@ -18,8 +18,9 @@ compression costs. What made the difference, measured on 20 chats:
 
 The fact stays in the first turn, with every filler turn after it, so it is the oldest part of the
 history that a compression policy sees. Beyond two filler turns (`turns` > 4) SmolLM2-135M misses more with a
-full cache: at 14 turns it answers 8 of 12, and asked for a name it answers the filler turns' question
-instead; compare a compressed run with `none` from the same replay. With `question_forks` the
+full cache: at 14 turns it answers 24 of 36, every code and budget and no name (asked for a name it
+answers the filler turns' question instead, `gave_filler_answer`); compare a compressed run with `none`
+from the same replay, kind by kind (`kind`). With `question_forks` the
 question is a fork: several branches off the same history ask for the fact at once, each in its own
 words, and each must answer it.
 """
@@ -55,16 +56,23 @@ SENTENCES = [
 ASK = ["", "Quick question. ", "One more thing. ", "Please help me. "]
 
 
+# The values a fact draws: a four-digit code, or a trip budget in dollars (`kind` tells them apart).
+CODES = (1000, 9999)
+BUDGETS = (20, 990)
+# The filler turns' answer ("The topic of this note is ..."): a miss that gives it answers their question.
+FILLER_ANSWER = "topic of this note"
+
+
 def fact(r: random.Random) -> tuple[str, str, str]:
     """(statement, question, expected value)."""
     kind = r.choice(["code", "name", "number"])
     if kind == "code":
-        v = str(r.randint(1000, 9999))
+        v = str(r.randint(*CODES))
         return f"the vault code is {v}", "What is the vault code? Answer with the number only.", v
     if kind == "name":
         v = f"{r.choice(FIRST)} {r.choice(LAST)}"
         return f"my manager is {v}", "What is the name of my manager? Answer with the name only.", v
-    v = str(r.randint(20, 990))
+    v = str(r.randint(*BUDGETS))
     return (
         f"the trip budget is {v} dollars",
         "What is the trip budget? Answer with the number only.",
@@ -111,3 +119,16 @@ def correct(answer: str, expect: str) -> bool:
         return expect in re.findall(r"\d+", re.sub(r"(?<=\d),(?=\d{3}\b)", "", answer))
     words = r"\s+".join(re.escape(w) for w in expect.split())
     return re.search(rf"(?<!\w){words}(?!\w)", answer, flags=re.IGNORECASE) is not None
+
+
+def kind(expect: str) -> str:
+    """Which fact a question asks for (`fact`'s kinds), from its expected value alone: the replay records
+    only the value."""
+    if not expect.isdigit():
+        return "name"
+    return "code" if CODES[0] <= int(expect) <= CODES[1] else "number"
+
+
+def gave_filler_answer(answer: str) -> bool:
+    """The answer is the filler turns' one: the model answered their question, not this one."""
+    return FILLER_ANSWER in answer.lower()

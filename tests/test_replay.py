@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import replay  # noqa: E402
-from replay_report import final_kv  # noqa: E402
+from replay_report import by_kind, final_kv  # noqa: E402
 
 from sgl_kvevict.scenarios.base import ScenarioConfig  # noqa: E402
 
@@ -70,6 +70,31 @@ def test_long_scenario_plants_early_and_asks_last() -> None:
         assert max(tools) > 3 * min(tools)  # mixed lengths
     with pytest.raises(ValueError, match="turns >= 2"):
         build("long", ScenarioConfig(turns=1))
+
+
+def test_recall_kind_follows_the_question() -> None:
+    """`recall.kind` tells a fact's kind from its value alone; it must agree with what the question asks."""
+    from sgl_kvevict.scenarios import build, recall
+
+    cfg = ScenarioConfig(sessions=30, turns=3)
+    asks = {"code": "vault code", "name": "my manager", "number": "trip budget"}
+    seen = set()
+    for s in build("recall", cfg).sessions:
+        q = s.turns[-1]
+        k = recall.kind(q.expect)
+        assert asks[k] in q.inputs[0].content, (q.expect, q.inputs[0].content)
+        seen.add(k)
+    assert seen == set(asks)
+
+
+def test_recall_report_counts_answers_by_kind() -> None:
+    q = [
+        {"expect": "4161", "correct": True, "answer": "The vault code is 4161."},
+        {"expect": "Kenji Hale", "correct": False, "answer": "The topic of this note is gardening."},
+        {"expect": "83", "correct": False, "answer": "The trip budget is 100 dollars."},
+        {"expect": "952", "correct": False, "answer": None},
+    ]
+    assert by_kind(q) == ("codes 1/1, names 0/1, budgets 0/2", 1)
 
 
 def test_recall_question_as_a_fork() -> None:
