@@ -44,29 +44,48 @@ def conversation(srv: Server, kv: dict, turns: list[str], n: int) -> list[list[i
 
 # ---- 1. nothing evicted => token-identical to the full cache --------------------------------------
 def test_no_eviction_is_token_identical_single_and_multiturn(kv_server: Server):
+    """Each side starts from an empty tree, so neither prefills over the other's cached prefix."""
     ids = chat_ids([{"role": "user", "content": long_text(400, seed=3) + "\nWhat happened last?"}])
-    ref = kv_server.generate(input_ids=ids, max_new_tokens=32, kv={"policy": "none"})
-    got = kv_server.generate(input_ids=ids, max_new_tokens=32, kv=NO_EVICT)
+
+    def fresh(kv: dict) -> dict:
+        kv_server.flush()
+        return kv_server.generate(input_ids=ids, max_new_tokens=32, kv=kv)
+
+    ref, got = fresh({"policy": "none"}), fresh(NO_EVICT)
     assert got["output_ids"] == ref["output_ids"]
     assert kvinfo(got)["evicted"] == 0 and kvinfo(got)["policy"] == "d2o"
     turns = ["Name three colours.", "Which of them is the warmest?", "Say it in French."]
-    assert conversation(kv_server, NO_EVICT, turns, 16) == conversation(
-        kv_server, {"policy": "none"}, turns, 16
-    )
+    kv_server.flush()
+    with_policy = conversation(kv_server, NO_EVICT, turns, 16)
+    kv_server.flush()
+    assert with_policy == conversation(kv_server, {"policy": "none"}, turns, 16)
 
 
 def test_no_eviction_is_token_identical_batch_of_8(kv_server: Server):
+    """The 8 prompts go to an empty tree as one batched request, so the scheduler gets them at once and
+    each side decodes the same batch in the same order. Eight separate requests would be batched as they
+    arrive, and where the CPU's bf16 products depend on the batch (AMX) that alone changes tokens;
+    `none` against `none` under the same conditions shows the comparison holds here."""
     prompts = [
         chat_ids([{"role": "user", "content": f"Tell me fact number {i} about {w}."}])
         for i, w in enumerate("abcdefgh")
     ]
 
-    def run(kv):
-        return run_parallel(
-            lambda ids: kv_server.generate(input_ids=ids, max_new_tokens=16, kv=kv)["output_ids"], prompts
-        )
+    def run(kv: dict) -> list[list[int]]:
+        kv_server.flush()
+        body = {
+            "input_ids": prompts,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 16, "custom_params": {"kvevict": kv}},
+        }
+        r = requests.post(kv_server.url + "/generate", json=body, timeout=600)
+        r.raise_for_status()
+        outs = r.json()
+        assert len(outs) == len(prompts) and all(kvinfo(o)["evicted"] == 0 for o in outs)
+        return [o["output_ids"] for o in outs]
 
-    assert run(NO_EVICT) == run({"policy": "none"})
+    ref = run({"policy": "none"})
+    assert run({"policy": "none"}) == ref, "none against none differs: the server is not deterministic here"
+    assert run(NO_EVICT) == ref
 
 
 # ---- 2. every policy compresses a long request after prefill and during decode -------------------

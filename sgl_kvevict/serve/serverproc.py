@@ -161,5 +161,15 @@ class Server:
     def server_info(self) -> dict:
         return requests.get(self.url + "/server_info", timeout=30).json()
 
-    def flush(self) -> None:
-        requests.post(self.url + "/flush_cache", timeout=60)
+    def flush(self, wait: float = 60.0) -> None:
+        """Empty the radix cache. SGLang refuses (HTTP 400) while a request is still finishing, so this
+        asks again until `wait` s have passed, then raises: a test that relies on an empty tree must not
+        run on a full one."""
+        deadline = time.time() + wait
+        while True:
+            r = requests.post(self.url + "/flush_cache", timeout=60)
+            if r.status_code == 200 or time.time() > deadline:
+                break
+            time.sleep(0.5)
+        if r.status_code != 200:
+            raise RuntimeError(f"/flush_cache answered {r.status_code} for {wait:.0f} s: {r.text.strip()}")
