@@ -6,8 +6,13 @@ ARGS ?=
 WORKERS ?= 2
 ENV := bash scripts/env.sh
 
-.PHONY: env serve serve-cluster test test-fast lint model-path bench-kernels bench-fidelity bench-compress bench-replay bench-kvpress docs docs-serve
+.PHONY: help env serve serve-cluster test test-fast lint model-path bench-kvpress docs docs-serve
 
+## List every target with its description.
+help:
+	@awk '/^## /{d = d (d ? " " : "") substr($$0, 4); next} /^[A-Za-z0-9_-]+:/{split($$0, t, ":"); printf "  %-14s %s\n", t[1], d; d = ""; next} {d = ""}' $(MAKEFILE_LIST)
+
+## Create or reuse the pinned venv (scripts/env.sh) and print nothing.
 env:
 	@$(ENV) >/dev/null
 
@@ -30,9 +35,11 @@ test:
 test-fast:
 	@PY=$$($(ENV)) && $$PY -m pytest -v -m "not server" tests
 
+## ruff check and ruff format --check.
 lint:
 	@PY=$$($(ENV)) && $$PY -m ruff check . && $$PY -m ruff format --check .
 
+## Print the embedded SmolLM2's path (converting it once).
 model-path:
 	@PY=$$($(ENV)) && $$PY -m sgl_kvevict.model
 

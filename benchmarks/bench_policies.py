@@ -31,8 +31,6 @@ CriticalKV with the per-slot ||v W_O||_1 statistic (`sgl_kvevict.cache.slotstats
 `criticalkv-slotstats` reads the norms the forward pass wrote (precomputed here, outside the timed step,
 as the server's hook computes them when it writes each value) and moves them with compaction; the
 second table is what that hook adds to a forward pass, per token, beside the decode step.
-D2O beside its merge before the cost work (host syncs, max-with-indices per block):
-    HF_HUB_OFFLINE=1 python benchmarks/bench_policies.py --sizes 2048 8192 --policies d2o snapkv --side-by-side --decode-threads 1
 """
 
 from __future__ import annotations
@@ -47,7 +45,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import _d2o_previous  # benchmarks/_d2o_previous.py (scripts run with benchmarks/ on sys.path)
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -62,7 +59,6 @@ from sgl_kvevict.policies import graphkv as graph_mod
 from sgl_kvevict.policies.lagkv import LagKVPolicy
 
 streamed_neighbors = graph_mod.source_neighbors
-current_d2o_merge = kernels.d2o_merge
 SIZES = (512, 2048, 8192)
 W = 32
 PREFILL_CHUNK = 1024
@@ -400,8 +396,7 @@ def main() -> None:
         "--side-by-side",
         action="store_true",
         help="also time the earlier implementations in the same run: graphkv's dense neighbour search "
-        "('graphkv-dense'), criticalkv recomputing every norm at a decode-time step ('criticalkv-recompute') "
-        "and d2o's merge before its cost work ('d2o-previous', benchmarks/_d2o_previous.py)",
+        "('graphkv-dense') and criticalkv recomputing every norm at a decode-time step ('criticalkv-recompute')",
     )
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -432,7 +427,6 @@ def main() -> None:
     for base, old in (
         ("graphkv", "graphkv-dense"),
         ("criticalkv", "criticalkv-recompute"),
-        ("d2o", "d2o-previous"),
     ):
         if args.side_by_side and base in names:
             names.insert(names.index(base) + 1, old)
@@ -443,8 +437,6 @@ def main() -> None:
         graph_mod.source_neighbors = (
             graph_mod.source_neighbors_dense if label == "graphkv-dense" else streamed_neighbors
         )
-        # the policy looks the merge up on `sgl_kvevict.kernels` at each call
-        kernels.d2o_merge = _d2o_previous.d2o_merge_ref if label == "d2o-previous" else current_d2o_merge
         policy = policies.build(name)
         period, period_txt = trigger_period(policy)
         for n in sizes:
