@@ -108,6 +108,31 @@ def test_equal_budgets_written_differently_are_one_budget():
     assert fingerprint(everything, everything.build()) != fingerprint(one, one.build())
 
 
+def test_fingerprint_names_the_whole_producer():
+    """Two configs that would compress a history differently never share it: the fingerprint changes with
+    the policy, the budget, any policy config field and recall; only `shared_prefix` (where the history
+    is, not how it is compressed) and `none` (no compressed history at all) leave it out."""
+    from sgl_kvevict.cache.state import fingerprint
+
+    def fp(recall: int = 0, **kw) -> str | None:
+        cfg = KvConfig(**{"policy": "snapkv", "budget": 256, **kw})
+        return fingerprint(cfg, cfg.build(), recall)
+
+    base = fp()
+    others = [
+        fp(policy="h2o"),
+        fp(budget=128),
+        fp(config={"window": 16}),
+        fp(config={"sinks": 8}),
+        fp(config={"scope": "branch"}),
+        fp(recall=64),
+    ]
+    assert base is not None and base not in others and len(set(others)) == len(others), (base, others)
+    assert fp(config={"window": 16}) == fp(config={"window": 16})
+    assert fp(config={"shared_prefix": 40}) == base
+    assert fp(policy="none") is None
+
+
 def test_one_token_survives_the_trip_to_the_scheduler():
     one = KvConfig(policy="snapkv", budget={"tokens": 1})
     back = KvConfig.model_validate_json(one.to_env())
