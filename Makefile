@@ -6,7 +6,7 @@ ARGS ?=
 WORKERS ?= 2
 ENV := bash scripts/env.sh
 
-.PHONY: env serve serve-cluster test test-fast lint model-path bench-kernels bench-fidelity bench-compress bench-replay bench-kvpress docs docs-serve
+.PHONY: env serve serve-cluster test test-fast faults lint model-path bench-kernels bench-fidelity bench-compress bench-replay bench-kvpress docs docs-serve
 
 env:
 	@$(ENV) >/dev/null
@@ -29,6 +29,10 @@ test:
 ## Only the tests that need no server.
 test-fast:
 	@PY=$$($(ENV)) && $$PY -m pytest -v -m "not server" tests
+
+## Planted faults (tests/faults/*.patch): apply each to this checkout, run the tests that must catch it, revert; a table of fault, catching test, seconds. Needs a clean tree.
+faults:
+	@bash scripts/planted_faults.sh
 
 lint:
 	@PY=$$($(ENV)) && $$PY -m ruff check . && $$PY -m ruff format --check .
