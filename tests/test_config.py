@@ -133,6 +133,25 @@ def test_fingerprint_names_the_whole_producer():
     assert fp(policy="none") is None
 
 
+@pytest.mark.parametrize("field", ["sinks", "recent", "interval", "window"])
+def test_a_requests_token_counts_are_bounded(field: str):
+    """A request's policy config cannot name a window of a billion tokens (the scheduler would allocate
+    it): every token count of the base config is refused above `MAX_WINDOW`, and accepted at it."""
+    from sgl_kvevict.policies.base import MAX_WINDOW
+
+    base = KvConfig(policy="d2o", budget=256)
+    big = {"window": 1, "recent": MAX_WINDOW + 1} if field == "recent" else {field: MAX_WINDOW + 1}
+    for value in (MAX_WINDOW + 1, 10**9):
+        cfg = {k: (value if k == field else v) for k, v in big.items()}
+        with pytest.raises(ValueError, match=field):
+            request_override({"kvevict": {"policy": "knorm", "config": cfg}}, base, ServerSettings())
+    ok = {"window": 1, "recent": MAX_WINDOW} if field == "recent" else {field: MAX_WINDOW}
+    if field == "window":
+        ok["recent"] = MAX_WINDOW
+    got = request_override({"kvevict": {"policy": "knorm", "config": ok}}, base, ServerSettings())
+    assert getattr(got.build().config, field) == MAX_WINDOW
+
+
 def test_one_token_survives_the_trip_to_the_scheduler():
     one = KvConfig(policy="snapkv", budget={"tokens": 1})
     back = KvConfig.model_validate_json(one.to_env())
