@@ -6,7 +6,7 @@ ARGS ?=
 WORKERS ?= 2
 ENV := bash scripts/env.sh
 
-.PHONY: help env serve serve-cluster test test-fast lint model-path bench-kvpress docs docs-serve
+.PHONY: help env serve serve-cluster test test-fast faults lint model-path bench-kvpress docs docs-serve
 
 ## List every target with its description.
 help:
@@ -34,6 +34,10 @@ test:
 ## Only the tests that need no server.
 test-fast:
 	@PY=$$($(ENV)) && $$PY -m pytest -v -m "not server" tests
+
+## Planted faults (tests/faults/*.patch): apply each to this checkout, run the tests that must catch it, revert; a table of fault, catching test, seconds. Needs a clean tree.
+faults:
+	@bash scripts/planted_faults.sh
 
 ## ruff check and ruff format --check.
 lint:

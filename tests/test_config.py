@@ -108,6 +108,50 @@ def test_equal_budgets_written_differently_are_one_budget():
     assert fingerprint(everything, everything.build()) != fingerprint(one, one.build())
 
 
+def test_fingerprint_names_the_whole_producer():
+    """Two configs that would compress a history differently never share it: the fingerprint changes with
+    the policy, the budget, any policy config field and recall; only `shared_prefix` (where the history
+    is, not how it is compressed) and `none` (no compressed history at all) leave it out."""
+    from sgl_kvevict.cache.state import fingerprint
+
+    def fp(recall: int = 0, **kw) -> str | None:
+        cfg = KvConfig(**{"policy": "snapkv", "budget": 256, **kw})
+        return fingerprint(cfg, cfg.build(), recall)
+
+    base = fp()
+    others = [
+        fp(policy="h2o"),
+        fp(budget=128),
+        fp(config={"window": 16}),
+        fp(config={"sinks": 8}),
+        fp(config={"scope": "branch"}),
+        fp(recall=64),
+    ]
+    assert base is not None and base not in others and len(set(others)) == len(others), (base, others)
+    assert fp(config={"window": 16}) == fp(config={"window": 16})
+    assert fp(config={"shared_prefix": 40}) == base
+    assert fp(policy="none") is None
+
+
+@pytest.mark.parametrize("field", ["sinks", "recent", "interval", "window"])
+def test_a_requests_token_counts_are_bounded(field: str):
+    """A request's policy config cannot name a window of a billion tokens (the scheduler would allocate
+    it): every token count of the base config is refused above `MAX_WINDOW`, and accepted at it."""
+    from sgl_kvevict.policies.base import MAX_WINDOW
+
+    base = KvConfig(policy="d2o", budget=256)
+    big = {"window": 1, "recent": MAX_WINDOW + 1} if field == "recent" else {field: MAX_WINDOW + 1}
+    for value in (MAX_WINDOW + 1, 10**9):
+        cfg = {k: (value if k == field else v) for k, v in big.items()}
+        with pytest.raises(ValueError, match=field):
+            request_override({"kvevict": {"policy": "knorm", "config": cfg}}, base, ServerSettings())
+    ok = {"window": 1, "recent": MAX_WINDOW} if field == "recent" else {field: MAX_WINDOW}
+    if field == "window":
+        ok["recent"] = MAX_WINDOW
+    got = request_override({"kvevict": {"policy": "knorm", "config": ok}}, base, ServerSettings())
+    assert getattr(got.build().config, field) == MAX_WINDOW
+
+
 def test_one_token_survives_the_trip_to_the_scheduler():
     one = KvConfig(policy="snapkv", budget={"tokens": 1})
     back = KvConfig.model_validate_json(one.to_env())
