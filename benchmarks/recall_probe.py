@@ -10,14 +10,15 @@ and KV head): the system prompt, the plant and the model's echo of it, the older
 answers, the last note and its answer, the question, the answer so far.
 
 A variant is `off` (recall_tokens 0), `none` (the full cache, on its own server so no compressed run
-reuses its stored prefixes) or `PAGE:EVERY[:SUMMARY]` (`--kv-recall-page PAGE --kv-recall-every EVERY
---kv-recall-summary SUMMARY`, the summary `minmax` when left out; R = `--recall`). The chat format is the raw ChatML of tests/test_recall_e2e.py (system prompt, user turns),
+reuses its stored prefixes) or `PAGE:EVERY[:SUMMARY]` (`--kv-recall-config '{"page": PAGE, "every": EVERY,
+"summary": SUMMARY}'`, the summary `minmax` when left out; R = `--recall`). The chat format is the raw ChatML of tests/test_recall_e2e.py (system prompt, user turns),
 not the replay client's, so the full cache answers fewer sessions here than in `benchmarks/replay.py`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 from collections.abc import Callable
@@ -130,27 +131,32 @@ def main() -> None:
     ap.add_argument("--policy", default="snapkv")
     ap.add_argument("--variants", default="off,1:0,8:0,8:1,none")
     ap.add_argument(
-        "--min-score", type=float, default=None, help="--kv-recall-min-score (default: the server's)"
+        "--min-score", type=float, default=None, help="--kv-recall-config min_score (default: the server's)"
     )
     ap.add_argument(
-        "--append", choices=("on", "off"), default=None, help="--kv-recall-append (default: the server's)"
+        "--append",
+        choices=("on", "off"),
+        default=None,
+        help="--kv-recall-config append (default: the server's)",
     )
     ap.add_argument("--parts", action="store_true", help="what the device holds, by part of the chat")
     a = ap.parse_args()
     scenario = rs.build(ScenarioConfig(sessions=a.sessions, turns=a.turns, seed=0, filler_tokens=150))
     for var in a.variants.split(","):
-        extra = []
+        tuning: dict = {}
         if var not in ("off", "none"):
             page, every, *summary = var.split(":")
-            extra = [f"--kv-recall-page={page}", f"--kv-recall-every={every}"]
-            extra += [f"--kv-recall-summary={summary[0]}"] if summary else []
+            tuning = {"page": int(page), "every": int(every)}
+            tuning.update({"summary": summary[0]} if summary else {})
         args = ["--max-total-tokens", "30000", "--kv-policy", a.policy, "--kv-budget", str(a.budget)]
         args += ["--kv-policy-config", '{"scope": "branch"}', "--kv-recall-tokens", str(a.recall)]
-        args += ["--kv-host-tokens", "200000", *extra]
+        args += ["--kv-host-tokens", "200000"]
         if a.min_score is not None:
-            args += [f"--kv-recall-min-score={a.min_score}"]
+            tuning["min_score"] = a.min_score
         if a.append is not None:
-            args += [f"--kv-recall-append={a.append}"]
+            tuning["append"] = a.append
+        if tuning:
+            args += ["--kv-recall-config", json.dumps(tuning)]
         if var == "none":
             kv = {"policy": "none"}
         else:

@@ -157,7 +157,7 @@ def test_registry_lists_required_policies():
     assert want <= set(policies.available())
 
 
-# -- the operator's override rules (--kv-disable-request-override, --kv-override-*) -----------------
+# -- the operator's override rules (--kv-overrides) ---------------------------------------------------
 
 
 def _settings(**kw) -> ServerSettings:
@@ -176,7 +176,7 @@ def test_disabled_overrides_deny_everything():
     base = KvConfig(policy="d2o", budget=256)
     s = _settings(enabled=False)
     for custom in ({}, {"budget": 512}, {"policy": "d2o"}, {"policy": "none"}):
-        _deny(custom, base, s, "--kv-disable-request-override")
+        _deny(custom, base, s, "--kv-overrides off")
     assert request_override({"other": 1}, base, s) is None  # no kvevict key: nothing to deny
 
 
@@ -186,8 +186,8 @@ def test_allowed_policies():
     assert request_override({"kvevict": {"policy": "lagkv"}}, base, s).policy == "lagkv"
     assert request_override({"kvevict": {"policy": "d2o"}}, base, s).policy == "d2o"  # the server's own
     assert request_override({"kvevict": {"budget": 300}}, base, s).policy == "d2o"
-    _deny({"policy": "h2o"}, base, s, "'h2o'", "--kv-override-policies lagkv,snapkv")
-    _deny({"policy": "none"}, base, s, "'none'", "--kv-override-policies")
+    _deny({"policy": "h2o"}, base, s, "'h2o'", "--kv-overrides policies lagkv,snapkv")
+    _deny({"policy": "none"}, base, s, "'none'", "--kv-overrides policies")
     with pytest.raises(ValueError, match="valid choices"):
         OverridePolicy(policies=["lagkv", "bogus"])
 
@@ -197,13 +197,13 @@ def test_min_budget_same_kind_only():
     tok = _settings(min_budget_tokens=128)
     assert request_override({"kvevict": {"budget": 128}}, base, tok).budget == 128
     assert request_override({"kvevict": {"budget": 4096}}, base, tok).budget == 4096
-    _deny({"budget": 127}, base, tok, "below", "128", "--kv-override-min-budget")
-    _deny({"budget": 0.9}, base, tok, "ratio", "--kv-override-min-budget 128")  # not comparable: denied
+    _deny({"budget": 127}, base, tok, "below", "128", "--kv-overrides min_budget")
+    _deny({"budget": 0.9}, base, tok, "ratio", "--kv-overrides min_budget 128")  # not comparable: denied
     _deny({"budget": 1.0}, base, tok, "ratio")
     rat = _settings(min_budget_ratio=0.25)
     assert request_override({"kvevict": {"budget": 0.25}}, base, rat).budget == 0.25
     _deny({"budget": 0.2}, base, rat, "below", "0.25")
-    _deny({"budget": 100000}, base, rat, "tokens", "--kv-override-min-budget 0.25")
+    _deny({"budget": 100000}, base, rat, "tokens", "--kv-overrides min_budget 0.25")
     both = _settings(min_budget_tokens=128, min_budget_ratio=0.25)
     assert request_override({"kvevict": {"budget": 0.3}}, base, both).budget == 0.3
     assert request_override({"kvevict": {"budget": 200}}, base, both).budget == 200
@@ -239,7 +239,7 @@ def test_server_settings_travel_through_the_environment(monkeypatch):
     monkeypatch.setenv(SETTINGS_ENV_VAR, s.to_env())
     assert server_settings() == s
     base = KvConfig(policy="d2o", budget=256)
-    with pytest.raises(ValueError, match="--kv-override-policies"):
+    with pytest.raises(ValueError, match="--kv-overrides policies"):
         request_override({"kvevict": {"policy": "h2o"}}, base)  # default settings: this process's
     monkeypatch.delenv(SETTINGS_ENV_VAR)
     assert server_settings() == ServerSettings()

@@ -74,7 +74,7 @@ def tick(req: Any) -> None:
     s = st.get(req)
     if s is None or not s.recall:
         return
-    every = server_settings().recall_every
+    every = server_settings().recall.every
     if not every:
         return
     s.recall_steps += 1
@@ -88,7 +88,7 @@ def due_next_step(req: Any) -> bool:
     s = st.get(req)
     if s is None or not s.recall or s.host is None and s.host_src is None:
         return False
-    every = server_settings().recall_every
+    every = server_settings().recall.every
     return bool(every) and s.recall_steps + 1 >= every
 
 
@@ -166,7 +166,7 @@ def recall(req: Any, s: st.ReqState) -> int:
     w = min(capture.count(kv.req_pool_idx, length), kv_len - hi, fresh or own(s, length))
     r = min(s.recall, hi - lo, s.host.count)
     if fresh:  # during decode: at most one page per step since the last recall (bounds a step's bytes)
-        r = min(r, fresh * server_settings().recall_page)
+        r = min(r, fresh * server_settings().recall.page)
     if r <= 0 or w <= 0:
         s.recall_skipped += 1
         return 0
@@ -280,12 +280,12 @@ def exchange(
     appended to `log` as it is written (a swap is its own inverse: `Recall.rollback` replays the log
     backwards). Returns the `[l, H]` swapped counts (on the device: no host sync)."""
     rt, pool, cfg = runtime.RT, host.POOL, server_settings()
-    hs, hidx = best_entries(host_sc, cfg.recall_page, r)  # [l, H, r], best first
+    hs, hidx = best_entries(host_sc, cfg.recall.page, r)  # [l, H, r], best first
     if cand is not None:
         hidx = cand.gather(-1, hidx)
     cs, cidx = (-row_sc[..., lo:hi]).topk(r, dim=-1)  # lowest-scored displaceable kept entries
     # the i-th best host entry beats the i-th worst kept one, with a query's attention behind it
-    swap = (hs > -cs) & (hs >= cfg.recall_min_score)
+    swap = (hs > -cs) & (hs >= cfg.recall.min_score)
     counts = swap.sum(-1)  # hs falls and the displaced score rises with i, so swap is a prefix
     dev_slots = row_slots[lo:hi][cidx]  # [l, H, r]
     host_cols = s.host.cols.to(pool.k.device)[hidx.to(pool.k.device)]
@@ -357,11 +357,11 @@ def _paged(e: host.HostEntries, r: int) -> tuple[host.PageSummaries | None, int]
     it scores every host key (summaries off, or the branch has no more pages than a paged recall would
     fetch anyway: then it is exact and costs no more)."""
     cfg = server_settings()
-    page = cfg.recall_page
-    n_sel = max(-(-FETCH * r // page), cfg.recall_fetch_pages)
-    if cfg.recall_summary == "off" or K.n_pages(e.count, page) <= n_sel:
+    page = cfg.recall.page
+    n_sel = max(-(-FETCH * r // page), cfg.recall.fetch_pages)
+    if cfg.recall.summary == "off" or K.n_pages(e.count, page) <= n_sel:
         return None, 0
-    return summaries(e, page, cfg.recall_summary), n_sel
+    return summaries(e, page, cfg.recall.summary), n_sel
 
 
 # ---- one recall, layer by layer (inside a forward, or after a compression) ------------------------
@@ -460,7 +460,7 @@ class Recall:
         the branch ends `a` columns shorter (`finish` gives those back) and its pages stay dense."""
         pool, s = host.POOL, self.s
         a = int(self.new.numel())
-        _, idx = best_entries(host_sc[None], server_settings().recall_page, a)
+        _, idx = best_entries(host_sc[None], server_settings().recall.page, a)
         hidx = idx[0] if cand is None else cand.gather(-1, idx[0])  # [H, a] branch column indices
         hidx = hidx.to(pool.k.device)
         heads = torch.arange(pool.heads, device=pool.k.device).unsqueeze(-1)
@@ -663,7 +663,7 @@ def _plan_arm(req: Any, s: st.ReqState, decode: bool) -> Recall | None:
         m = int(kv.kv_committed_len)
         tokens = s.tokens_for(m)
         fresh, s.recall_steps = max(1, s.recall_steps), 0
-        cap = fresh * server_settings().recall_page
+        cap = fresh * server_settings().recall.page
     else:
         m = s.slots_for(int(req.prefix_len))
         tokens = int(req.prefix_len)

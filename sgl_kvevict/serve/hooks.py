@@ -90,7 +90,7 @@ def _after_extend_alloc(reqs: list, offs: list[int]) -> None:
             continue
         s.after_extend = True
         s.recall_due = s.recall > 0
-        s.append_due = s.recall > 0 and server_settings().recall_append == "on"
+        s.append_due = s.recall > 0 and server_settings().recall.append == "on"
         s.recall_steps = 0
         needs_window = "attn" in s.policy.needs or s.recall > 0
         if needs_window and not capture.ensure(row, s.policy.config.window, r.prefix_len):
