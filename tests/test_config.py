@@ -265,3 +265,59 @@ def test_parse_min_budget(text, want):
 def test_parse_min_budget_rejects(text):
     with pytest.raises(ValueError):
         parse_min_budget(text)
+
+
+# -- the flag tables of docs/usage.md are the models' ------------------------------------------------
+
+
+def _doc_tables(header: str) -> list[dict[str, list[str]]]:
+    """Every table of docs/usage.md under `header`: first cell (unquoted) -> the other cells."""
+    from pathlib import Path
+
+    lines = (Path(__file__).resolve().parent.parent / "docs" / "usage.md").read_text().splitlines()
+    tables, rows = [], None
+    for line in lines:
+        if line.strip() == header:
+            rows = {}
+            tables.append(rows)
+        elif rows is not None and line.startswith("|") and not line.startswith("|---"):
+            cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+            rows[cells[0].strip("`").split(" ")[0]] = cells[1:]
+        elif rows is not None and not line.startswith("|"):
+            rows = None
+    return tables
+
+
+def _check_row(name: str, info, rng: str, choices, cells: list[str]) -> None:
+    import json
+    import re
+
+    doc_range, doc_default = cells[0], cells[1].strip("`")
+    if choices is not None:
+        assert set(re.findall(r"`([^`]+)`", doc_range)) == set(choices), (name, doc_range)
+    elif rng:
+        assert doc_range == rng, (name, doc_range, rng)
+    if info.default_factory is None and info.default is not None:
+        want = info.default if isinstance(info.default, str) else json.dumps(info.default)
+        assert doc_default == want, (name, doc_default, want)
+
+
+def test_usage_flag_table_is_the_models():
+    """Every flag of the models is in docs/usage.md's table with its range, choices and default, and the
+    table has no other; so do the keys of the two JSON flags."""
+    from sgl_kvevict.config import FLAG, FLAGS, OverridePolicy, RecallTuning
+    from sgl_kvevict.config import Flag as F
+
+    (flags,) = _doc_tables("| flag | range | default | meaning |")
+    assert set(flags) == set(FLAG), set(flags) ^ set(FLAG)
+    for f in FLAGS:
+        _check_row(f.name, f.info, f.range, f.choices, flags[f.name])
+    assert flags["--kv-policy-config"][1] == "`{}`"
+    keys = _doc_tables("| key | range | default | meaning |")
+    by_model = {OverridePolicy: {"min_budget"}, RecallTuning: set()}
+    for model, extra in by_model.items():
+        (table,) = [t for t in keys if set(t) & set(model.model_fields)]
+        assert set(table) == set(model.model_fields) | extra, set(table) ^ set(model.model_fields)
+        for key, info in model.model_fields.items():
+            sub = F(key, model, key)
+            _check_row(key, info, sub.range, sub.choices, table[key])
