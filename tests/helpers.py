@@ -23,7 +23,7 @@ CHECKED_ENV = {
     "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
     "SGLANG_CHECK_KV_PAGE_INVARIANTS": "1",
     "KVEVICT_DEBUG": "1",
-    "KVEVICT_TEST_POLICIES": "1",
+    "SGL_KVEVICT_LOAD": "sgl_kvevict.tools.testing:load",  # the test-only policies (tools/testing.py)
 }
 POOL = ["--max-total-tokens", "40000"]
 

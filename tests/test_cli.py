@@ -438,3 +438,22 @@ def test_host_tier_settings_need_recall_tokens(monkeypatch, capsys):
         code, err = check_in_process(monkeypatch, capsys, ["--kv-policy", "snapkv", *args])
         assert code == 2, err
         assert args[0] in err and "--kv-recall-tokens" in err.strip().splitlines()[-1]
+
+
+def test_test_policies_come_from_the_test_set_up_only(monkeypatch) -> None:
+    """No entry point of the package names the tools: the test set-up's servers load the test policies
+    through the plugin's `SGL_KVEVICT_LOAD`, which calls each `module:function` it names."""
+    from importlib.metadata import entry_points
+
+    from sgl_kvevict.serve import plugin
+    from tests.helpers import CHECKED_ENV
+
+    eps = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.value.startswith("sgl_kvevict")]
+    assert [ep.value for ep in eps] == ["sgl_kvevict.serve.plugin:load"]
+    assert CHECKED_ENV[plugin.EXTRA_LOAD_ENV] == "sgl_kvevict.tools.testing:load"
+    calls = []
+    monkeypatch.setattr("sgl_kvevict.launch.has_cuda", lambda: calls.append(1) or False)
+    plugin._load_extra("sgl_kvevict.launch:has_cuda")
+    assert calls == [1]
+    with pytest.raises(ValueError, match="module:function"):
+        plugin._load_extra("sgl_kvevict.launch")

@@ -130,7 +130,12 @@ ENGINE_SCRIPT = textwrap.dedent(
 
 @pytest.mark.server
 def test_offline_engine_takes_the_policy_as_keyword_arguments():
-    env = {**CHECKED_ENV, "SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1"}
+    env = {
+        **CHECKED_ENV,
+        "SGLANG_USE_CPU_ENGINE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "SGL_KVEVICT_BF16_LINEAR": "fp64",
+    }
 
     res = subprocess.run(
         [sys.executable, "-c", ENGINE_SCRIPT],

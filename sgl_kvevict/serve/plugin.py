@@ -11,6 +11,7 @@ SGLang runs unchanged.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -39,6 +40,10 @@ from sgl_kvevict.serve import modelcheck
 
 logger = logging.getLogger("sgl_kvevict")
 BACKEND_NAME = "kvevict"
+# `module:function[,...]` the plugin calls in every SGLang process after its own set-up: how the test
+# set-up registers its test-only policies (`sgl_kvevict.tools.testing:load`, tests/helpers.py) without an
+# entry point that every server would import
+EXTRA_LOAD_ENV = "SGL_KVEVICT_LOAD"
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 
 
@@ -346,6 +351,13 @@ def _build_tree_cache(ctx):
     return build_tree_cache(ctx)
 
 
+def _load_extra(target: str) -> None:
+    module, _, func = target.partition(":")
+    if not module or not func:
+        raise ValueError(f"{EXTRA_LOAD_ENV}: {target!r} is not module:function")
+    getattr(importlib.import_module(module), func)()
+
+
 def load() -> None:
     """Entry point. Cheap and idempotent; SGLang applies the registered hooks right after."""
     HookRegistry.register(f"{_SERVER_ARGS}.add_cli_args", add_cli_args, HookType.AFTER)
@@ -355,8 +367,10 @@ def load() -> None:
     )
     _register_backend()
     _patch_engine()
-    if not bf16_linear.native_bf16():  # every server on such a CPU, with or without a policy
+    if bf16_linear.enabled():  # asked for (the launcher does on CPU): see `cpu_compat.bf16_linear`
         HookRegistry.register(bf16_linear.TARGET, bf16_linear.apply, HookType.AROUND)
+    for target in filter(None, os.environ.get(EXTRA_LOAD_ENV, "").split(",")):
+        _load_extra(target.strip())
     cfg = server_config()
     if cfg.active:
         from sgl_kvevict.serve import hooks
