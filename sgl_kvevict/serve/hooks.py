@@ -102,7 +102,7 @@ def _after_extend_alloc(reqs: list, offs: list[int]) -> None:
             rt.totals.capture_refused += 1
             logger.warning(
                 "kvevict: request %s runs uncompressed: no window-query capture slot (all %d in use, or window "
-                "%d above the buffer's); raise --kv-capture-slots / --kv-capture-window",
+                "%d above the buffer's); raise --max-running-requests / --kv-overrides max_window",
                 r.rid,
                 capture.STORE.slots if capture.STORE is not None else 0,
                 s.policy.config.window,

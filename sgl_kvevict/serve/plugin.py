@@ -203,7 +203,7 @@ def capture_needed(cfg: KvConfig, settings: ServerSettings) -> bool:
 
     Attention-free policies (streaming, knorm, lagkv, a refiner over lagkv) never capture. A request
     override could ask for an attention-based policy, so overrides count too: the buffer is left out
-    only when none can ask for one (any may, when `--kv-override-policies` is not given; a refiner's
+    only when none can ask for one (any may, when `--kv-overrides` names no `policies`; a refiner's
     base may be attention-based). CUDA graphs stay on either way (the capture is graph-safe)."""
     if "attn" in cfg.build().needs or settings.recall_tokens > 0:  # recall scores with the window too
         return True
