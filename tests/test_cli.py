@@ -457,3 +457,26 @@ def test_test_policies_come_from_the_test_set_up_only(monkeypatch) -> None:
     assert calls == [1]
     with pytest.raises(ValueError, match="module:function"):
         plugin._load_extra("sgl_kvevict.launch")
+
+
+def test_a_plain_server_process_never_imports_the_test_policies() -> None:
+    """In a fresh process: the plugin's `load` registers the test policies only when the set-up names them."""
+    import os
+
+    script = (
+        "import sys\nfrom sgl_kvevict import policies\nfrom sgl_kvevict.serve import plugin\nplugin.load()\n"
+        "print('RESULT', sorted(n for n in policies.REGISTRY if n.startswith('test_')), "
+        "'sgl_kvevict.tools.testing' in sys.modules)"
+    )
+    from tests.helpers import CHECKED_ENV
+
+    got = {}
+    for name, extra in (("plain", {}), ("tests", {"SGL_KVEVICT_LOAD": CHECKED_ENV["SGL_KVEVICT_LOAD"]})):
+        env = {k: v for k, v in os.environ.items() if k != "SGL_KVEVICT_LOAD"}
+        res = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env={**env, **extra}
+        )
+        (line,) = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT")]
+        got[name] = line
+    assert got["plain"] == "RESULT [] False", got
+    assert got["tests"] == "RESULT ['test_fault_staged', 'test_raise', 'test_recall_fault'] True", got
