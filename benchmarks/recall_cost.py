@@ -9,13 +9,13 @@ For each host size E: one request whose region of E + budget tokens is compresse
 evicted E entries per layer and head are demoted to the host tier), then
 - a prefill of `--new-tokens` tokens recalls layer by layer (scores: the new tokens' queries over the E
   host keys and the row's keys, every layer);
-- the turn's append (`recall.append`, `--kv-recall-append`): a window of 32 queries brings R entries per
+- the turn's append (`recall.append`, `--kv-recall-config` `append`): a window of 32 queries brings R entries per
   layer and head back into appended slots;
 - `--steps` decode steps recall layer by layer, one query each (at most one page per step).
 The score floor is 0 unless `--min-score` says otherwise (the most a recall moves). Each size runs
 once per `--summary` variant: `off` scores every host key; `minmax` and `mean` score the
-branch's page summaries and fetch the columns of the best pages only (`--kv-recall-summary`), at least
-`--fetch-pages` of them (`--kv-recall-fetch-pages`).
+branch's page summaries and fetch the columns of the best pages only (`--kv-recall-config` `summary`), at least
+`--fetch-pages` of them (`--kv-recall-config` `fetch_pages`).
 Printed per host size and variant: seconds per prefill recall (all layers) and per decode step (all
 layers), the entries recalled, the bytes moved (K and V, both directions) and the host key bytes read to
 score (every key, or the fetched pages' twice: scoring and re-summarising after the swap). On a GPU the host keys would be read
@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sgl_kvevict.cache import capture, compressor, host, recall  # noqa: E402
 from sgl_kvevict.cache import state as st  # noqa: E402
-from sgl_kvevict.config import DEFAULT_RECALL_FETCH_PAGES, SETTINGS_ENV_VAR, ServerSettings  # noqa: E402
+from sgl_kvevict.config import DEFAULT_RECALL_FETCH_PAGES, SETTINGS_ENV_VAR, RecallTuning, ServerSettings  # noqa: E402
 from sgl_kvevict.tools.pools import Pools  # noqa: E402
 
 LAYERS, KV_HEADS, GROUP, DIM = 30, 3, 3, 64
@@ -133,15 +133,17 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64, help="a turn's new tokens (its prefill's queries)")
     ap.add_argument("--steps", type=int, default=8, help="decode steps timed per size")
-    ap.add_argument("--summary", default="off,minmax", help="--kv-recall-summary variants, side by side")
     ap.add_argument(
-        "--fetch-pages", type=int, default=DEFAULT_RECALL_FETCH_PAGES, help="--kv-recall-fetch-pages"
+        "--summary", default="off,minmax", help="--kv-recall-config summary variants, side by side"
+    )
+    ap.add_argument(
+        "--fetch-pages", type=int, default=DEFAULT_RECALL_FETCH_PAGES, help="--kv-recall-config fetch_pages"
     )
     ap.add_argument(
         "--min-score",
         type=float,
         default=0.0,
-        help="--kv-recall-min-score (default 0: every entry that beats the one it displaces moves, the most "
+        help="--kv-recall-config min_score (default 0: every entry that beats the one it displaces moves, the most "
         "a recall moves; the random queries here are no evidence for the floor)",
     )
     args = ap.parse_args()
@@ -155,14 +157,14 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for e in (int(x) for x in args.host.split(",")):
         for summary in args.summary.split(","):
-            os.environ[SETTINGS_ENV_VAR] = ServerSettings(
-                recall_tokens=args.recall,
-                recall_page=args.page,
-                recall_every=1,
-                recall_summary=summary,
-                recall_min_score=args.min_score,
-                recall_fetch_pages=args.fetch_pages,
-            ).to_env()
+            tuning = RecallTuning(
+                page=args.page,
+                every=1,
+                summary=summary,
+                min_score=args.min_score,
+                fetch_pages=args.fetch_pages,
+            )
+            os.environ[SETTINGS_ENV_VAR] = ServerSettings(recall_tokens=args.recall, recall=tuning).to_env()
             print(f"[recall_cost] host {e}, summary {summary} ...", file=sys.stderr, flush=True)
             m = measure(e, args.budget, args.recall, args.new_tokens, args.steps)
             print(

@@ -1,29 +1,42 @@
 """User-facing configuration: the server-wide KV policy and the per-request override, both validated.
 
-Server-wide settings come from `--kv-policy`, `--kv-budget`, `--kv-policy-config`. They travel from the
-launcher to the scheduler process in the environment variable `KVEVICT_SERVER_CONFIG` (SGLang drops unknown
+Server-wide settings come from `--kv-policy`, `--kv-budget`, `--kv-scope`, `--kv-policy-config`. They travel from the
+launcher to the scheduler process in the environment variable `SGL_KVEVICT_SERVER_CONFIG` (SGLang drops unknown
 CLI fields and its `ServerArgs` is a frozen-schema msgspec struct).
 A request may override them with `custom_params={"kvevict": {"policy": ..., "budget": ..., "config": {...}}}`.
-What a request may override is the operator's call (`--kv-disable-request-override`,
-`--kv-override-policies`, `--kv-override-min-budget`) plus what the server cannot run (CriticalKV on a
-quantized `o_proj`): `ServerSettings`, carried in `KVEVICT_SERVER_SETTINGS`. It is a separate model because
+What a request may override is the operator's call (`--kv-overrides`) plus what the server cannot run (CriticalKV on a
+quantized `o_proj`): `ServerSettings`, carried in `SGL_KVEVICT_SERVER_SETTINGS`. It is a separate model because
 `KvConfig` is also what a request sends.
+
+The launcher's flags and `sgl.Engine`'s keywords are made from the models' fields (`FLAGS`): a field with
+a `flag` in its `json_schema_extra` is one, named, parsed, bounded and described by the field.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
 
 from sgl_kvevict import policies
 from sgl_kvevict.policies import short
+from sgl_kvevict.policies.base import PolicyConfig
 
-ENV_VAR = "KVEVICT_SERVER_CONFIG"
-SETTINGS_ENV_VAR = "KVEVICT_SERVER_SETTINGS"
+ENV_VAR = "SGL_KVEVICT_SERVER_CONFIG"
+SETTINGS_ENV_VAR = "SGL_KVEVICT_SERVER_SETTINGS"
 REQUEST_KEY = "kvevict"
 DEFAULT_BUDGET = 0.5
 
@@ -33,9 +46,9 @@ MAX_STEP_TOKENS = 1 << 24
 MAX_RECALL_TOKENS = 4096  # bound on --kv-recall-tokens and a request's recall_tokens (per layer and head)
 MAX_HOST_TOKENS = 1 << 21  # bound on --kv-host-tokens (host columns)
 DEFAULT_HOST_TOKENS = 16384
-MAX_RECALL_PAGE = 256  # bound on --kv-recall-page (host columns per page)
-MAX_RECALL_EVERY = 4096  # bound on --kv-recall-every (decode steps)
-MAX_RECALL_FETCH_PAGES = 4096  # bound on --kv-recall-fetch-pages (pages per layer and KV head)
+MAX_RECALL_PAGE = 256  # bound on the recall page (host columns per page)
+MAX_RECALL_EVERY = 4096  # bound on recall every (decode steps)
+MAX_RECALL_FETCH_PAGES = 4096  # bound on recall fetch_pages (pages per layer and KV head)
 DEFAULT_RECALL_PAGE = 8
 # A recall picks among the pages its summaries rank best: in a history of hundreds of pages, 64 candidate
 # pages per layer and head found 7 of 12 planted facts where 8 (16 for a turn's R) found 2, and scoring
@@ -45,7 +58,8 @@ DEFAULT_RECALL_EVERY = 1  # the step's own query finds what the token it produce
 # A host page comes back only where a query gives its best entry at least this much attention: weaker
 # evidence swapped entries back and forth (3-5x the bytes moved) and answered no better (measured).
 DEFAULT_RECALL_MIN_SCORE = 0.05
-MAX_CAPTURE = 4096  # bound on --kv-capture-window and --kv-capture-slots (the buffer is their product)
+MAX_CAPTURE = 4096  # bound on the capture buffer's window and slots (the buffer is their product)
+DEFAULT_CAPTURE_SLOTS = 128  # capture slots when --max-running-requests is not given
 _BUDGET_FORMS = 'tokens (e.g. 256), a percent of the suffix (e.g. "50%"), or {"tokens": N} / {"ratio": R}'
 _AMBIGUOUS_ONE = (
     'budget 1 is ambiguous (a JSON encoder may write the ratio 1.0 as 1): write "100%" (or {"ratio": 1}) to '
@@ -147,13 +161,22 @@ class KvConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    policy: str = "none"
+    policy: str = Field(
+        "none",
+        description="KV compression policy for each request's own suffix",
+        json_schema_extra={"flag": "--kv-policy", "choices": "policies"},
+    )
     budget: int | float = Field(
         DEFAULT_BUDGET,
-        description="tokens kept per head beyond sinks+recent (int), or a ratio of the suffix (float); "
-        "see parse_budget for the spellings a user may write",
+        description="tokens kept per KV head beyond sinks+recent window (e.g. 256), or a percent of the "
+        'suffix (e.g. 50%; 0.5 works too); the bare 1 is refused as ambiguous: write 100% or {"tokens": 1}',
+        json_schema_extra={"flag": "--kv-budget", "parse": "budget"},
     )
-    config: dict[str, Any] = Field(default_factory=dict)
+    config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="policy config as JSON, e.g. '{\"lag\": 64}'",
+        json_schema_extra={"flag": "--kv-policy-config"},
+    )
     recall_tokens: int | None = Field(
         None,
         ge=0,
@@ -226,20 +249,60 @@ class KvConfig(BaseModel):
 
 
 class OverridePolicy(BaseModel):
-    """What the operator lets a request override (`custom_params.kvevict`).
+    """What the operator lets a request override (`custom_params.kvevict`): the `--kv-overrides` setting.
 
     The server's own policy and budget are always allowed. A budget is judged only against a minimum of
     the same kind: tokens against `min_budget_tokens`, a ratio against `min_budget_ratio`. A request
     budget of a kind the operator gave no minimum for is denied when the operator gave a minimum of the
     other kind (a ratio cannot be compared with a token count before the request's length is known).
+    `min_budget` writes both at once: `"256"`, `"25%"` or `"256,25%"` (see `parse_min_budget`).
     """
 
     model_config = ConfigDict(extra="forbid")
 
-    enabled: bool = True
-    policies: list[str] | None = Field(None, description="policies an override may name; None: all")
-    min_budget_tokens: int | None = Field(None, ge=1, le=MAX_BUDGET_TOKENS)
-    min_budget_ratio: float | None = Field(None, gt=0.0, le=1.0)
+    enabled: bool = Field(True, description="false: deny every custom_params.kvevict (HTTP 400)")
+    policies: list[str] | None = Field(
+        None, description="policies an override may name, a list or comma-separated; null: all"
+    )
+    min_budget_tokens: int | None = Field(
+        None, ge=1, le=MAX_BUDGET_TOKENS, description="smallest token budget an override may ask for"
+    )
+    min_budget_ratio: float | None = Field(
+        None, gt=0.0, le=1.0, description="smallest ratio budget an override may ask for"
+    )
+    max_window: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_CAPTURE,
+        description="the most window queries a request may score with (default: the server policy's "
+        "window, at least 32); a larger per-request window is HTTP 400",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _spellings(cls, data: Any) -> Any:
+        """`"off"` is `{"enabled": false}`; `min_budget` is the two minimums in one budget spelling."""
+        if isinstance(data, str) and data.strip() == "off":
+            return {"enabled": False}
+        if isinstance(data, dict) and "min_budget" in data:
+            data = dict(data)
+            text = data.pop("min_budget")
+            if "min_budget_tokens" in data or "min_budget_ratio" in data:
+                raise ValueError("give min_budget, or min_budget_tokens / min_budget_ratio, not both")
+            if isinstance(text, bool) or not isinstance(text, (str, int, float)):
+                raise ValueError(
+                    f"min_budget: give tokens (256), a ratio (25%) or both (256,25%), not {short(text)}"
+                )
+            try:
+                data["min_budget_tokens"], data["min_budget_ratio"] = parse_min_budget(str(text))
+            except ValueError as e:
+                raise ValueError(f"min_budget: {e}") from None
+        return data
+
+    @field_validator("policies", mode="before")
+    @classmethod
+    def _split(cls, v: Any) -> Any:
+        return [p.strip() for p in v.split(",") if p.strip()] if isinstance(v, str) else v
 
     @field_validator("policies")
     @classmethod
@@ -251,108 +314,311 @@ class OverridePolicy(BaseModel):
         bad = [p for p in v if p not in policies.REGISTRY]
         if bad:
             raise ValueError(
-                f"unknown KV policy {bad[0]!r}; valid choices: {', '.join(policies.available())}"
+                f"unknown KV policy {short(bad[0])}; valid choices: {', '.join(policies.available())}"
             )
         return sorted(set(v))
+
+    @model_validator(mode="after")
+    def _useful(self) -> OverridePolicy:
+        if not self.enabled:
+            given = [
+                k
+                for k in ("policies", "min_budget_tokens", "min_budget_ratio", "max_window")
+                if getattr(self, k) is not None
+            ]
+            if given:
+                raise ValueError(
+                    f"{given[0]} has no effect when overrides are off (enabled: false): drop one"
+                )
+        return self
 
     @property
     def has_min_budget(self) -> bool:
         return self.min_budget_tokens is not None or self.min_budget_ratio is not None
 
 
-class ServerSettings(BaseModel):
-    """Server-wide rules for per-request overrides, known to every process (HTTP and scheduler)."""
+class RecallTuning(BaseModel):
+    """The host tier's tuning knobs: the `--kv-recall-config` setting (each has a measured default)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    overrides: OverridePolicy = Field(default_factory=OverridePolicy)
+    page: int = Field(
+        DEFAULT_RECALL_PAGE,
+        ge=1,
+        le=MAX_RECALL_PAGE,
+        description="host columns per recall page: an entry is ranked by the best entry of its page, so a "
+        "recall brings an attended token's neighbours with it",
+    )
+    summary: Literal["minmax", "mean", "off"] = Field(
+        "minmax",
+        description="how a recall finds the host entries it needs: score per-page key summaries, then fetch "
+        "only the best pages' columns (minmax: per-channel key bounds; mean: the mean key, half the bytes), "
+        "or off: score every host key",
+    )
+    fetch_pages: int = Field(
+        DEFAULT_RECALL_FETCH_PAGES,
+        ge=1,
+        le=MAX_RECALL_FETCH_PAGES,
+        description="pages a paged recall fetches at least, per layer and KV head, chosen by their summaries "
+        "(it fetches 2R/page when that is more): the host keys a recall reads besides the summaries",
+    )
+    append: Literal["on", "off"] = Field(
+        "on",
+        description="after each turn's prefill, bring the turn's best host entries back into up to R fresh "
+        "slots appended to the row, displacing nothing; the turn decodes over its budget plus them, and "
+        "its next compression folds them back",
+    )
+    every: int = Field(
+        DEFAULT_RECALL_EVERY,
+        ge=0,
+        le=MAX_RECALL_EVERY,
+        description="decode steps between recalls, each by its step's own query inside the step's forward; "
+        "0: only in each turn's prefill",
+    )
+    min_score: float = Field(
+        DEFAULT_RECALL_MIN_SCORE,
+        ge=0.0,
+        le=1.0,
+        allow_inf_nan=False,
+        description="the least attention probability a query must give a host page's best entry for the page "
+        "to come back (and it must beat the entry it displaces); 0: beating it is enough",
+    )
+
+
+class ServerSettings(BaseModel):
+    """Server-wide settings known to every process (HTTP and scheduler); the fields with a `flag` are the
+    launcher's flags (see `FLAGS`), the others are derived at start."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    overrides: OverridePolicy = Field(
+        default_factory=OverridePolicy,
+        description="what a request may override: off, or a JSON object with the keys below",
+        json_schema_extra={"flag": "--kv-overrides"},
+    )
     quantization: str | None = Field(
-        None, description="how the weights are quantized (which flag), if at all"
+        None, description="how the weights are quantized (which flag), if at all; derived"
     )
     step_tokens: int | None = Field(
         None,
         ge=1,
         le=MAX_STEP_TOKENS,
-        description="region tokens compressed per scheduler step (--kv-compress-step-tokens); beyond it "
-        "the other requests' compressions wait for the next steps; None: no cap",
+        description="cap on the region tokens compressed in one scheduler step (e.g. 4096): once a step has "
+        "compressed that many, other requests' compressions wait for the next steps, so several large "
+        "compressions do not stall the batch in the same step (one always runs; default: no cap)",
+        json_schema_extra={"flag": "--kv-compress-step-tokens"},
     )
 
     capture_window: int | None = Field(
         None,
         ge=1,
         le=MAX_CAPTURE,
-        description="the most window queries a request may score with (--kv-capture-window); None: no "
-        "request of this server captures queries",
+        description="the most window queries a request may score with (the server policy's window, at least "
+        "32, or the operator's overrides max_window); None: no request of this server captures queries",
     )
     capture_slots: int = Field(
-        128,
+        DEFAULT_CAPTURE_SLOTS,
         ge=1,
         le=MAX_CAPTURE,
-        description="requests that can capture window queries at once (--kv-capture-slots)",
+        description="requests that can capture window queries at once (--max-running-requests, else 128)",
     )
 
     recall_tokens: int = Field(
         0,
         ge=0,
         le=MAX_RECALL_TOKENS,
-        description="host entries per layer and KV head a turn may recall (--kv-recall-tokens; 0: no host tier)",
+        description="host tier: evicted entries go to host memory, and each turn recalls up to this many per "
+        "layer and KV head into its kept history (0: off)",
+        json_schema_extra={"flag": "--kv-recall-tokens"},
     )
     host_tokens: int = Field(
         DEFAULT_HOST_TOKENS,
         ge=1,
         le=MAX_HOST_TOKENS,
-        description="host tier capacity in columns, one evicted entry per layer and KV head each (--kv-host-tokens)",
+        description="host tier capacity in columns (one evicted entry per layer and KV head each; needs "
+        "--kv-recall-tokens); branches are dropped least-recently-used beyond it",
+        json_schema_extra={"flag": "--kv-host-tokens"},
     )
-    recall_page: int = Field(
-        DEFAULT_RECALL_PAGE,
-        ge=1,
-        le=MAX_RECALL_PAGE,
-        description="host columns per recall page: an entry is ranked by the best entry of its page, so a "
-        "recall brings an attended token's neighbours with it (--kv-recall-page)",
-    )
-    recall_summary: Literal["minmax", "mean", "off"] = Field(
-        "minmax",
-        description="how a recall finds the host entries it needs: score per-page key summaries, then fetch "
-        "only the best pages' columns (minmax: per-channel key bounds; mean: the mean key), or off: score "
-        "every host key (--kv-recall-summary)",
-    )
-    recall_fetch_pages: int = Field(
-        DEFAULT_RECALL_FETCH_PAGES,
-        ge=1,
-        le=MAX_RECALL_FETCH_PAGES,
-        description="pages a paged recall fetches at least, per layer and KV head, chosen by their summaries "
-        "(it fetches 2R/page when that is more): the host keys a recall reads besides the summaries "
-        "(--kv-recall-fetch-pages)",
-    )
-    recall_append: Literal["on", "off"] = Field(
-        "on",
-        description="after each turn's prefill, bring the turn's best host entries back into up to R fresh "
-        "slots appended to the row, displacing nothing; the turn decodes over its budget plus them, and "
-        "its next compression folds them back (--kv-recall-append)",
-    )
-    recall_every: int = Field(
-        DEFAULT_RECALL_EVERY,
-        ge=0,
-        le=MAX_RECALL_EVERY,
-        description="decode steps between recalls, each by its step's own query inside the step's forward; "
-        "0: only in each turn's prefill (--kv-recall-every)",
-    )
-    recall_min_score: float = Field(
-        DEFAULT_RECALL_MIN_SCORE,
-        ge=0.0,
-        le=1.0,
-        allow_inf_nan=False,
-        description="the least attention probability a query must give a host page's best entry for the page "
-        "to come back (and it must beat the entry it displaces); 0: beating it is enough "
-        "(--kv-recall-min-score)",
+    recall: RecallTuning = Field(
+        default_factory=RecallTuning,
+        description="recall's tuning knobs as a JSON object with the keys below (needs --kv-recall-tokens)",
+        json_schema_extra={"flag": "--kv-recall-config"},
     )
 
     def to_env(self) -> str:
         return self.model_dump_json()
 
 
+def _bounds(info: FieldInfo) -> tuple[Any, Any]:
+    lo = hi = None
+    for m in info.metadata:
+        lo = getattr(m, "ge", None) if getattr(m, "ge", None) is not None else lo
+        hi = getattr(m, "le", None) if getattr(m, "le", None) is not None else hi
+    return lo, hi
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        val = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e.msg} at char {e.pos}): {short(text)}") from None
+    except RecursionError:
+        raise ValueError(f"JSON nested too deeply: {short(text)}") from None
+    if not isinstance(val, dict):
+        raise ValueError(f"must be a JSON object, got {type(val).__name__}")
+    return val
+
+
+def _first_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    loc = ".".join(str(x) for x in err["loc"])
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    return f"{short(loc, 40).strip(chr(39))}: {msg}" if loc else msg
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One launcher flag (and `sgl.Engine` keyword), made from one model field: its name, parser, bounds,
+    choices, default and help all come from the field."""
+
+    name: str
+    model: type[BaseModel]
+    field: str
+
+    @property
+    def info(self) -> FieldInfo:
+        return self.model.model_fields[self.field]
+
+    @property
+    def dest(self) -> str:
+        """The argparse destination and the `sgl.Engine` keyword: `--kv-recall-tokens` -> `kv_recall_tokens`."""
+        return self.name[2:].replace("-", "_")
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        return dict(self.info.json_schema_extra or {})
+
+    @property
+    def nested(self) -> type[BaseModel] | None:
+        """The model a JSON-object flag is validated into (`--kv-overrides`, `--kv-recall-config`)."""
+        ann = self.info.annotation
+        return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+
+    @property
+    def choices(self) -> tuple[str, ...] | None:
+        if self.extra.get("choices") == "policies":
+            return tuple(policies.available())
+        args = get_args(self.info.annotation)
+        if get_origin(self.info.annotation) is Literal:
+            return tuple(args)
+        return None
+
+    @property
+    def default(self) -> Any:
+        if self.info.default_factory is not None:
+            val = self.info.default_factory()
+            return val.model_dump() if isinstance(val, BaseModel) else val
+        return self.info.default
+
+    @property
+    def range(self) -> str:
+        """`[lo, hi]`, the choices, or '' (a JSON object, a budget)."""
+        if self.choices is not None:
+            return " | ".join(self.choices)
+        lo, hi = _bounds(self.info)
+        if lo is not None and hi is not None:
+            return f"[{lo}, {hi}]"
+        return ""
+
+    @property
+    def help(self) -> str:
+        text = self.info.description or ""
+        if self.nested is not None:
+            keys = []
+            for key, sub in self.nested.model_fields.items():
+                rng = Flag(key, self.nested, key).range
+                dflt = sub.default if sub.default_factory is None else None
+                keys.append(
+                    f"{key}: {sub.description} (default {json.dumps(dflt)}{'; ' + rng if rng else ''})"
+                )
+            return f"{text}: " + "; ".join(keys)
+        bits = [text]
+        if self.default not in (None, {}) and self.choices is None:
+            bits.append(f"default {self.default}")
+        if self.range and self.choices is None:
+            bits.append(f"in {self.range}")
+        return "; ".join(b for b in bits if b)
+
+    def parse(self, text: str) -> Any:
+        """A command-line value -> the field's value. Raises ValueError naming the range or choices."""
+        nested, kind = self.nested, self.extra.get("parse")
+        if kind == "budget":
+            return parse_budget(text)
+        if self.choices is not None:
+            if text not in self.choices:
+                raise ValueError(f"invalid choice: {short(text)}; valid choices: {', '.join(self.choices)}")
+            return text
+        if nested is not None or self.info.annotation == dict[str, Any]:
+            obj: Any = text.strip() if nested is not None and text.strip() == "off" else _json_object(text)
+            return self.coerce(obj)
+        lo, hi = _bounds(self.info)
+        try:
+            val = int(text.strip())
+        except ValueError:
+            raise ValueError(f"must be an integer in [{lo}, {hi}], got {short(text)}") from None
+        return self.coerce(val)
+
+    def coerce(self, value: Any) -> Any:
+        """A Python value (an `sgl.Engine` keyword, or a parsed flag) -> the field's value, checked."""
+        if isinstance(value, str) and not (self.nested is not None and value.strip() == "off"):
+            return self.parse(value)
+        if self.extra.get("parse") == "budget":
+            return parse_budget(value)
+        nested = self.nested
+        if nested is not None:
+            if isinstance(value, nested):
+                return value
+            if not isinstance(value, (dict, str)):
+                raise ValueError(f"must be a JSON object, got {type(value).__name__}")
+            try:
+                return nested.model_validate(value)
+            except ValidationError as e:
+                key = e.errors()[0]["loc"][:1]
+                sub = key[0] if key and key[0] in nested.model_fields else None
+                rng = Flag(str(sub), nested, str(sub)).range if sub else ""
+                raise ValueError(_first_error(e) + (f" (valid: {rng})" if rng else "")) from None
+        if self.info.annotation == dict[str, Any]:
+            if not isinstance(value, dict):
+                raise ValueError(f"must be a JSON object, got {type(value).__name__}")
+            return value
+        if self.choices is not None:
+            return self.parse(str(value)) if not isinstance(value, bool) else self.parse(repr(value))
+        lo, hi = _bounds(self.info)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"must be an integer in [{lo}, {hi}], got {short(value)}")
+        if not lo <= value <= hi:
+            raise ValueError(f"{short(value)} out of range: must be in [{lo}, {hi}]")
+        return value
+
+
+def _flags() -> tuple[Flag, ...]:
+    own = [
+        Flag(info.json_schema_extra["flag"], model, name)  # type: ignore[index]
+        for model in (KvConfig, ServerSettings)
+        for name, info in model.model_fields.items()
+        if isinstance(info.json_schema_extra, dict) and "flag" in info.json_schema_extra
+    ]
+    # the scope is a field of every policy's config; the flag writes it into --kv-policy-config
+    scope = Flag("--kv-scope", PolicyConfig, "scope")
+    return (*own[:3], scope, *own[3:])
+
+
+FLAGS = _flags()
+FLAG = {f.name: f for f in FLAGS}
+
+
 def parse_min_budget(text: str) -> tuple[int | None, float | None]:
-    """`--kv-override-min-budget`: `256` (tokens), `25%` or `0.25` (ratio) or both, `256,25%`.
+    """`--kv-overrides` `min_budget`: `256` (tokens), `25%` or `0.25` (ratio) or both, `256,25%`.
 
     Each part is a budget spelling (`parse_budget`), so the bare `1` is refused here too."""
     tokens: int | None = None
@@ -402,7 +668,7 @@ def _check_operator_rules(
         if cfg.policy not in rules.policies:
             raise ValueError(
                 f"custom_params.{REQUEST_KEY}.policy: {cfg.policy!r} is not allowed on this server "
-                f"(--kv-override-policies {','.join(rules.policies)}; the server's own {base.policy!r} is too)"
+                f"(--kv-overrides policies {','.join(rules.policies)}; the server's own {base.policy!r} is too)"
             )
     same_budget = (type(cfg.budget), cfg.budget) == (type(base.budget), base.budget)  # 1 token != ratio 1.0
     if "budget" in raw and not same_budget and rules.has_min_budget:
@@ -414,20 +680,20 @@ def _check_operator_rules(
         if floor is None:
             raise ValueError(
                 f"custom_params.{REQUEST_KEY}.budget: {b} is {kind}, but this server sets a minimum only for "
-                f"the other kind (--kv-override-min-budget "
+                f"the other kind (--kv-overrides min_budget "
                 f"{rules.min_budget_tokens if rules.min_budget_tokens is not None else rules.min_budget_ratio})"
             )
         if b < floor:
             raise ValueError(
                 f"custom_params.{REQUEST_KEY}.budget: {b} is below this server's minimum {floor} "
-                f"(--kv-override-min-budget)"
+                f"(--kv-overrides min_budget)"
             )
     if cfg.active and settings.capture_window is not None:
         pol = cfg.build()
         if "attn" in pol.needs and pol.config.window > settings.capture_window:
             raise ValueError(
                 f"custom_params.{REQUEST_KEY}.config.window: {pol.config.window} is above this server's "
-                f"window-query buffer ({settings.capture_window}; --kv-capture-window)"
+                f"window-query buffer ({settings.capture_window}; --kv-overrides max_window)"
             )
     if cfg.recall_tokens and cfg.recall_tokens > settings.recall_tokens:
         raise ValueError(
@@ -461,7 +727,7 @@ def request_override(
     if not settings.overrides.enabled:
         raise ValueError(
             f"custom_params.{REQUEST_KEY}: per-request overrides are disabled on this server "
-            "(--kv-disable-request-override)"
+            "(--kv-overrides off)"
         )
     raw = custom_params[REQUEST_KEY]
     if not isinstance(raw, dict):

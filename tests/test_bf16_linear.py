@@ -73,11 +73,28 @@ def test_the_hook_is_registered_where_the_cpu_lacks_bf16(monkeypatch: pytest.Mon
 
     from sgl_kvevict.serve import plugin
 
+    monkeypatch.delenv(bf16_linear.ENV, raising=False)
+    before = [h for _, h, _ in HookRegistry._hooks.get(bf16_linear.TARGET, [])]
+    plugin.load()  # a stock server: no stand-in of ours
+    hooks = [h for _, h, _ in HookRegistry._hooks.get(bf16_linear.TARGET, [])]
+    assert not bf16_linear.enabled() and hooks.count(bf16_linear.apply) == before.count(bf16_linear.apply)
+    monkeypatch.setenv(bf16_linear.ENV, "fp64")  # the launcher's switch on CPU
+    assert bf16_linear.enabled() == (not bf16_linear.native_bf16())
     plugin.load()
     hooks = [h for _, h, _ in HookRegistry._hooks.get(bf16_linear.TARGET, [])]
     assert (bf16_linear.apply in hooks) == (not bf16_linear.native_bf16())
-    monkeypatch.setenv("SGL_KVEVICT_BF16_LINEAR", "native")
-    assert bf16_linear.native_bf16()
+    monkeypatch.setenv(bf16_linear.ENV, "native")
+    assert bf16_linear.native_bf16() and not bf16_linear.enabled()
+
+
+def test_the_launcher_turns_the_cpu_compatibility_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sgl_kvevict.launch import build_command
+
+    monkeypatch.delenv(bf16_linear.ENV, raising=False)
+    assert build_command(["--model-path", "x"], cuda=False)[1][bf16_linear.ENV] == "fp64"
+    assert bf16_linear.ENV not in build_command(["--model-path", "x"], cuda=True)[1]
+    monkeypatch.setenv(bf16_linear.ENV, "native")  # the user's own choice wins
+    assert bf16_linear.ENV not in build_command(["--model-path", "x"], cuda=False)[1]
 
 
 def test_a_torch_that_cannot_tell_leaves_the_products_alone(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -101,16 +101,28 @@ def check_in_process(monkeypatch, capsys, args: list[str], model: str = MISSING_
             ["criticalkv", "o_proj", "--quantization fp8"],
         ),
         (
-            ["--kv-policy", "lagkv", "--kv-override-policies", "lagkv,bogus"],
-            ["--kv-override-policies", "'bogus'"],
+            ["--kv-policy", "lagkv", "--kv-overrides", '{"policies": "lagkv,bogus"}'],
+            ["--kv-overrides", "'bogus'", "valid choices"],
         ),
         (
-            ["--kv-policy", "lagkv", "--kv-override-min-budget", "0"],
-            ["--kv-override-min-budget", "out of range"],
+            ["--kv-policy", "lagkv", "--kv-overrides", '{"min_budget": "0"}'],
+            ["--kv-overrides", "min_budget", "out of range"],
         ),
         (
-            ["--kv-policy", "lagkv", "--kv-override-min-budget", "1"],
-            ["--kv-override-min-budget", "ambiguous", '"100%"', '{"tokens": 1}'],
+            ["--kv-policy", "lagkv", "--kv-overrides", '{"min_budget": 1}'],
+            ["--kv-overrides", "ambiguous", '"100%"', '{"tokens": 1}'],
+        ),
+        (["--kv-policy", "lagkv", "--kv-overrides", '{"colour": 1}'], ["--kv-overrides", "colour"]),
+        (["--kv-policy", "lagkv", "--kv-overrides", "on"], ["--kv-overrides", "not valid JSON"]),
+        (["--kv-policy", "lagkv", "--kv-scope", "tree"], ["--kv-scope", "invalid choice", "request, branch"]),
+        (
+            ["--kv-policy", "lagkv", "--kv-scope", "request", "--kv-policy-config", '{"scope": "branch"}'],
+            ["--kv-scope", "'request'", "'branch'", "once"],
+        ),
+        (["--kv-policy", "snapkv", "--kv-recall-tokens", "4097"], ["--kv-recall-tokens", "[0, 4096]"]),
+        (
+            ["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-host-tokens", "0"],
+            ["--kv-host-tokens", "out of range", "[1, 2097152]"],
         ),
         (
             ["--kv-policy", "lagkv", "--kv-budget", "1"],
@@ -131,23 +143,22 @@ def check_in_process(monkeypatch, capsys, args: list[str], model: str = MISSING_
                 "snapkv",
                 "--kv-policy-config",
                 '{"window": 48, "recent": 64}',
-                "--kv-capture-window",
-                "32",
+                "--kv-overrides",
+                '{"max_window": 32}',
             ],
-            ["--kv-capture-window 32", "window 48"],
+            ["--kv-overrides max_window 32", "window 48"],
         ),
         (
-            ["--kv-policy", "snapkv", "--kv-capture-slots", "1000000000"],
-            ["--kv-capture-slots", "out of range"],
-        ),
-        (["--kv-policy", "snapkv", "--kv-capture-window", "0"], ["--kv-capture-window", "out of range"]),
-        (
-            ["--kv-policy", "lagkv", "--kv-override-min-budget", "0.5,0.25"],
-            ["--kv-override-min-budget", "two ratio"],
+            ["--kv-policy", "snapkv", "--kv-overrides", '{"max_window": 0}'],
+            ["--kv-overrides", "max_window", "greater than or equal to 1"],
         ),
         (
-            ["--kv-policy", "lagkv", "--kv-disable-request-override", "--kv-override-policies", "lagkv"],
-            ["--kv-override-policies", "--kv-disable-request-override"],
+            ["--kv-policy", "lagkv", "--kv-overrides", '{"min_budget": "0.5,0.25"}'],
+            ["--kv-overrides", "two ratio"],
+        ),
+        (
+            ["--kv-policy", "lagkv", "--kv-overrides", '{"enabled": false, "policies": ["lagkv"]}'],
+            ["--kv-overrides", "policies", "no effect", "enabled: false"],
         ),
     ],
 )
@@ -167,10 +178,10 @@ def test_good_override_flags_are_published(monkeypatch, capsys):
     args = [
         "--kv-policy",
         "d2o",
-        "--kv-override-policies",
-        "lagkv,h2o",
-        "--kv-override-min-budget",
-        "128,25%",
+        "--kv-overrides",
+        '{"policies": ["lagkv", "h2o"], "min_budget": "128,25%"}',
+        "--kv-scope",
+        "branch",
         "--kv-budget",
         '{"tokens": 1}',
         "--kv-compress-step-tokens",
@@ -185,6 +196,7 @@ def test_good_override_flags_are_published(monkeypatch, capsys):
     assert got.overrides.enabled and got.quantization is None
     cfg = KvConfig.model_validate_json(os.environ[ENV_VAR])
     assert cfg.budget == 1 and type(cfg.budget) is int  # one token, asked for explicitly
+    assert cfg.config == {"scope": "branch"} and cfg.build().config.scope == "branch"
     for spelling, want in (("50%", 0.5), ("0.5", 0.5), ("1.0", 1.0), ("100%", 1.0), ("256", 256)):
         code, err = check_in_process(monkeypatch, capsys, ["--kv-policy", "d2o", "--kv-budget", spelling])
         assert code == 0, err
@@ -278,10 +290,15 @@ def test_capture_buffer_only_when_a_request_may_capture(policy: str, overrides: 
 @pytest.mark.parametrize(
     ("args", "window", "slots"),
     [
-        (["--kv-policy", "lagkv", "--kv-disable-request-override"], None, 128),
+        (["--kv-policy", "lagkv", "--kv-overrides", "off"], None, 128),
         (["--kv-policy", "lagkv"], 32, 128),  # an override may name snapkv (default window 32)
         (["--kv-policy", "snapkv", "--kv-policy-config", '{"window": 48, "recent": 64}'], 48, 128),
-        (["--kv-policy", "h2o", "--kv-capture-window", "64", "--kv-capture-slots", "8"], 64, 8),
+        (
+            ["--kv-policy", "h2o", "--kv-overrides", '{"max_window": 64}', "--max-running-requests", "8"],
+            64,
+            8,
+        ),
+        (["--kv-policy", "h2o", "--max-running-requests", "100000"], 32, 4096),  # capped: MAX_CAPTURE
     ],
 )
 def test_capture_buffer_size_is_published(monkeypatch, capsys, args, window, slots):
@@ -303,7 +320,7 @@ def test_override_window_above_the_capture_buffer_is_refused():
     settings = ServerSettings(capture_window=32)
     ok = {"kvevict": {"config": {"window": 32}}}
     assert request_override(ok, base, settings).build().config.window == 32
-    with pytest.raises(ValueError, match="--kv-capture-window"):
+    with pytest.raises(ValueError, match="--kv-overrides max_window"):
         request_override({"kvevict": {"config": {"window": 64, "recent": 64}}}, base, settings)
     # an attention-free override is not concerned
     assert request_override({"kvevict": {"policy": "lagkv"}}, base, settings).policy == "lagkv"
@@ -336,3 +353,130 @@ def test_cpu_servers_wait_passively_unless_told(monkeypatch) -> None:
     assert "OMP_WAIT_POLICY" not in env and env["SGLANG_USE_CPU_ENGINE"] == "1"
     _, env = build_command(["--model-path", "x"], cuda=True)
     assert "OMP_WAIT_POLICY" not in env and "SGLANG_USE_CPU_ENGINE" not in env
+
+
+@pytest.mark.parametrize(
+    ("args", "want"),
+    [
+        (["--kv-policy", "lagkv", "--kv-scope", "branch"], {"scope": "branch"}),
+        (["--kv-policy", "lagkv", "--kv-policy-config", '{"scope": "branch"}'], {"scope": "branch"}),
+        (
+            ["--kv-policy", "lagkv", "--kv-scope", "branch", "--kv-policy-config", '{"scope": "branch"}'],
+            {"scope": "branch"},
+        ),
+        (["--kv-policy", "lagkv", "--kv-scope", "request"], {}),  # the default, written as no config
+    ],
+)
+def test_scope_flag_and_policy_config_agree(monkeypatch, capsys, args, want):
+    """`--kv-scope` and `--kv-policy-config '{"scope": ...}'` are two spellings of one field."""
+    import os
+
+    from sgl_kvevict.config import ENV_VAR, KvConfig
+
+    code, err = check_in_process(monkeypatch, capsys, args)
+    assert code == 0, err
+    assert KvConfig.model_validate_json(os.environ[ENV_VAR]).config == want
+
+
+def test_operator_json_settings_are_published(monkeypatch, capsys):
+    """`--kv-overrides off` and `--kv-recall-config` reach every process through the settings."""
+    import os
+
+    from sgl_kvevict.config import SETTINGS_ENV_VAR, ServerSettings
+
+    recall = '{"page": 4, "summary": "off", "fetch_pages": 8, "append": "off", "every": 0, "min_score": 0}'
+    args = ["--kv-policy", "snapkv", "--kv-overrides", "off", "--kv-recall-tokens", "8", "--kv-recall-config"]
+    code, err = check_in_process(monkeypatch, capsys, [*args, recall])
+    assert code == 0, err
+    got = ServerSettings.model_validate_json(os.environ[SETTINGS_ENV_VAR])
+    assert not got.overrides.enabled and got.recall_tokens == 8
+    assert got.recall.model_dump() == {
+        "page": 4,
+        "summary": "off",
+        "fetch_pages": 8,
+        "append": "off",
+        "every": 0,
+        "min_score": 0.0,
+    }
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["--kv-recall-config", '{"page": 0}'], ["--kv-recall-config", "page", "greater than or equal to 1"]),
+        (
+            ["--kv-recall-config", '{"page": 257}'],
+            ["--kv-recall-config", "page", "less than or equal to 256"],
+        ),
+        (["--kv-recall-config", '{"summary": "quest"}'], ["--kv-recall-config", "summary", "'minmax'"]),
+        (["--kv-recall-config", '{"append": "yes"}'], ["--kv-recall-config", "append", "'on'"]),
+        (
+            ["--kv-recall-config", '{"every": -1}'],
+            ["--kv-recall-config", "every", "greater than or equal to 0"],
+        ),
+        (
+            ["--kv-recall-config", '{"min_score": 1.5}'],
+            ["--kv-recall-config", "min_score", "less than or equal"],
+        ),
+        (["--kv-recall-config", '{"fetch_pages": 2.5}'], ["--kv-recall-config", "fetch_pages", "integer"]),
+        (["--kv-recall-config", '{"pages": 4}'], ["--kv-recall-config", "pages", "not permitted"]),
+        (["--kv-recall-config", "[1]"], ["--kv-recall-config", "JSON object"]),
+    ],
+)
+def test_bad_recall_config_is_refused(monkeypatch, capsys, args, needles):
+    code, err = check_in_process(
+        monkeypatch, capsys, ["--kv-policy", "snapkv", "--kv-recall-tokens", "8", *args]
+    )
+    assert code == 2, err
+    last = err.strip().splitlines()[-1]
+    for needle in needles:
+        assert needle in last, f"{needle!r} not in {last!r}"
+
+
+def test_host_tier_settings_need_recall_tokens(monkeypatch, capsys):
+    for args in (["--kv-recall-config", '{"page": 4}'], ["--kv-host-tokens", "100"]):
+        code, err = check_in_process(monkeypatch, capsys, ["--kv-policy", "snapkv", *args])
+        assert code == 2, err
+        assert args[0] in err and "--kv-recall-tokens" in err.strip().splitlines()[-1]
+
+
+def test_test_policies_come_from_the_test_set_up_only(monkeypatch) -> None:
+    """No entry point of the package names the tools: the test set-up's servers load the test policies
+    through the plugin's `SGL_KVEVICT_LOAD`, which calls each `module:function` it names."""
+    from importlib.metadata import entry_points
+
+    from sgl_kvevict.serve import plugin
+    from tests.helpers import CHECKED_ENV
+
+    eps = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.value.startswith("sgl_kvevict")]
+    assert [ep.value for ep in eps] == ["sgl_kvevict.serve.plugin:load"]
+    assert CHECKED_ENV[plugin.EXTRA_LOAD_ENV] == "sgl_kvevict.tools.testing:load"
+    calls = []
+    monkeypatch.setattr("sgl_kvevict.launch.has_cuda", lambda: calls.append(1) or False)
+    plugin._load_extra("sgl_kvevict.launch:has_cuda")
+    assert calls == [1]
+    with pytest.raises(ValueError, match="module:function"):
+        plugin._load_extra("sgl_kvevict.launch")
+
+
+def test_a_plain_server_process_never_imports_the_test_policies() -> None:
+    """In a fresh process: the plugin's `load` registers the test policies only when the set-up names them."""
+    import os
+
+    script = (
+        "import sys\nfrom sgl_kvevict import policies\nfrom sgl_kvevict.serve import plugin\nplugin.load()\n"
+        "print('RESULT', sorted(n for n in policies.REGISTRY if n.startswith('test_')), "
+        "'sgl_kvevict.tools.testing' in sys.modules)"
+    )
+    from tests.helpers import CHECKED_ENV
+
+    got = {}
+    for name, extra in (("plain", {}), ("tests", {"SGL_KVEVICT_LOAD": CHECKED_ENV["SGL_KVEVICT_LOAD"]})):
+        env = {k: v for k, v in os.environ.items() if k != "SGL_KVEVICT_LOAD"}
+        res = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env={**env, **extra}
+        )
+        (line,) = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT")]
+        got[name] = line
+    assert got["plain"] == "RESULT [] False", got
+    assert got["tests"] == "RESULT ['test_fault_staged', 'test_raise', 'test_recall_fault'] True", got

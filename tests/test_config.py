@@ -201,7 +201,7 @@ def test_registry_lists_required_policies():
     assert want <= set(policies.available())
 
 
-# -- the operator's override rules (--kv-disable-request-override, --kv-override-*) -----------------
+# -- the operator's override rules (--kv-overrides) ---------------------------------------------------
 
 
 def _settings(**kw) -> ServerSettings:
@@ -220,7 +220,7 @@ def test_disabled_overrides_deny_everything():
     base = KvConfig(policy="d2o", budget=256)
     s = _settings(enabled=False)
     for custom in ({}, {"budget": 512}, {"policy": "d2o"}, {"policy": "none"}):
-        _deny(custom, base, s, "--kv-disable-request-override")
+        _deny(custom, base, s, "--kv-overrides off")
     assert request_override({"other": 1}, base, s) is None  # no kvevict key: nothing to deny
 
 
@@ -230,8 +230,8 @@ def test_allowed_policies():
     assert request_override({"kvevict": {"policy": "lagkv"}}, base, s).policy == "lagkv"
     assert request_override({"kvevict": {"policy": "d2o"}}, base, s).policy == "d2o"  # the server's own
     assert request_override({"kvevict": {"budget": 300}}, base, s).policy == "d2o"
-    _deny({"policy": "h2o"}, base, s, "'h2o'", "--kv-override-policies lagkv,snapkv")
-    _deny({"policy": "none"}, base, s, "'none'", "--kv-override-policies")
+    _deny({"policy": "h2o"}, base, s, "'h2o'", "--kv-overrides policies lagkv,snapkv")
+    _deny({"policy": "none"}, base, s, "'none'", "--kv-overrides policies")
     with pytest.raises(ValueError, match="valid choices"):
         OverridePolicy(policies=["lagkv", "bogus"])
 
@@ -241,13 +241,13 @@ def test_min_budget_same_kind_only():
     tok = _settings(min_budget_tokens=128)
     assert request_override({"kvevict": {"budget": 128}}, base, tok).budget == 128
     assert request_override({"kvevict": {"budget": 4096}}, base, tok).budget == 4096
-    _deny({"budget": 127}, base, tok, "below", "128", "--kv-override-min-budget")
-    _deny({"budget": 0.9}, base, tok, "ratio", "--kv-override-min-budget 128")  # not comparable: denied
+    _deny({"budget": 127}, base, tok, "below", "128", "--kv-overrides min_budget")
+    _deny({"budget": 0.9}, base, tok, "ratio", "--kv-overrides min_budget 128")  # not comparable: denied
     _deny({"budget": 1.0}, base, tok, "ratio")
     rat = _settings(min_budget_ratio=0.25)
     assert request_override({"kvevict": {"budget": 0.25}}, base, rat).budget == 0.25
     _deny({"budget": 0.2}, base, rat, "below", "0.25")
-    _deny({"budget": 100000}, base, rat, "tokens", "--kv-override-min-budget 0.25")
+    _deny({"budget": 100000}, base, rat, "tokens", "--kv-overrides min_budget 0.25")
     both = _settings(min_budget_tokens=128, min_budget_ratio=0.25)
     assert request_override({"kvevict": {"budget": 0.3}}, base, both).budget == 0.3
     assert request_override({"kvevict": {"budget": 200}}, base, both).budget == 200
@@ -283,7 +283,7 @@ def test_server_settings_travel_through_the_environment(monkeypatch):
     monkeypatch.setenv(SETTINGS_ENV_VAR, s.to_env())
     assert server_settings() == s
     base = KvConfig(policy="d2o", budget=256)
-    with pytest.raises(ValueError, match="--kv-override-policies"):
+    with pytest.raises(ValueError, match="--kv-overrides policies"):
         request_override({"kvevict": {"policy": "h2o"}}, base)  # default settings: this process's
     monkeypatch.delenv(SETTINGS_ENV_VAR)
     assert server_settings() == ServerSettings()
@@ -309,3 +309,59 @@ def test_parse_min_budget(text, want):
 def test_parse_min_budget_rejects(text):
     with pytest.raises(ValueError):
         parse_min_budget(text)
+
+
+# -- the flag tables of docs/usage.md are the models' ------------------------------------------------
+
+
+def _doc_tables(header: str) -> list[dict[str, list[str]]]:
+    """Every table of docs/usage.md under `header`: first cell (unquoted) -> the other cells."""
+    from pathlib import Path
+
+    lines = (Path(__file__).resolve().parent.parent / "docs" / "usage.md").read_text().splitlines()
+    tables, rows = [], None
+    for line in lines:
+        if line.strip() == header:
+            rows = {}
+            tables.append(rows)
+        elif rows is not None and line.startswith("|") and not line.startswith("|---"):
+            cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+            rows[cells[0].strip("`").split(" ")[0]] = cells[1:]
+        elif rows is not None and not line.startswith("|"):
+            rows = None
+    return tables
+
+
+def _check_row(name: str, info, rng: str, choices, cells: list[str]) -> None:
+    import json
+    import re
+
+    doc_range, doc_default = cells[0], cells[1].strip("`")
+    if choices is not None:
+        assert set(re.findall(r"`([^`]+)`", doc_range)) == set(choices), (name, doc_range)
+    elif rng:
+        assert doc_range == rng, (name, doc_range, rng)
+    if info.default_factory is None and info.default is not None:
+        want = info.default if isinstance(info.default, str) else json.dumps(info.default)
+        assert doc_default == want, (name, doc_default, want)
+
+
+def test_usage_flag_table_is_the_models():
+    """Every flag of the models is in docs/usage.md's table with its range, choices and default, and the
+    table has no other; so do the keys of the two JSON flags."""
+    from sgl_kvevict.config import FLAG, FLAGS, OverridePolicy, RecallTuning
+    from sgl_kvevict.config import Flag as F
+
+    (flags,) = _doc_tables("| flag | range | default | meaning |")
+    assert set(flags) == set(FLAG), set(flags) ^ set(FLAG)
+    for f in FLAGS:
+        _check_row(f.name, f.info, f.range, f.choices, flags[f.name])
+    assert flags["--kv-policy-config"][1] == "`{}`"
+    keys = _doc_tables("| key | range | default | meaning |")
+    by_model = {OverridePolicy: {"min_budget"}, RecallTuning: set()}
+    for model, extra in by_model.items():
+        (table,) = [t for t in keys if set(t) & set(model.model_fields)]
+        assert set(table) == set(model.model_fields) | extra, set(table) ^ set(model.model_fields)
+        for key, info in model.model_fields.items():
+            sub = F(key, model, key)
+            _check_row(key, info, sub.range, sub.choices, table[key])

@@ -9,6 +9,7 @@ Plain seeded random generation (no extra dependency); each case list is reproduc
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 from typing import Any
@@ -17,7 +18,15 @@ import pytest
 from pydantic import BaseModel
 
 from sgl_kvevict import policies
-from sgl_kvevict.config import MAX_BUDGET_TOKENS, KvConfig, OverridePolicy, ServerSettings, request_override
+from sgl_kvevict.config import (
+    FLAG,
+    MAX_BUDGET_TOKENS,
+    KvConfig,
+    OverridePolicy,
+    RecallTuning,
+    ServerSettings,
+    request_override,
+)
 from sgl_kvevict.serve import plugin
 
 MB = "x" * (1 << 20)
@@ -276,6 +285,10 @@ FLAG_TEXT = [
 ]
 
 
+def _type(name: str):
+    return plugin._argparse_type(FLAG[name])
+
+
 def test_fuzz_operator_flags(capsys):
     rng = random.Random("flags")
     texts = FLAG_TEXT + [
@@ -283,15 +296,18 @@ def test_fuzz_operator_flags(capsys):
         for _ in range(300)
     ]
     for text in texts:
-        b = _flag(plugin._budget_arg, text)
+        b = _flag(_type("--kv-budget"), text)
         assert b is None or (not isinstance(b, bool) and 0 < b <= MAX_BUDGET_TOKENS and math.isfinite(b))
-        m = _flag(plugin._min_budget_arg, text)
-        if m is not None:
-            OverridePolicy(min_budget_tokens=m[0], min_budget_ratio=m[1])  # the flag's value is in range
-        _flag(plugin._policies_arg, text)
-        c = _flag(plugin._step_tokens_arg, text)
+        for obj in ({"min_budget": text}, {"policies": text}):
+            o = _flag(_type("--kv-overrides"), json.dumps(obj))
+            assert o is None or isinstance(o, OverridePolicy)
+        o = _flag(_type("--kv-overrides"), text)
+        assert o is None or isinstance(o, OverridePolicy)
+        r = _flag(_type("--kv-recall-config"), text)
+        assert r is None or isinstance(r, RecallTuning)
+        c = _flag(_type("--kv-compress-step-tokens"), text)
         assert c is None or (isinstance(c, int) and 1 <= c <= MAX_BUDGET_TOKENS)
-        j = _flag(plugin._json_arg, text)
+        j = _flag(_type("--kv-policy-config"), text)
         assert j is None or isinstance(j, dict)
 
 
@@ -310,9 +326,7 @@ def test_fuzz_policy_config_flag(monkeypatch, capsys):
             kv_policy=name,
             kv_budget=rng.choice([None, 256, 0.5, 1]),
             kv_policy_config=cfg,
-            kv_disable_request_override=False,
-            kv_override_policies=None,
-            kv_override_min_budget=None,
+            kv_overrides=None,
         )
         capsys.readouterr()
         try:

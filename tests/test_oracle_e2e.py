@@ -1,7 +1,7 @@
 """The eviction-path oracle: the real server's greedy tokens under eviction equal HF transformers' with
 exactly the same kept sets masked at the true positions (fp32 on both sides).
 
-The server (KVEVICT_DEBUG=1) reports, per finished request, the timeline of what every layer / KV head
+The server (SGL_KVEVICT_DEBUG=1) reports, per finished request, the timeline of what every layer / KV head
 held after each admission and compression (`meta_info["kvevict"][0]["kept_timeline"]`). `sgl_kvevict.tools.oracle`
 turns it into per-query mask rows and runs HF once per conversation; every output token must be HF's
 argmax, except at near-ties (HF's own top choice beats the server's token by less than TIE_TOL logits),
@@ -16,6 +16,7 @@ token ids are exact and the next turn reuses the compressed history (offsets > 0
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -58,7 +59,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "d2o-merge": ("d2o", {}),  # merge on: the oracle must notice
     "snapkv-branch": ("snapkv", {"scope": "branch"}),  # earlier turns re-compressed with the new tokens
     # and evicted entries recalled from the host tier: in each prefill layer by layer, appended after its
-    # compression (`--kv-recall-append on`), and in every decode step (`--kv-recall-every 1`); every swap
+    # compression (`append` on), and in every decode step (`every` 1, both in `--kv-recall-config`); every swap
     # and append is a timeline event
     "snapkv-branch-recall": ("snapkv", {"scope": "branch"}),
 }
@@ -120,8 +121,8 @@ def session(srv: Server, policy: str, seed: int) -> list[oracle.Turn]:
 def oracle_server() -> Iterator[Server]:
     yield from _server(
         ["--max-total-tokens", "16000", "--dtype", "float32", "--kv-policy", "streaming", "--kv-budget", "64"]
-        + ["--kv-recall-tokens", str(RECALL), "--kv-recall-every", "1", "--kv-host-tokens", "8000"]
-        + ["--kv-recall-append", "on", "--kv-recall-fetch-pages", str(FETCH_PAGES)]
+        + ["--kv-recall-tokens", str(RECALL), "--kv-host-tokens", "8000"]
+        + ["--kv-recall-config", json.dumps({"every": 1, "append": "on", "fetch_pages": FETCH_PAGES})]
     )
 
 

@@ -24,10 +24,8 @@ def ruled_server() -> Iterator[Server]:
             "d2o",
             "--kv-budget",
             "256",
-            "--kv-override-policies",
-            "lagkv,snapkv",
-            "--kv-override-min-budget",
-            "128,0.25",
+            "--kv-overrides",
+            '{"policies": "lagkv,snapkv", "min_budget": "128,0.25"}',
         ]
     )
 
@@ -55,10 +53,10 @@ def _chat(srv: Server, kv: dict, content: str = "hi") -> requests.Response:
 def test_operator_rules_over_http(ruled_server: Server):
     srv = ruled_server
     denied = [
-        ({"policy": "h2o"}, "--kv-override-policies lagkv,snapkv"),
-        ({"policy": "none"}, "--kv-override-policies"),
-        ({"budget": 64}, "--kv-override-min-budget"),
-        ({"policy": "lagkv", "budget": 0.1}, "--kv-override-min-budget"),
+        ({"policy": "h2o"}, "--kv-overrides policies lagkv,snapkv"),
+        ({"policy": "none"}, "--kv-overrides policies"),
+        ({"budget": 64}, "--kv-overrides min_budget"),
+        ({"policy": "lagkv", "budget": 0.1}, "--kv-overrides min_budget"),
         ({"policy": "snapkv", "config": {"window": 64}}, "'window' (64)"),
     ]
     for kv, needle in denied:

@@ -11,7 +11,7 @@ import torch
 from sgl_kvevict import kernels as K
 from sgl_kvevict.cache import capture, compressor, demote, engine, host, recall
 from sgl_kvevict.cache import state as st
-from sgl_kvevict.config import DEFAULT_RECALL_FETCH_PAGES, SETTINGS_ENV_VAR, ServerSettings
+from sgl_kvevict.config import DEFAULT_RECALL_FETCH_PAGES, SETTINGS_ENV_VAR, RecallTuning, ServerSettings
 from sgl_kvevict.tools.pools import Pools
 
 L, H, G, D, N, W, R = 3, 2, 2, 16, 160, 16, 6
@@ -114,8 +114,8 @@ def _reference_swaps(
     by the best score of its page. Paged (`summary` on and more pages than a recall fetches): only the
     columns of the best pages by their summary's score are candidates (a partial last page is padded
     with its last column, which takes part in the softmax but is never chosen). A chosen entry's page
-    scores at least `floor` (`--kv-recall-min-score`). `append` > 0: the `append` best come back
-    whatever they beat (`--kv-recall-append`)."""
+    scores at least `floor` (`--kv-recall-config` `min_score`). `append` > 0: the `append` best come back
+    whatever they beat (`--kv-recall-config` `append`)."""
     kv_len = req.kv.kv_committed_len
     slots = p.r2t.req_to_token[0, :kv_len].long()
     n_sink = min(s.policy.config.sinks, s.comp_slots)
@@ -190,9 +190,9 @@ def test_demote_then_recall_keeps_every_entry(
     pools: Pools, policy: str, path: str, page: int, fresh: int, floor: float, monkeypatch
 ):
     """`fresh` > 0: a decode-time recall, which scores with the queries of the last `fresh` steps only.
-    `floor`: `--kv-recall-min-score` (0: beating the displaced entry is enough). Every host key is scored
-    (`recall_summary="off"`); `test_paged_recall_*` covers the page summaries."""
-    cfg = ServerSettings(recall_tokens=R, recall_page=page, recall_summary="off", recall_min_score=floor)
+    `floor`: `--kv-recall-config` `min_score` (0: beating the displaced entry is enough). Every host key is scored
+    (`summary="off"`); `test_paged_recall_*` covers the page summaries."""
+    cfg = ServerSettings(recall_tokens=R, recall=RecallTuning(page=page, summary="off", min_score=floor))
     monkeypatch.setenv(SETTINGS_ENV_VAR, cfg.to_env())
     p = pools
     batch, req, s, heads, orig_k, orig_v = _setup(p, policy)
@@ -325,7 +325,7 @@ def test_a_failure_inside_recall_changes_nothing(pools: Pools, monkeypatch, wher
     recall off for that request only, and is counted; the request keeps its compression."""
     monkeypatch.setenv(
         SETTINGS_ENV_VAR,
-        ServerSettings(recall_tokens=R, recall_page=4, recall_min_score=0, recall_fetch_pages=8).to_env(),
+        ServerSettings(recall_tokens=R, recall=RecallTuning(page=4, min_score=0, fetch_pages=8)).to_env(),
     )
     p = pools
     batch, req, s, heads, orig_k, orig_v = _setup(p, "snapkv")
@@ -382,11 +382,11 @@ def test_paged_recall_swaps_what_the_reference_picks(
     """A recall over a host history of more pages than it fetches scores the pages' summaries, fetches
     the best pages' columns only, and swaps exactly what the loop reference picks among them; nothing is
     lost, and the summaries still describe the columns after the swap wrote into them (page 3: the last
-    page is partial). `fetch`: `--kv-recall-fetch-pages`."""
-    tier = {"recall_page": page, "recall_summary": summary, "recall_fetch_pages": fetch}
+    page is partial). `fetch`: `--kv-recall-config` `fetch_pages`."""
+    tier = {"page": page, "summary": summary, "fetch_pages": fetch}
     p = pools
     req, s, probe, want = _compressed(
-        p, monkeypatch, ServerSettings(recall_tokens=R, recall_min_score=0, **tier)
+        p, monkeypatch, ServerSettings(recall_tokens=R, recall=RecallTuning(min_score=0, **tier))
     )
     cap = fresh * page if fresh else R
     sums, n_sel = recall._paged(s.host, min(R, cap))
@@ -422,7 +422,7 @@ def test_paged_recall_swaps_what_the_reference_picks(
 def test_paged_recall_equals_flat_when_it_would_fetch_every_page(pools: Pools, monkeypatch):
     """With no more pages than a paged recall fetches, recall scores every key exactly (no summaries)."""
     monkeypatch.setenv(
-        SETTINGS_ENV_VAR, ServerSettings(recall_tokens=R, recall_page=128, recall_min_score=0).to_env()
+        SETTINGS_ENV_VAR, ServerSettings(recall_tokens=R, recall=RecallTuning(page=128, min_score=0)).to_env()
     )
     p = pools
     batch, req, s, heads, orig_k, orig_v = _setup(p, "snapkv")
@@ -440,13 +440,13 @@ def test_paged_recall_equals_flat_when_it_would_fetch_every_page(pools: Pools, m
 def test_append_brings_the_best_entries_into_fresh_slots(
     pools: Pools, policy: str, summary: str, page: int, monkeypatch
 ):
-    """`--kv-recall-append on`: after the prefill compression, each (layer, head)'s best host entries go
+    """`--kv-recall-config` `append` on: after the prefill compression, each (layer, head)'s best host entries go
     to fresh slots appended after the compacted history (the tail moves right), nothing is displaced,
     the row and the host still hold every entry of the region exactly once, the host gives back as many
     columns as were appended, and the counts say the row holds that many more slots for the same tokens.
     Paged: the summaries still describe the columns (the holes were refilled from the branch's end)."""
-    tier = {"recall_page": page, "recall_summary": summary, "recall_fetch_pages": 2}
-    cfg = ServerSettings(recall_tokens=R, recall_min_score=0, recall_append="on", **tier)
+    tier = {"page": page, "summary": summary, "fetch_pages": 2}
+    cfg = ServerSettings(recall_tokens=R, recall=RecallTuning(min_score=0, append="on", **tier))
     p = pools
     req, s, probe, want = _compressed(p, monkeypatch, cfg, policy)
     kv_len, comp, offset = req.kv.kv_committed_len, s.comp_slots, s.offset
@@ -491,8 +491,8 @@ def test_a_turns_recall_scores_with_its_own_queries_only(pools: Pools, monkeypat
     """A turn whose own tokens are fewer than the window (a short question after a long answer): the
     append scores with the queries of the turn's tokens only, not the previous turn's tail the window
     also holds (those would bring back what that turn's answer read)."""
-    tier = {"recall_page": 1, "recall_summary": "off"}
-    cfg = ServerSettings(recall_tokens=R, recall_min_score=0, recall_append="on", **tier)
+    tier = {"page": 1, "summary": "off"}
+    cfg = ServerSettings(recall_tokens=R, recall=RecallTuning(min_score=0, append="on", **tier))
     p = pools
     req, s, _, _ = _compressed(p, monkeypatch, cfg)
     kv_len, comp = req.kv.kv_committed_len, s.comp_slots
@@ -515,7 +515,7 @@ def test_append_rolls_back_on_a_failure(pools: Pools, monkeypatch):
     """A failure in the last layer of an append: the layers already appended are put back, the fresh
     slots are freed, the row and the host hold what they held, and recall is off for the request."""
     cfg = ServerSettings(
-        recall_tokens=R, recall_min_score=0, recall_append="on", recall_page=4, recall_fetch_pages=8
+        recall_tokens=R, recall=RecallTuning(min_score=0, append="on", page=4, fetch_pages=8)
     )
     monkeypatch.setenv(SETTINGS_ENV_VAR, cfg.to_env())
     p = pools
@@ -550,8 +550,8 @@ def test_append_rolls_back_on_a_failure(pools: Pools, monkeypatch):
 def test_a_paged_append_takes_no_more_than_its_fetched_pages_hold(pools: Pools, monkeypatch):
     """One fetched page of 16 columns may be the branch's partial last page (one real column): the append
     then takes one entry per head, never a padding column (which would duplicate a host entry)."""
-    tier = {"recall_page": 16, "recall_summary": "minmax", "recall_fetch_pages": 1}
-    cfg = ServerSettings(recall_tokens=R, recall_min_score=0, recall_append="on", **tier)
+    tier = {"page": 16, "summary": "minmax", "fetch_pages": 1}
+    cfg = ServerSettings(recall_tokens=R, recall=RecallTuning(min_score=0, append="on", **tier))
     p = pools
     req, s, probe, want = _compressed(p, monkeypatch, cfg)
     assert recall._paged(s.host, R)[1] == 1  # one page fetched

@@ -130,7 +130,12 @@ ENGINE_SCRIPT = textwrap.dedent(
 
 @pytest.mark.server
 def test_offline_engine_takes_the_policy_as_keyword_arguments():
-    env = {**CHECKED_ENV, "SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1"}
+    env = {
+        **CHECKED_ENV,
+        "SGLANG_USE_CPU_ENGINE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "SGL_KVEVICT_BF16_LINEAR": "fp64",
+    }
 
     res = subprocess.run(
         [sys.executable, "-c", ENGINE_SCRIPT],
@@ -176,6 +181,48 @@ def test_engine_keywords_become_server_args(monkeypatch):
     assert kwargs["model_path"] == "m" and kwargs["radix_cache_backend"] == plugin.BACKEND_NAME
     assert not set(kwargs) & set(plugin.ENGINE_KEYS)
     assert json.loads(os.environ[ENV_VAR])["policy"] == "d2o"
+
+
+def test_engine_takes_every_setting(monkeypatch):
+    """`sgl.Engine(kv_...=...)` takes one keyword per launcher flag, each checked and published as the
+    flag would be (a string is parsed as on the command line; a number or a dict is the value)."""
+    from sgl_kvevict.config import FLAGS, SETTINGS_ENV_VAR, KvConfig, ServerSettings
+
+    monkeypatch.setenv(ENV_VAR, "")  # restored (removed) afterwards
+    monkeypatch.setenv(SETTINGS_ENV_VAR, "")
+    assert plugin.ENGINE_KEYS == tuple(f.dest for f in FLAGS)
+    every = {
+        "kv_policy": "snapkv",
+        "kv_budget": "50%",
+        "kv_scope": "branch",
+        "kv_policy_config": {"window": 16},
+        "kv_overrides": {"policies": ["snapkv", "lagkv"], "min_budget": "64", "max_window": 48},
+        "kv_compress_step_tokens": 2048,
+        "kv_recall_tokens": 8,
+        "kv_host_tokens": "4096",
+        "kv_recall_config": {"page": 4, "every": 0},
+    }
+    assert set(every) == set(plugin.ENGINE_KEYS)
+    args, kwargs = plugin.server_args_init(object(), model_path="m", max_running_requests=16, **every)
+    assert not set(kwargs) & set(plugin.ENGINE_KEYS) and kwargs["max_running_requests"] == 16
+    cfg = KvConfig.model_validate_json(os.environ[ENV_VAR])
+    assert (cfg.policy, cfg.budget, cfg.config) == ("snapkv", 0.5, {"window": 16, "scope": "branch"})
+    got = ServerSettings.model_validate_json(os.environ[SETTINGS_ENV_VAR])
+    assert got.overrides.policies == ["lagkv", "snapkv"] and got.overrides.min_budget_tokens == 64
+    assert (got.step_tokens, got.recall_tokens, got.host_tokens) == (2048, 8, 4096)
+    assert (got.recall.page, got.recall.every, got.recall.summary) == (4, 0, "minmax")
+    assert (got.capture_window, got.capture_slots) == (48, 16)
+    for key, bad, needle in (
+        ("kv_scope", "tree", "valid choices"),
+        ("kv_recall_tokens", 5000, "[0, 4096]"),
+        ("kv_recall_tokens", True, "integer"),
+        ("kv_overrides", {"policies": ["nope"]}, "'nope'"),
+        ("kv_recall_config", {"page": 0}, "[1, 256]"),
+        ("kv_compress_step_tokens", "0", "out of range"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(needle)) as e:
+            plugin.server_args_init(object(), model_path="m", **{**every, key: bad})
+        assert str(e.value).startswith(key), str(e.value)
 
 
 def test_engine_builds_server_args_from_our_keywords(monkeypatch):

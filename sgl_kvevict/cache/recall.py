@@ -6,7 +6,7 @@ attention, the new tokens' own layer-l queries pick what to bring back at layer 
 read with what it recalled, and so is the first answer token, which the prefill's logits decide
 (a turn that asks for a code answers its first digit there). Where that cannot run (a chunked
 prefill's earlier chunks, the history not copyable into own slots), right after the turn's prefill
-compression instead, before its first decode step. With `--kv-recall-every N`, again every N decode
+compression instead, before its first decode step. With `--kv-recall-config` `every` N, again every N decode
 steps.
 
 *Scores*: queries attend over the branch's host keys and the row's keys in one softmax; an entry's
@@ -16,12 +16,12 @@ mean the policies use dilutes it by the window's length). In a prefill the queri
 tokens (the last `PREFILL_QUERIES` of them); after it, the captured window's queries of the turn's own
 tokens (`own`); during decode, the queries of the steps since the last recall.
 
-*Pages*: a host entry ranks by the best score of its page (`--kv-recall-page` consecutive host columns of
+*Pages*: a host entry ranks by the best score of its page (`--kv-recall-config` `page` consecutive host columns of
 its head, which hold tokens evicted together, mostly neighbours), so the token a query finds brings its
 neighbours: the query of "the vault code is" finds "code", and the digits come with it.
 
 *Swap*: per layer and KV head, the `R` best-ranked host entries that beat the lowest-scored displaceable
-kept ones, and whose page a query gives at least `--kv-recall-min-score` of its attention, swap places
+kept ones, and whose page a query gives at least `--kv-recall-config` `min_score` of its attention, swap places
 with them in the request's own slots (`kernels.host_swap`). The floor keeps weak evidence from moving
 entries back and forth (without it a turn moved 3-5x the bytes and answered no better). The displaced
 entries go to the host in exchange, so the row keeps its length and the request's offset does not
@@ -31,7 +31,7 @@ tail (the recent window, where the queries sit) are never displaced. Shared slot
 compression it always is; before a prefill, `arm` copies it out of the tree into the request's slots
 first, as `compressor.own_region` does for a turn whose compression did not fire).
 
-*Append* (`append`, `--kv-recall-append`): once a turn's prefill compression committed, before its first
+*Append* (`append`, `--kv-recall-config` `append`): once a turn's prefill compression committed, before its first
 decode step, the turn's window queries bring their best `a` <= R host entries per layer and KV head into
 fresh slots inserted after the compacted history, displacing nothing; the row grows by `a` for the same
 tokens (`ReqState.unevicted`), the turn's decode budget grows with it, and the turn's last compression
@@ -63,18 +63,18 @@ logger = logging.getLogger("sgl_kvevict")
 # A prefill's recall scores with at most this many of the turn's newest tokens' queries (bounds its cost).
 PREFILL_QUERIES = 512
 # A paged recall of R entries fetches the columns of ceil(FETCH * R / page) pages per layer and KV head
-# (chosen by their summaries), at least `--kv-recall-fetch-pages`, then keeps the best R of them by exact
+# (chosen by their summaries), at least `--kv-recall-config` `fetch_pages`, then keeps the best R of them by exact
 # score.
 FETCH = 2
 
 
 def tick(req: Any) -> None:
-    """A decode step of a request with recall on: every `--kv-recall-every` steps its newest window
+    """A decode step of a request with recall on: every `--kv-recall-config` `every` steps its newest window
     queries recall again (a turn's answer may need what its prompt did not look at)."""
     s = st.get(req)
     if s is None or not s.recall:
         return
-    every = server_settings().recall_every
+    every = server_settings().recall.every
     if not every:
         return
     s.recall_steps += 1
@@ -88,7 +88,7 @@ def due_next_step(req: Any) -> bool:
     s = st.get(req)
     if s is None or not s.recall or s.host is None and s.host_src is None:
         return False
-    every = server_settings().recall_every
+    every = server_settings().recall.every
     return bool(every) and s.recall_steps + 1 >= every
 
 
@@ -166,7 +166,7 @@ def recall(req: Any, s: st.ReqState) -> int:
     w = min(capture.count(kv.req_pool_idx, length), kv_len - hi, fresh or own(s, length))
     r = min(s.recall, hi - lo, s.host.count)
     if fresh:  # during decode: at most one page per step since the last recall (bounds a step's bytes)
-        r = min(r, fresh * server_settings().recall_page)
+        r = min(r, fresh * server_settings().recall.page)
     if r <= 0 or w <= 0:
         s.recall_skipped += 1
         return 0
@@ -193,7 +193,7 @@ def safe_append(req: Any) -> int:
 def append(req: Any, s: st.ReqState) -> int:
     """After a turn's prefill compression, before its first decode step: the turn's window queries bring
     their best host entries back into `a` fresh slots appended to the compacted history, displacing
-    nothing (`--kv-recall-append`). The turn then decodes over its budget plus them; its next compression
+    nothing (`--kv-recall-config` `append`). The turn then decodes over its budget plus them; its next compression
     that is not a decode step's folds them back into the budget (`compressor._trigger`). `a` is at most
     R, the entries the branch evicted, and what the slot pool can spare (twice `a` must be free or
     evictable: SGLang's next memory check must not retract for it). Returns `a` (0: nothing appended;
@@ -241,7 +241,7 @@ def _displaceable(s: st.ReqState) -> tuple[int, int]:
 
 
 class _DebugSwap:
-    """KVEVICT_DEBUG: the row's and the host's logical positions, updated by each exchange (the oracle
+    """SGL_KVEVICT_DEBUG: the row's and the host's logical positions, updated by each exchange (the oracle
     replays them as a timeline event)."""
 
     def __init__(self, s: st.ReqState, kv_len: int) -> None:
@@ -280,12 +280,12 @@ def exchange(
     appended to `log` as it is written (a swap is its own inverse: `Recall.rollback` replays the log
     backwards). Returns the `[l, H]` swapped counts (on the device: no host sync)."""
     rt, pool, cfg = runtime.RT, host.POOL, server_settings()
-    hs, hidx = best_entries(host_sc, cfg.recall_page, r)  # [l, H, r], best first
+    hs, hidx = best_entries(host_sc, cfg.recall.page, r)  # [l, H, r], best first
     if cand is not None:
         hidx = cand.gather(-1, hidx)
     cs, cidx = (-row_sc[..., lo:hi]).topk(r, dim=-1)  # lowest-scored displaceable kept entries
     # the i-th best host entry beats the i-th worst kept one, with a query's attention behind it
-    swap = (hs > -cs) & (hs >= cfg.recall_min_score)
+    swap = (hs > -cs) & (hs >= cfg.recall.min_score)
     counts = swap.sum(-1)  # hs falls and the displaced score rises with i, so swap is a prefix
     dev_slots = row_slots[lo:hi][cidx]  # [l, H, r]
     host_cols = s.host.cols.to(pool.k.device)[hidx.to(pool.k.device)]
@@ -357,11 +357,11 @@ def _paged(e: host.HostEntries, r: int) -> tuple[host.PageSummaries | None, int]
     it scores every host key (summaries off, or the branch has no more pages than a paged recall would
     fetch anyway: then it is exact and costs no more)."""
     cfg = server_settings()
-    page = cfg.recall_page
-    n_sel = max(-(-FETCH * r // page), cfg.recall_fetch_pages)
-    if cfg.recall_summary == "off" or K.n_pages(e.count, page) <= n_sel:
+    page = cfg.recall.page
+    n_sel = max(-(-FETCH * r // page), cfg.recall.fetch_pages)
+    if cfg.recall.summary == "off" or K.n_pages(e.count, page) <= n_sel:
         return None, 0
-    return summaries(e, page, cfg.recall_summary), n_sel
+    return summaries(e, page, cfg.recall.summary), n_sel
 
 
 # ---- one recall, layer by layer (inside a forward, or after a compression) ------------------------
@@ -460,7 +460,7 @@ class Recall:
         the branch ends `a` columns shorter (`finish` gives those back) and its pages stay dense."""
         pool, s = host.POOL, self.s
         a = int(self.new.numel())
-        _, idx = best_entries(host_sc[None], server_settings().recall_page, a)
+        _, idx = best_entries(host_sc[None], server_settings().recall.page, a)
         hidx = idx[0] if cand is None else cand.gather(-1, idx[0])  # [H, a] branch column indices
         hidx = hidx.to(pool.k.device)
         heads = torch.arange(pool.heads, device=pool.k.device).unsqueeze(-1)
@@ -590,7 +590,7 @@ GRAPHED = False
 
 def after_compress(req: Any, decode: bool) -> int:
     """Called per request once a scheduler step's compressions committed: after a prefill, recalled
-    columns are appended (`safe_append`, with `--kv-recall-append`); a due decode-time recall is armed
+    columns are appended (`safe_append`, with `--kv-recall-config` `append`); a due decode-time recall is armed
     for the step's forward (its own queries, layer by layer), else runs now (`safe_recall`). Returns
     the slots the request's row grew by (the batch's lengths grow with it)."""
     global GRAPHED
@@ -663,7 +663,7 @@ def _plan_arm(req: Any, s: st.ReqState, decode: bool) -> Recall | None:
         m = int(kv.kv_committed_len)
         tokens = s.tokens_for(m)
         fresh, s.recall_steps = max(1, s.recall_steps), 0
-        cap = fresh * server_settings().recall_page
+        cap = fresh * server_settings().recall.page
     else:
         m = s.slots_for(int(req.prefix_len))
         tokens = int(req.prefix_len)

@@ -43,7 +43,7 @@ def needed(cfg: Any, settings: Any) -> bool:
     """Whether any request on this server can ask for a policy that reads ||v W_O||_1.
 
     The server's own policy counts; so does any policy an override may name (all of them when
-    `--kv-override-policies` is not given), except on a quantized model, where such overrides are
+    `--kv-overrides` names no `policies`), except on a quantized model, where such overrides are
     refused (HTTP 400) and the server's own CriticalKV is refused at start."""
     from sgl_kvevict import policies
 

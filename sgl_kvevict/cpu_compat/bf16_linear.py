@@ -17,8 +17,10 @@ all copies together stay under `CACHE_BYTES`; converting per call cost more than
 at decode sizes. A weight written in place (its version counter moves) is converted afresh; weights past
 the cap are converted per call.
 
-Registered on SGLang's `UnquantizedLinearMethod.apply` by the plugin's entry point; it changes
-nothing on a GPU, on a CPU with native bf16, for other dtypes, or with `SGL_KVEVICT_BF16_LINEAR=native`.
+Registered on SGLang's `UnquantizedLinearMethod.apply` by the plugin's entry point only when asked for:
+`SGL_KVEVICT_BF16_LINEAR=fp64`, which `python -m sgl_kvevict.launch` sets on a machine without CUDA (a
+user of stock `sglang.launch_server` on such a CPU sets it). It changes nothing on a GPU, on a CPU with
+native bf16, for other dtypes, or without that switch (unset, or `native`).
 """
 
 from __future__ import annotations
@@ -47,9 +49,18 @@ def _drop(key: int) -> None:
         _kept_bytes -= hit[2].nbytes
 
 
+ENV = "SGL_KVEVICT_BF16_LINEAR"
+
+
+def enabled() -> bool:
+    """Whether this process forms bf16 products in fp64: asked for (`SGL_KVEVICT_BF16_LINEAR=fp64`) on a
+    CPU without native bf16."""
+    return os.environ.get(ENV, "") == "fp64" and not native_bf16()
+
+
 def native_bf16() -> bool:
     """Whether the CPU multiplies bf16 natively (AVX512-BF16 or AMX), or the operator asked for it."""
-    if os.environ.get("SGL_KVEVICT_BF16_LINEAR", "") == "native":
+    if os.environ.get(ENV, "") == "native":
         return True
     probes = [getattr(torch.cpu, n, None) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
     if any(p is None for p in probes):

@@ -1,8 +1,7 @@
 """SGLang plugin entry point (group `sglang.srt.plugins`), loaded by SGLang in every process.
 
-It adds `--kv-policy`, `--kv-budget`, `--kv-policy-config` and the operator's override controls
-(`--kv-disable-request-override`, `--kv-override-policies`, `--kv-override-min-budget`) to
-`launch_server`, validates them before the model loads (refusing, with exit code 2, the SGLang features
+It adds the `--kv-*` flags (`config.FLAGS`, made from the settings' models) to `launch_server` and the
+matching keywords to `sgl.Engine`, validates them before the model loads (refusing, with exit code 2, the SGLang features
 and model architectures compression cannot serve), hands the validated config to the other processes
 through the environment, registers the compressing radix cache backend, and (when a policy is active)
 installs the scheduler hooks. With `--kv-policy none` no cache backend or scheduler hook is installed:
@@ -12,38 +11,27 @@ SGLang runs unchanged.
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
 import logging
 import os
 import sys
 
-from pydantic import ValidationError
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from sgl_kvevict import policies
 from sgl_kvevict.config import (
-    DEFAULT_RECALL_EVERY,
-    DEFAULT_RECALL_FETCH_PAGES,
-    DEFAULT_RECALL_MIN_SCORE,
-    DEFAULT_RECALL_PAGE,
+    DEFAULT_CAPTURE_SLOTS,
     ENV_VAR,
+    FLAG,
+    FLAGS,
     MAX_CAPTURE,
-    MAX_HOST_TOKENS,
-    MAX_RECALL_EVERY,
-    MAX_RECALL_FETCH_PAGES,
-    MAX_RECALL_PAGE,
-    MAX_RECALL_TOKENS,
-    MAX_STEP_TOKENS,
     REQUEST_KEY,
     SETTINGS_ENV_VAR,
+    Flag,
     KvConfig,
-    OverridePolicy,
     ServerSettings,
-    parse_budget,
-    parse_min_budget,
     request_override,
     server_config,
-    short,
     spelling,
 )
 from sgl_kvevict.cpu_compat import bf16_linear
@@ -52,209 +40,41 @@ from sgl_kvevict.serve import modelcheck
 
 logger = logging.getLogger("sgl_kvevict")
 BACKEND_NAME = "kvevict"
+# `module:function[,...]` the plugin calls in every SGLang process after its own set-up: how the test
+# set-up registers its test-only policies (`sgl_kvevict.tools.testing:load`, tests/helpers.py) without an
+# entry point that every server would import
+EXTRA_LOAD_ENV = "SGL_KVEVICT_LOAD"
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 
 
-def _budget_arg(text: str) -> int | float:
-    try:
-        return parse_budget(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+def _argparse_type(flag: Flag):
+    """An argparse `type` for `flag`: its parser, with a ValueError turned into argparse's exit 2."""
 
-
-def _json_arg(text: str) -> dict:
-    try:
-        val = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg} at char {e.pos}): {short(text)}") from None
-    except RecursionError:
-        raise argparse.ArgumentTypeError(f"JSON nested too deeply: {short(text)}") from None
-    if not isinstance(val, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(val).__name__}")
-    return val
-
-
-def _min_budget_arg(text: str) -> tuple[int | None, float | None]:
-    try:
-        return parse_min_budget(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _policies_arg(text: str) -> list[str]:
-    names = [p.strip() for p in text.split(",") if p.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError(
-            f"give policy names separated by commas; valid: {', '.join(policies.available())}"
-        )
-    bad = [p for p in names if p not in policies.REGISTRY]
-    if bad:
-        raise argparse.ArgumentTypeError(
-            f"unknown KV policy {short(bad[0])}; valid choices: {', '.join(policies.available())}"
-        )
-    return names
-
-
-def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
-    """AFTER ServerArgs.add_cli_args: our flags. Policy choices come from the policy registry."""
-    if any("--kv-policy" in a.option_strings for a in parser._actions):
-        return result
-    group = parser.add_argument_group("sgl-kvevict (KV-cache compression)")
-    group.add_argument(
-        "--kv-policy",
-        default="none",
-        choices=policies.available(),
-        help="KV compression policy for each request's own suffix",
-    )
-    group.add_argument(
-        "--kv-budget",
-        type=_budget_arg,
-        default=None,
-        help="tokens kept per KV head beyond sinks+recent window (e.g. 256), or a percent of the suffix "
-        "(e.g. 50%%; 0.5 works too); the bare 1 is refused as ambiguous: write 100%% or '{\"tokens\": 1}'",
-    )
-    group.add_argument(
-        "--kv-policy-config", type=_json_arg, default=None, help="policy config as JSON, e.g. '{\"lag\": 64}'"
-    )
-    group.add_argument(
-        "--kv-disable-request-override",
-        action="store_true",
-        help="deny every per-request custom_params.kvevict (HTTP 400)",
-    )
-    group.add_argument(
-        "--kv-override-policies",
-        type=_policies_arg,
-        default=None,
-        help="comma-separated policies a per-request override may name (default: all)",
-    )
-    group.add_argument(
-        "--kv-override-min-budget",
-        type=_min_budget_arg,
-        default=None,
-        help="smallest budget an override may ask for: tokens (256), a percent (25%%, or 0.25) or both "
-        "(256,25%%); "
-        "a budget of a kind without a minimum is denied",
-    )
-    group.add_argument(
-        "--kv-compress-step-tokens",
-        type=_step_tokens_arg,
-        default=None,
-        help="cap on the region tokens compressed in one scheduler step (e.g. 4096): once a step has "
-        "compressed that many, other requests' compressions wait for the next steps, so several large "
-        "compressions do not stall the batch in the same step (one always runs; default: no cap)",
-    )
-    group.add_argument(
-        "--kv-capture-window",
-        type=_capture_arg,
-        default=None,
-        help="the most window queries any request may score with (default: the server policy's window, "
-        "at least 32); a larger per-request window is HTTP 400",
-    )
-    group.add_argument(
-        "--kv-capture-slots",
-        type=_capture_arg,
-        default=None,
-        help="requests that can capture window queries at once (default 128; one preallocated buffer of "
-        "slots x layers x window x query heads x head_dim; a request beyond it runs uncompressed)",
-    )
-    group.add_argument(
-        "--kv-recall-tokens",
-        type=_recall_arg,
-        default=None,
-        help="host tier: evicted entries go to host memory, and each turn recalls up to this many per "
-        f"layer and KV head into its kept history (0 or absent: off; at most {MAX_RECALL_TOKENS})",
-    )
-    group.add_argument(
-        "--kv-host-tokens",
-        type=_host_arg,
-        default=None,
-        help="host tier capacity in columns (one evicted entry per layer and KV head each; default "
-        "16384, needs --kv-recall-tokens); branches are dropped least-recently-used beyond it",
-    )
-    group.add_argument(
-        "--kv-recall-page",
-        type=_page_arg,
-        default=None,
-        help="host columns per recall page: an entry is ranked by the best entry of its page, so recall "
-        f"brings an attended token's neighbours with it (default {DEFAULT_RECALL_PAGE}; at most "
-        f"{MAX_RECALL_PAGE}; needs --kv-recall-tokens)",
-    )
-    group.add_argument(
-        "--kv-recall-summary",
-        choices=("minmax", "mean", "off"),
-        default=None,
-        help="how a recall finds what it needs in a large host history: score small per-page key summaries "
-        "and fetch only the best pages (minmax: per-channel key bounds, the default; mean: the mean key, "
-        "half the bytes) or off: score every host key (needs --kv-recall-tokens)",
-    )
-    group.add_argument(
-        "--kv-recall-fetch-pages",
-        type=_fetch_arg,
-        default=None,
-        help="pages a paged recall fetches at least, per layer and KV head, chosen by their summaries: "
-        f"more finds more in a long host history and reads more host keys (default "
-        f"{DEFAULT_RECALL_FETCH_PAGES}; at most {MAX_RECALL_FETCH_PAGES}; needs --kv-recall-tokens)",
-    )
-    group.add_argument(
-        "--kv-recall-append",
-        choices=("on", "off"),
-        default=None,
-        help="after each turn's prefill, bring the turn's best host entries back into up to R fresh slots "
-        "appended to the row, displacing nothing, until the turn ends (default on; needs "
-        "--kv-recall-tokens)",
-    )
-    group.add_argument(
-        "--kv-recall-every",
-        type=_every_arg,
-        default=None,
-        help="decode steps between recalls, each by its step's own query inside the step's forward (default "
-        f"{DEFAULT_RECALL_EVERY}: every step; 0: only in each turn's prefill; at most {MAX_RECALL_EVERY}; needs "
-        "--kv-recall-tokens)",
-    )
-    group.add_argument(
-        "--kv-recall-min-score",
-        type=_min_score_arg,
-        default=None,
-        help="the least attention probability a query must give a host page's best entry for the page to "
-        f"come back (default {DEFAULT_RECALL_MIN_SCORE}; in [0, 1]; 0: beating the displaced entry is enough; "
-        "needs --kv-recall-tokens)",
-    )
-    return result
-
-
-def _int_arg(hi: int, what: str = "an integer", lo: int = 1):
-    """An argparse type: an integer in [lo, hi], else a message naming the range."""
-
-    def parse(text: str) -> int:
+    def parse(text: str):
         try:
-            val = int(text.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {what} in [{lo}, {hi}], got {short(text)}") from None
-        if not lo <= val <= hi:
-            raise argparse.ArgumentTypeError(f"{short(val)} out of range: must be in [{lo}, {hi}]")
-        return val
+            return flag.parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
 
+    parse.__name__ = flag.dest  # argparse names the type in some messages
     return parse
 
 
-_capture_arg = _int_arg(MAX_CAPTURE)
-_step_tokens_arg = _int_arg(MAX_STEP_TOKENS, "an integer number of tokens")
-_recall_arg = _int_arg(MAX_RECALL_TOKENS, "an integer number of tokens", lo=0)
-_host_arg = _int_arg(MAX_HOST_TOKENS, "an integer number of columns")
-_page_arg = _int_arg(MAX_RECALL_PAGE, "an integer number of columns")
-_every_arg = _int_arg(MAX_RECALL_EVERY, "an integer number of decode steps", lo=0)
-_fetch_arg = _int_arg(MAX_RECALL_FETCH_PAGES, "an integer number of pages")
-
-
-def _min_score_arg(text: str) -> float:
-    """An argparse type: a probability in [0, 1], else a message naming the range."""
-    try:
-        val = float(text.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {short(text)}") from None
-    if not 0.0 <= val <= 1.0:  # NaN fails this too
-        raise argparse.ArgumentTypeError(f"{short(text)} out of range: must be in [0, 1]")
-    return val
+def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
+    """AFTER ServerArgs.add_cli_args: our flags, one per model field (`config.FLAGS`)."""
+    if any("--kv-policy" in a.option_strings for a in parser._actions):
+        return result
+    group = parser.add_argument_group("sgl-kvevict (KV-cache compression)")
+    for flag in FLAGS:
+        group.add_argument(
+            flag.name,
+            dest=flag.dest,
+            type=_argparse_type(flag),
+            default=None,
+            metavar=flag.dest.upper() if flag.choices is None else "{" + ",".join(flag.choices) + "}",
+            help=flag.help.replace("%", "%%"),
+        )
+    return result
 
 
 _in_engine = False  # set while validating an offline Engine's keyword arguments: errors raise instead
@@ -267,14 +87,29 @@ def _fail(msg: str) -> None:
     sys.exit(2)
 
 
-def from_cli_args(cls, ns: argparse.Namespace, *args, **kwargs):
-    """BEFORE ServerArgs.from_cli_args: validate, publish to child processes, pick our radix cache."""
-    policy = getattr(ns, "kv_policy", None)
-    if policy is None:
-        return None
-    cfg_kwargs: dict = {"policy": policy, "config": ns.kv_policy_config or {}}
-    if ns.kv_budget is not None:
-        cfg_kwargs["budget"] = spelling(ns.kv_budget)
+def _given(ns: argparse.Namespace, flag: str):
+    return getattr(ns, FLAG[flag].dest, None)
+
+
+def _kv_config(ns: argparse.Namespace, policy: str) -> KvConfig:
+    """`--kv-policy`, `--kv-budget`, `--kv-scope`, `--kv-policy-config` -> the server's config.
+
+    The scope may come from `--kv-scope` or from `--kv-policy-config '{"scope": ...}'` (the spelling a
+    request uses); given both ways, they must agree (exit 2 otherwise)."""
+    conf = dict(_given(ns, "--kv-policy-config") or {})
+    scope = _given(ns, "--kv-scope")
+    if scope is not None:
+        if conf.get("scope", scope) != scope:
+            _fail(
+                f"argument --kv-scope: {scope!r} contradicts --kv-policy-config's scope "
+                f"{conf['scope']!r}: give the scope once"
+            )
+        if scope != PolicyConfig.model_fields["scope"].default:
+            conf["scope"] = scope
+    cfg_kwargs: dict = {"policy": policy, "config": conf}
+    budget = _given(ns, "--kv-budget")
+    if budget is not None:
+        cfg_kwargs["budget"] = spelling(budget)
     try:
         cfg = KvConfig.model_validate(cfg_kwargs)
         cfg.build()
@@ -282,6 +117,15 @@ def from_cli_args(cls, ns: argparse.Namespace, *args, **kwargs):
         _fail(f"argument --kv-policy-config: {e}")
     except ValueError as e:
         _fail(f"argument --kv-policy: {e}")
+    return cfg
+
+
+def from_cli_args(cls, ns: argparse.Namespace, *args, **kwargs):
+    """BEFORE ServerArgs.from_cli_args: validate, publish to child processes, pick our radix cache."""
+    if not hasattr(ns, "kv_policy"):  # a parser without our flags
+        return None
+    policy = ns.kv_policy or FLAG["--kv-policy"].default
+    cfg = _kv_config(ns, policy)
     os.environ[ENV_VAR] = cfg.to_env()
     model_cfg = _model_config(ns)
     settings = _server_settings(ns, model_cfg)
@@ -316,31 +160,15 @@ def _model_config(ns: argparse.Namespace) -> dict | None:
 
 
 def _server_settings(ns: argparse.Namespace, model_cfg: dict | None) -> ServerSettings:
-    disabled = bool(getattr(ns, "kv_disable_request_override", False))
-    allowed = getattr(ns, "kv_override_policies", None)
-    min_budget = getattr(ns, "kv_override_min_budget", None)
-    if disabled and (allowed is not None or min_budget is not None):
-        other = "--kv-override-policies" if allowed is not None else "--kv-override-min-budget"
-        _fail(f"{other} has no effect with --kv-disable-request-override (no override is allowed): drop one")
-    tokens, ratio = min_budget if min_budget is not None else (None, None)
-    recall = getattr(ns, "kv_recall_tokens", None) or 0
-    tier = {}  # the host tier's settings given on the command line (--kv-host-tokens -> host_tokens, ...)
-    tier_fields = (
-        "host_tokens",
-        "recall_page",
-        "recall_summary",
-        "recall_fetch_pages",
-        "recall_append",
-        "recall_every",
-    )
-    for field in (*tier_fields, "recall_min_score"):
-        val = getattr(ns, f"kv_{field}", None)
-        if val is None:
-            continue
-        if not recall:
-            flag = "--kv-" + field.replace("_", "-")
-            _fail(f"{flag} shapes the host tier, which is on only with --kv-recall-tokens N (N >= 1)")
-        tier[field] = val
+    """The `ServerSettings` fields given as flags, plus the weights' quantization."""
+    given = {}
+    for flag in FLAGS:
+        if flag.model is ServerSettings and _given(ns, flag.name) is not None:
+            given[flag.field] = _given(ns, flag.name)
+    if not given.get("recall_tokens"):
+        for name in ("--kv-host-tokens", "--kv-recall-config"):
+            if _given(ns, name) is not None:
+                _fail(f"{name} shapes the host tier, which is on only with --kv-recall-tokens N (N >= 1)")
     quant = None
     for flag in ("quantization", "modelopt_quant"):
         if getattr(ns, flag, None):
@@ -348,35 +176,25 @@ def _server_settings(ns: argparse.Namespace, model_cfg: dict | None) -> ServerSe
             break
     if quant is None and model_cfg is not None and modelcheck.quantization(model_cfg):
         quant = f"the checkpoint's quantization_config: {modelcheck.quantization(model_cfg)}"
-    try:
-        return ServerSettings(
-            overrides=OverridePolicy(
-                enabled=not disabled, policies=allowed, min_budget_tokens=tokens, min_budget_ratio=ratio
-            ),
-            quantization=quant,
-            step_tokens=getattr(ns, "kv_compress_step_tokens", None),
-            recall_tokens=recall,
-            **tier,
-        )
-    except ValidationError as e:  # the argparse types check first; this is a second line
-        err = e.errors()[0]
-        flag = "--kv-override-policies" if "policies" in err["loc"] else "--kv-override-min-budget"
-        _fail(f"argument {flag}: {err['msg']}")
-        raise  # unreachable: _fail exits
+    return ServerSettings(quantization=quant, **given)
 
 
 def _capture_settings(ns: argparse.Namespace, cfg: KvConfig, settings: ServerSettings) -> ServerSettings:
-    """The window-query buffer's size when some request may capture (see `capture`), else none."""
+    """The window-query buffer's size when some request may capture (see `capture`), else none.
+
+    Its window is the server policy's (at least the default 32), or the operator's `--kv-overrides`
+    `max_window`; its slots are `--max-running-requests` (every running request can capture), else 128."""
     if not capture_needed(cfg, settings):
         return settings
     pol = cfg.build()
     own = pol.config.window if "attn" in pol.needs or settings.recall_tokens else 0
-    window = getattr(ns, "kv_capture_window", None)
+    window = settings.overrides.max_window
     if window is None:
         window = max(own, PolicyConfig.model_fields["window"].default)
     elif own > window:
-        _fail(f"--kv-capture-window {window} is below the server policy's window {own}")
-    slots = getattr(ns, "kv_capture_slots", None) or settings.capture_slots
+        _fail(f"--kv-overrides max_window {window} is below the server policy's window {own}")
+    running = getattr(ns, "max_running_requests", None)
+    slots = min(int(running), MAX_CAPTURE) if running else DEFAULT_CAPTURE_SLOTS
     return settings.model_copy(update={"capture_window": window, "capture_slots": slots})
 
 
@@ -385,7 +203,7 @@ def capture_needed(cfg: KvConfig, settings: ServerSettings) -> bool:
 
     Attention-free policies (streaming, knorm, lagkv, a refiner over lagkv) never capture. A request
     override could ask for an attention-based policy, so overrides count too: the buffer is left out
-    only when none can ask for one (any may, when `--kv-override-policies` is not given; a refiner's
+    only when none can ask for one (any may, when `--kv-overrides` names no `policies`; a refiner's
     base may be attention-based). CUDA graphs stay on either way (the capture is graph-safe)."""
     if "attn" in cfg.build().needs or settings.recall_tokens > 0:  # recall scores with the window too
         return True
@@ -435,35 +253,46 @@ def _restrict_features(
         )
 
 
-ENGINE_KEYS = ("kv_policy", "kv_budget", "kv_policy_config")
+ENGINE_KEYS = tuple(f.dest for f in FLAGS)  # sgl.Engine(kv_policy=..., kv_scope=..., ...): one per flag
+
+
+def engine_namespace(kwargs: dict) -> argparse.Namespace:
+    """Take our keys (`ENGINE_KEYS`) out of `sgl.Engine`'s keyword arguments and check each as its flag
+    would be checked: a string is parsed as on the command line; a number, dict or list is validated as
+    the field's value (`--kv-overrides`: `{"policies": [...]}` or "off"). A bad value is a ValueError
+    naming the keyword. Returns a namespace with the rest of `kwargs` and our values."""
+    ns = argparse.Namespace(**{k: v for k, v in kwargs.items() if k not in ENGINE_KEYS})
+    for flag in FLAGS:
+        val = kwargs.get(flag.dest)
+        if val is not None:
+            try:
+                val = flag.coerce(val)
+            except ValueError as e:
+                raise ValueError(f"{flag.dest}: {e}") from None
+        setattr(ns, flag.dest, val)
+    if ns.kv_policy is None:
+        ns.kv_policy = "none"
+    return ns
 
 
 def server_args_init(*args, **kwargs):
     """ServerArgs keyword arguments of the offline `sgl.Engine(..., kv_policy="d2o", kv_budget=0.5)`.
 
     The Engine builds ServerArgs from its keyword arguments, which never pass through the CLI parser:
-    take our three keys out (ServerArgs has no such fields), validate them exactly as the CLI does,
+    take our keys out (ServerArgs has no such fields), validate them exactly as the CLI does,
     and apply what `from_cli_args` would set. A bad value is a ValueError naming the field.
     Returns (args, kwargs) to build ServerArgs with, or None when no key of ours is given.
     """
     global _in_engine
     if not any(k in kwargs for k in ENGINE_KEYS):
         return None
-    kv = {k: kwargs.pop(k, None) for k in ENGINE_KEYS}
-    ns = argparse.Namespace(**kwargs)
+    ns = engine_namespace(kwargs)
     _in_engine = True
     try:
-        ns.kv_policy = kv["kv_policy"] or "none"
-        ns.kv_budget = _budget_arg(kv["kv_budget"]) if isinstance(kv["kv_budget"], str) else kv["kv_budget"]
-        conf = kv["kv_policy_config"]
-        ns.kv_policy_config = _json_arg(conf) if isinstance(conf, str) else conf
         from_cli_args(None, ns)
-    except argparse.ArgumentTypeError as e:
-        raise ValueError(f"kv_budget/kv_policy_config: {e}") from None
     finally:
         _in_engine = False
-    kwargs.update({k: v for k, v in vars(ns).items() if k not in ENGINE_KEYS})
-    return args, kwargs
+    return args, {k: v for k, v in vars(ns).items() if k not in ENGINE_KEYS}
 
 
 def _patch_engine() -> None:
@@ -522,6 +351,13 @@ def _build_tree_cache(ctx):
     return build_tree_cache(ctx)
 
 
+def _load_extra(target: str) -> None:
+    module, _, func = target.partition(":")
+    if not module or not func:
+        raise ValueError(f"{EXTRA_LOAD_ENV}: {target!r} is not module:function")
+    getattr(importlib.import_module(module), func)()
+
+
 def load() -> None:
     """Entry point. Cheap and idempotent; SGLang applies the registered hooks right after."""
     HookRegistry.register(f"{_SERVER_ARGS}.add_cli_args", add_cli_args, HookType.AFTER)
@@ -531,8 +367,10 @@ def load() -> None:
     )
     _register_backend()
     _patch_engine()
-    if not bf16_linear.native_bf16():  # every server on such a CPU, with or without a policy
+    if bf16_linear.enabled():  # asked for (the launcher does on CPU): see `cpu_compat.bf16_linear`
         HookRegistry.register(bf16_linear.TARGET, bf16_linear.apply, HookType.AROUND)
+    for target in filter(None, os.environ.get(EXTRA_LOAD_ENV, "").split(",")):
+        _load_extra(target.strip())
     cfg = server_config()
     if cfg.active:
         from sgl_kvevict.serve import hooks

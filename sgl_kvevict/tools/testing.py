@@ -1,13 +1,13 @@
-"""Test-only policies, registered only when KVEVICT_TEST_POLICIES=1 (never in a normal server); one of
+"""Test-only policies, registered only by the test set-up (never in a normal server); one of
 them, `test_recall_fault`, fails inside the recall stage (its exchange and its append are wrapped, for
 that policy only).
 
-They plug in through their own `sglang.srt.plugins` entry point (`load`, see pyproject.toml), so the
-serving side never imports the tools."""
+The test set-up turns them on: its servers run with `SGL_KVEVICT_LOAD=sgl_kvevict.tools.testing:load`
+(`tests/helpers.py`), which the plugin's `load` calls in every process; a normal server never imports
+the tools."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -80,9 +80,7 @@ def _failing_append(real: Callable[..., None]) -> Callable[..., None]:
 
 
 def load() -> None:
-    """Entry point: registers the test policies when KVEVICT_TEST_POLICIES=1 (idempotent)."""
-    if os.environ.get("KVEVICT_TEST_POLICIES") != "1":
-        return
+    """Registers the test policies (idempotent); called by the plugin's load when the set-up names it."""
     for cls in (RaisingPolicy, StagedFaultPolicy, RecallFaultPolicy):
         if cls.name not in REGISTRY:
             register(cls)
