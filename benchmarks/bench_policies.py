@@ -11,7 +11,7 @@ D2O's merge count see real distributions. Each region of N tokens sits at random
 The timed step is the server's private-region path of `compressor.compress`: per layer a LayerView
 (window attention via `kernels.window_attention(causal=True)` if the policy needs "attn", o_proj if it
 needs "o_proj"), `compressor.select_layers` (the server's own selection loop), the policy's merge (D2O),
-`kernels.compact` over all layers; one compression thread (SGL_KVEVICT_COMPRESS_THREADS).
+`kernels.compact` over all layers; one compression thread (KVEVICT_COMPRESS_THREADS).
 Not timed: SGLang's slot freeing and request bookkeeping. The budget resolves like the server's
 (`KvConfig.resolve_budget`, a ratio of the region). Median of --repeats after one warm-up, both columns,
 in wall and in process CPU time (the CPU ratio is the steadier one on a shared machine).
@@ -142,7 +142,7 @@ class Model:
 
 def prefill(max_n: int) -> Model:
     """Chunked prefill of `max_n` tokens, keeping each layer's q_proj output for the window queries."""
-    path = default_model_path()  # follows SGL_KVEVICT_CACHE, converted once if needed
+    path = default_model_path()  # follows KVEVICT_CACHE, converted once if needed
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPE, attn_implementation="sdpa").eval()
     ids = tok(corpus(), return_tensors="pt").input_ids[0]

@@ -335,7 +335,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     srv = Server(
         ["--max-total-tokens", str(args.max_total_tokens), "--kv-policy", "d2o", "--kv-budget", "256"],
-        env={**CHECKED_ENV, "SGL_KVEVICT_COUNT_OBJECTS": "1"},
+        env={**CHECKED_ENV, "KVEVICT_COUNT_OBJECTS": "1"},
         log_path=args.out / "server.log",
     )
     with srv:

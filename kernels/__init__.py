@@ -1,5 +1,5 @@
 """Kernels over SGLang's paged KV pool. Each op has a torch reference and a Triton kernel of identical
-signature and semantics; `use_triton()` picks Triton on CUDA tensors (or when SGL_KVEVICT_TRITON=1, e.g.
+signature and semantics; `use_triton()` picks Triton on CUDA tensors (or when KVEVICT_TRITON=1, e.g.
 under TRITON_INTERPRET=1 on CPU) and the torch reference otherwise.
 
 Pool layout (SGLang MHATokenToKVPool, one tensor per layer): `k_buffer`, `v_buffer` are `[pool_slots, Hkv, D]`.

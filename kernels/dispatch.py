@@ -6,11 +6,11 @@ import os
 
 import torch
 
-ENV_FLAG = "SGL_KVEVICT_TRITON"
+ENV_FLAG = "KVEVICT_TRITON"
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
-    """True for CUDA tensors, or when SGL_KVEVICT_TRITON=1 (CPU + TRITON_INTERPRET=1, for tests).
+    """True for CUDA tensors, or when KVEVICT_TRITON=1 (CPU + TRITON_INTERPRET=1, for tests).
 
     Read at call time (not import time) so a test subprocess can opt in without reloading modules.
     """

@@ -6,7 +6,7 @@
 # like scripts/kvpress_env.sh. Idempotent: well under a second when unchanged.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
-cache="${SGL_KVEVICT_CACHE:-$HOME/.cache/sgl-kvevict}"
+cache="${KVEVICT_CACHE:-$HOME/.cache/sgl-kvevict}"
 py="${PYTHON:-python3}"
 log() { echo "[docs-env] $*" >&2; }
 key=$(sha256sum "$here/requirements/docs.txt" | cut -c1-12)

@@ -4,7 +4,7 @@
 # run with nothing changed only re-checks the editable install of this checkout (seconds).
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
-cache="${SGL_KVEVICT_CACHE:-$HOME/.cache/sgl-kvevict}"
+cache="${KVEVICT_CACHE:-$HOME/.cache/sgl-kvevict}"
 py="${PYTHON:-python3}"
 key=$(cat "$here/requirements/cpu.txt" "$here/requirements/nodeps.txt" | sha256sum | cut -c1-12)
 venv="$cache/venv-$key"

@@ -12,7 +12,7 @@
 # project, the CPU sgl_kernel stand-in) are not run here. Idempotent: well under a second when unchanged.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
-cache="${SGL_KVEVICT_CACHE:-$HOME/.cache/sgl-kvevict}"
+cache="${KVEVICT_CACHE:-$HOME/.cache/sgl-kvevict}"
 py="${PYTHON:-python3}"
 log() { echo "[kvpress-env] $*" >&2; }
 project_py=$(bash "$here/scripts/env.sh" 2>/dev/null | tail -1)

@@ -1,11 +1,11 @@
 """User-facing configuration: the server-wide KV policy and the per-request override, both validated.
 
 Server-wide settings come from `--kv-policy`, `--kv-budget`, `--kv-scope`, `--kv-policy-config`. They travel from the
-launcher to the scheduler process in the environment variable `SGL_KVEVICT_SERVER_CONFIG` (SGLang drops unknown
+launcher to the scheduler process in the environment variable `KVEVICT_SERVER_CONFIG` (SGLang drops unknown
 CLI fields and its `ServerArgs` is a frozen-schema msgspec struct).
 A request may override them with `custom_params={"kvevict": {"policy": ..., "budget": ..., "config": {...}}}`.
 What a request may override is the operator's call (`--kv-overrides`) plus what the server cannot run (CriticalKV on a
-quantized `o_proj`): `ServerSettings`, carried in `SGL_KVEVICT_SERVER_SETTINGS`. It is a separate model because
+quantized `o_proj`): `ServerSettings`, carried in `KVEVICT_SERVER_SETTINGS`. It is a separate model because
 `KvConfig` is also what a request sends.
 
 The launcher's flags and `sgl.Engine`'s keywords are made from the models' fields (`FLAGS`): a field with
@@ -35,8 +35,8 @@ from sgl_kvevict import policies
 from sgl_kvevict.policies import short
 from sgl_kvevict.policies.base import PolicyConfig
 
-ENV_VAR = "SGL_KVEVICT_SERVER_CONFIG"
-SETTINGS_ENV_VAR = "SGL_KVEVICT_SERVER_SETTINGS"
+ENV_VAR = "KVEVICT_SERVER_CONFIG"
+SETTINGS_ENV_VAR = "KVEVICT_SERVER_SETTINGS"
 REQUEST_KEY = "kvevict"
 DEFAULT_BUDGET = 0.5
 

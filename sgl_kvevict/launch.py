@@ -2,7 +2,7 @@
 
 On a machine without CUDA it adds SGLang's CPU flags (`--device cpu --attention-backend torch_native
 --sampling-backend pytorch --disable-cuda-graph --sleep-on-idle`), `SGLANG_USE_CPU_ENGINE=1`,
-`OMP_WAIT_POLICY=PASSIVE` and the CPU compatibility switch `SGL_KVEVICT_BF16_LINEAR=fp64` (see `CPU_ENV`), and defaults `--model-path` to the embedded SmolLM2. Every
+`OMP_WAIT_POLICY=PASSIVE` and the CPU compatibility switch `KVEVICT_BF16_LINEAR=fp64` (see `CPU_ENV`), and defaults `--model-path` to the embedded SmolLM2. Every
 other argument is passed through unchanged.
 
     python -m sgl_kvevict.launch --kv-policy lagkv --kv-budget 256 [any sglang flag ...]
@@ -39,9 +39,9 @@ CPU_FLAGS = {
 # burns the time slice its preempted partner needs (one request beside two busy processes: 54.8 s once,
 # 5.4-7.8 s otherwise, with OpenMP's default; 5.4-5.6 s with PASSIVE; idle: 4.24 vs 4.38 s;
 # `benchmarks/omp_wait.py`). Servers on CPU often share their cores, so PASSIVE is the default there.
-# SGL_KVEVICT_BF16_LINEAR=fp64: bf16 linear layers in fp64 where the CPU lacks bf16 instructions (prefill
+# KVEVICT_BF16_LINEAR=fp64: bf16 linear layers in fp64 where the CPU lacks bf16 instructions (prefill
 # 2.4x faster on an AVX2-only EPYC; `cpu_compat/bf16_linear.py`). The plugin installs it only when asked.
-CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "OMP_WAIT_POLICY": "PASSIVE", "SGL_KVEVICT_BF16_LINEAR": "fp64"}
+CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "OMP_WAIT_POLICY": "PASSIVE", "KVEVICT_BF16_LINEAR": "fp64"}
 
 
 def _given(argv: list[str], flag: str) -> bool:

@@ -20,7 +20,7 @@ FOLDER_VERSION = "v1"  # bump when the conversion recipe changes
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("SGL_KVEVICT_CACHE", Path.home() / ".cache" / "sgl-kvevict"))
+    return Path(os.environ.get("KVEVICT_CACHE", Path.home() / ".cache" / "sgl-kvevict"))
 
 
 def gguf_path() -> Path:

@@ -22,8 +22,8 @@ CHECKED_ENV = {
     "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1",
     "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
     "SGLANG_CHECK_KV_PAGE_INVARIANTS": "1",
-    "SGL_KVEVICT_DEBUG": "1",
-    "SGL_KVEVICT_LOAD": "sgl_kvevict.tools.testing:load",  # the test-only policies (tools/testing.py)
+    "KVEVICT_DEBUG": "1",
+    "KVEVICT_LOAD": "sgl_kvevict.tools.testing:load",  # the test-only policies (tools/testing.py)
 }
 POOL = ["--max-total-tokens", "40000"]
 
@@ -108,7 +108,7 @@ def speed(srv: Server) -> Speed:
 
 def scheduler_report(srv: Server, lines: int = 6) -> str:
     """What the scheduler holds now (running batch, waiting queue, each request's progress and
-    compression state: `/server_info` under SGL_KVEVICT_DEBUG=1) and its last batch log lines, which show
+    compression state: `/server_info` under KVEVICT_DEBUG=1) and its last batch log lines, which show
     whether steps still run. A scheduler that does not answer is inside one step (or stuck there)."""
     try:
         info = requests.get(srv.url + "/server_info", timeout=30).json()["internal_states"][0]["kvevict"]

@@ -1,6 +1,6 @@
 """Runs a test file's `test_triton_*` tests in a subprocess under Triton's CPU interpreter.
 
-Triton reads `TRITON_INTERPRET` when it is imported and the kernels' dispatch reads `SGL_KVEVICT_TRITON`,
+Triton reads `TRITON_INTERPRET` when it is imported and the kernels' dispatch reads `KVEVICT_TRITON`,
 so on a machine without CUDA the comparisons of Triton kernels with their torch references need a
 process of their own with both set."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 
 def run_triton_tests(test_file: str) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", SGL_KVEVICT_TRITON="1")
+    env = dict(os.environ, TRITON_INTERPRET="1", KVEVICT_TRITON="1")
     cmd = [
         sys.executable,
         "-m",

@@ -98,7 +98,7 @@ def test_the_launcher_turns_the_cpu_compatibility_on(monkeypatch: pytest.MonkeyP
 
 
 def test_a_torch_that_cannot_tell_leaves_the_products_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("SGL_KVEVICT_BF16_LINEAR", raising=False)
+    monkeypatch.delenv("KVEVICT_BF16_LINEAR", raising=False)
     monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
     assert bf16_linear.native_bf16()
 

@@ -442,7 +442,7 @@ def test_host_tier_settings_need_recall_tokens(monkeypatch, capsys):
 
 def test_test_policies_come_from_the_test_set_up_only(monkeypatch) -> None:
     """No entry point of the package names the tools: the test set-up's servers load the test policies
-    through the plugin's `SGL_KVEVICT_LOAD`, which calls each `module:function` it names."""
+    through the plugin's `KVEVICT_LOAD`, which calls each `module:function` it names."""
     from importlib.metadata import entry_points
 
     from sgl_kvevict.serve import plugin
@@ -471,8 +471,8 @@ def test_a_plain_server_process_never_imports_the_test_policies() -> None:
     from tests.helpers import CHECKED_ENV
 
     got = {}
-    for name, extra in (("plain", {}), ("tests", {"SGL_KVEVICT_LOAD": CHECKED_ENV["SGL_KVEVICT_LOAD"]})):
-        env = {k: v for k, v in os.environ.items() if k != "SGL_KVEVICT_LOAD"}
+    for name, extra in (("plain", {}), ("tests", {"KVEVICT_LOAD": CHECKED_ENV["KVEVICT_LOAD"]})):
+        env = {k: v for k, v in os.environ.items() if k != "KVEVICT_LOAD"}
         res = subprocess.run(
             [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env={**env, **extra}
         )

@@ -302,7 +302,7 @@ def test_batched_lagkv_has_no_host_sync(key: str) -> None:
 def test_batched_lagkv_equals_per_request_on_triton() -> None:
     """The GPU path of the batched scores (the Triton kernel over the gathered, strided blocks) against the
     per-request one (the kernel over the pool), in the Triton interpreter: the scenario with rounds."""
-    env = dict(os.environ, TRITON_INTERPRET="1", SGL_KVEVICT_TRITON="1")
+    env = dict(os.environ, TRITON_INTERPRET="1", KVEVICT_TRITON="1")
     k = "lagkv_equals_per_request and cap and not nocap and not triton"
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", k]
     res = subprocess.run(cmd, env=env, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=900)

@@ -1,7 +1,7 @@
 """Kernel tests: torch references against naive loop formulas, Triton kernels against the references.
 
 The Triton tests need a GPU or the Triton interpreter. TRITON_INTERPRET must be set before triton is
-imported, and the production dispatch reads SGL_KVEVICT_TRITON, so on CPU `test_interpreter_subprocess`
+imported, and the production dispatch reads KVEVICT_TRITON, so on CPU `test_interpreter_subprocess`
 re-runs this file's `test_triton_*` tests in a subprocess with both variables set; neither leaks into
 this process or into other test modules.
 """
@@ -392,9 +392,9 @@ def test_vo_norms_rows_equal_pool_norms_bf16(hq, hkv, chunk):
 
 
 def test_dispatch_cpu_uses_ref(monkeypatch):
-    monkeypatch.delenv("SGL_KVEVICT_TRITON", raising=False)
+    monkeypatch.delenv("KVEVICT_TRITON", raising=False)
     assert not K.use_triton(torch.zeros(1))
-    monkeypatch.setenv("SGL_KVEVICT_TRITON", "1")
+    monkeypatch.setenv("KVEVICT_TRITON", "1")
     assert K.use_triton(torch.zeros(1))
 
 
@@ -409,7 +409,7 @@ def _tol(dtype: torch.dtype) -> dict[str, float]:
 
 @pytest.mark.skipif(TRITON_READY, reason="Triton tests already run in this process")
 def test_interpreter_subprocess():
-    """Run the `test_triton_*` tests below in a subprocess with TRITON_INTERPRET=1 and SGL_KVEVICT_TRITON=1."""
+    """Run the `test_triton_*` tests below in a subprocess with TRITON_INTERPRET=1 and KVEVICT_TRITON=1."""
     run_triton_tests(__file__)
 
 

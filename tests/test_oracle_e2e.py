@@ -1,7 +1,7 @@
 """The eviction-path oracle: the real server's greedy tokens under eviction equal HF transformers' with
 exactly the same kept sets masked at the true positions (fp32 on both sides).
 
-The server (SGL_KVEVICT_DEBUG=1) reports, per finished request, the timeline of what every layer / KV head
+The server (KVEVICT_DEBUG=1) reports, per finished request, the timeline of what every layer / KV head
 held after each admission and compression (`meta_info["kvevict"][0]["kept_timeline"]`). `sgl_kvevict.tools.oracle`
 turns it into per-query mask rows and runs HF once per conversation; every output token must be HF's
 argmax, except at near-ties (HF's own top choice beats the server's token by less than TIE_TOL logits),

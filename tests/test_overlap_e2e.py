@@ -7,7 +7,7 @@ keep the same tokens and answer the same with overlap on (the `kv_server` fixtur
 on a second server started with `--disable-overlap-schedule`, including a multi-turn session whose
 next turn starts on the stored compressed history and a request that finishes at its budget.
 
-Compression is compared exactly, down to the positions each layer and KV head keeps (SGL_KVEVICT_DEBUG=1
+Compression is compared exactly, down to the positions each layer and KV head keeps (KVEVICT_DEBUG=1
 timelines). Greedy tokens may part only where both servers' top two candidates are within `TIE` of
 each other and swapped: a rounding flip, which the failure message tells apart from a real difference.
 """
@@ -85,7 +85,7 @@ def _run(srv: Server, kv: dict, seed: int) -> list[dict]:
 
 
 def _compression(o: dict, tokens: int | None = None) -> dict:
-    """What compression did for a request: counts, the prefix it matched, and (SGL_KVEVICT_DEBUG=1) the
+    """What compression did for a request: counts, the prefix it matched, and (KVEVICT_DEBUG=1) the
     positions each layer and KV head kept at every event, up to `tokens` logical tokens."""
     info = o["meta_info"]["kvevict"][0]
     timeline = info["kept_timeline"]

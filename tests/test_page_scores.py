@@ -1,7 +1,7 @@
 """Host-tier kernels: page summaries, page scores, page selection and the batched host swap.
 
 Torch references against naive loop formulas in this process; Triton kernels against the references in a
-subprocess with TRITON_INTERPRET=1 and SGL_KVEVICT_TRITON=1 (as in test_kernels.py). Mocks none: these are
+subprocess with TRITON_INTERPRET=1 and KVEVICT_TRITON=1 (as in test_kernels.py). Mocks none: these are
 pure tensor ops.
 """
 
@@ -323,7 +323,7 @@ def test_cuda_recall_path_does_not_sync():
 
 @pytest.mark.skipif(TRITON_READY, reason="Triton tests already run in this process")
 def test_interpreter_subprocess():
-    """Run the `test_triton_*` tests below with TRITON_INTERPRET=1 and SGL_KVEVICT_TRITON=1."""
+    """Run the `test_triton_*` tests below with TRITON_INTERPRET=1 and KVEVICT_TRITON=1."""
     run_triton_tests(__file__)
 
 

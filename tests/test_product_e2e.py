@@ -1,6 +1,6 @@
 """The product as users run it: one server started exactly as `make serve` starts it (`sgl_kvevict.launch`'s
 command and environment, the Makefile's default policy and budget, recall on through ARGS), with none of
-the test-only settings the other end-to-end tests use: no `KVEVICT_TEST_POLICIES` (which registers the
+the test-only settings the other end-to-end tests use: no `KVEVICT_LOAD` (which registers the
 test policies and wraps the recall stage's `exchange` and `append_layer` for every policy) and no
 `KVEVICT_DEBUG`. SGLang's leak checks stay on, as in every test (`CHECKED_ENV` less the two settings).
 
@@ -26,7 +26,7 @@ from .test_reliability_e2e import abort_stream, tracebacks
 
 pytestmark = pytest.mark.server
 
-TEST_ONLY = ("KVEVICT_TEST_POLICIES", "KVEVICT_DEBUG")
+TEST_ONLY = ("KVEVICT_LOAD", "KVEVICT_DEBUG")
 # `make serve`'s defaults (POLICY=lagkv, BUDGET=0.5); ARGS turns the host tier and recall on, and sizes
 # the KV pool as every test server does (POOL): the CPU default `--mem-fraction-static 0.1` sizes it from
 # the memory free at start, and a shared machine with 10.6 GB free refused to start with it ("Loaded

@@ -283,7 +283,7 @@ def test_long_session_branch_scope_caps_session_kv(tmp_path: Path) -> None:
         budgets=[budget],
         max_total_tokens=4000,
         server_mode="shared",
-        server_env={k: v for k, v in CHECKED_ENV.items() if k != "SGL_KVEVICT_DEBUG"},
+        server_env={k: v for k, v in CHECKED_ENV.items() if k != "KVEVICT_DEBUG"},
         score="none",
         poll_interval=0.5,
         out=tmp_path,

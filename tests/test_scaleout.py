@@ -134,7 +134,7 @@ def test_offline_engine_takes_the_policy_as_keyword_arguments():
         **CHECKED_ENV,
         "SGLANG_USE_CPU_ENGINE": "1",
         "HF_HUB_OFFLINE": "1",
-        "SGL_KVEVICT_BF16_LINEAR": "fp64",
+        "KVEVICT_BF16_LINEAR": "fp64",
     }
 
     res = subprocess.run(

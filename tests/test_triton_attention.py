@@ -63,12 +63,12 @@ def test_interpreter_dot_fix_is_armed_only_under_the_interpreter(
     interpret: str, no_fix: str, armed: bool
 ) -> None:
     """The `.pth` hook patches Triton's interpreter in every process under TRITON_INTERPRET=1 (unless
-    SGL_KVEVICT_NO_INTERP_FIX=1), else never."""
+    KVEVICT_NO_INTERP_FIX=1), else never."""
     code = (
         "import triton.runtime.interpreter as i;"
         "print(getattr(i.InterpreterBuilder.create_dot, '_sgl_kvevict_bf16', False))"
     )
-    env = dict(os.environ, TRITON_INTERPRET=interpret, SGL_KVEVICT_NO_INTERP_FIX=no_fix)
+    env = dict(os.environ, TRITON_INTERPRET=interpret, KVEVICT_NO_INTERP_FIX=no_fix)
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip().splitlines()[-1] == str(armed)

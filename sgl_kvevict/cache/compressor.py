@@ -602,7 +602,7 @@ def account(job: Job, k: int, tail: int, keep: torch.Tensor | None, dt: float, a
     return s.offset
 
 
-THREADS = int(os.environ.get("SGL_KVEVICT_COMPRESS_THREADS", "1"))
+THREADS = int(os.environ.get("KVEVICT_COMPRESS_THREADS", "1"))
 
 
 def safe_compress(req: Any, phase: Phase) -> int:

@@ -241,7 +241,7 @@ def _displaceable(s: st.ReqState) -> tuple[int, int]:
 
 
 class _DebugSwap:
-    """SGL_KVEVICT_DEBUG: the row's and the host's logical positions, updated by each exchange (the oracle
+    """KVEVICT_DEBUG: the row's and the host's logical positions, updated by each exchange (the oracle
     replays them as a timeline event)."""
 
     def __init__(self, s: st.ReqState, kv_len: int) -> None:

@@ -38,7 +38,7 @@ from sgl_kvevict.policies import Policy
 logger = logging.getLogger("sgl_kvevict")
 ATTR = "_kvevict"
 # Test/debug only: prefix digests and the kept-position timeline in meta_info (costs a host copy per event).
-DEBUG = os.environ.get("SGL_KVEVICT_DEBUG", "0") == "1"
+DEBUG = os.environ.get("KVEVICT_DEBUG", "0") == "1"
 
 
 def fingerprint(cfg: KvConfig, policy: Policy, recall: int = 0) -> str | None:
@@ -84,7 +84,7 @@ class ReqState:
     prefix_digest: str = ""
     digest_kv: int = 0  # slots the digests cover: the shared prefix at admission
     prefix_digest_end: str = ""
-    # debug (SGL_KVEVICT_DEBUG=1): logical positions held by row slots [0, m) per layer and KV head, the
+    # debug (KVEVICT_DEBUG=1): logical positions held by row slots [0, m) per layer and KV head, the
     # logical tokens they stand for, and the events a test oracle replays (see `debug_event`).
     dbg_pos: torch.Tensor | None = None
     dbg_tokens: int = 0

@@ -18,7 +18,7 @@ at decode sizes. A weight written in place (its version counter moves) is conver
 the cap are converted per call.
 
 Registered on SGLang's `UnquantizedLinearMethod.apply` by the plugin's entry point only when asked for:
-`SGL_KVEVICT_BF16_LINEAR=fp64`, which `python -m sgl_kvevict.launch` sets on a machine without CUDA (a
+`KVEVICT_BF16_LINEAR=fp64`, which `python -m sgl_kvevict.launch` sets on a machine without CUDA (a
 user of stock `sglang.launch_server` on such a CPU sets it). It changes nothing on a GPU, on a CPU with
 native bf16, for other dtypes, or without that switch (unset, or `native`).
 """
@@ -49,11 +49,11 @@ def _drop(key: int) -> None:
         _kept_bytes -= hit[2].nbytes
 
 
-ENV = "SGL_KVEVICT_BF16_LINEAR"
+ENV = "KVEVICT_BF16_LINEAR"
 
 
 def enabled() -> bool:
-    """Whether this process forms bf16 products in fp64: asked for (`SGL_KVEVICT_BF16_LINEAR=fp64`) on a
+    """Whether this process forms bf16 products in fp64: asked for (`KVEVICT_BF16_LINEAR=fp64`) on a
     CPU without native bf16."""
     return os.environ.get(ENV, "") == "fp64" and not native_bf16()
 

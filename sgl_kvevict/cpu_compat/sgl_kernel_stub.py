@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-IS_SGL_KVEVICT_STUB = True
+IS_KVEVICT_STUB = True
 
 
 def assign_req_to_token_pool_cpu(

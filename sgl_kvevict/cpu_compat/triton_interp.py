@@ -6,7 +6,7 @@ multiplies integers (elementwise arithmetic is fine: it upcasts first). SGLang's
 attention kernels take `tl.dot(q, k)` on the bf16 pool, so under the interpreter their scores are garbage.
 We widen bfloat16 dot operands to float32 (exact: the bits shifted up 16) before the matmul, which is what
 a GPU's tensor cores do (bf16 products accumulated in fp32). Nothing else in the interpreter is changed,
-and nothing is patched unless `TRITON_INTERPRET=1` (`SGL_KVEVICT_NO_INTERP_FIX=1` leaves the interpreter
+and nothing is patched unless `TRITON_INTERPRET=1` (`KVEVICT_NO_INTERP_FIX=1` leaves the interpreter
 as shipped, to show the bug).
 """
 
@@ -70,7 +70,7 @@ class _InterpFinder(importlib.abc.MetaPathFinder):
 
 def install() -> None:
     """Under `TRITON_INTERPRET=1` only: patch the interpreter now if loaded, else when it is imported."""
-    if os.environ.get("TRITON_INTERPRET") != "1" or os.environ.get("SGL_KVEVICT_NO_INTERP_FIX") == "1":
+    if os.environ.get("TRITON_INTERPRET") != "1" or os.environ.get("KVEVICT_NO_INTERP_FIX") == "1":
         return
     if TARGET in sys.modules:
         patch_bf16_dot(sys.modules[TARGET])

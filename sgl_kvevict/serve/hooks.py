@@ -348,7 +348,7 @@ def internal_state(result, *args, **kwargs):
             **({"host": host.POOL.stats()} if host.POOL is not None else {}),
             **runtime.heap_stats(),  # where the scheduler's RSS is (bench_soak_rss.py samples it)
         }
-        if st.DEBUG or os.environ.get("SGL_KVEVICT_COUNT_OBJECTS") == "1":  # a soak's leak check (~0.1 s)
+        if st.DEBUG or os.environ.get("KVEVICT_COUNT_OBJECTS") == "1":  # a soak's leak check (~0.1 s)
             result.internal_state[META_KEY]["python_objects"] = len(gc.get_objects())
         if st.DEBUG and args:  # the tests' watchdog reads it when a request runs past its expected time
             result.internal_state[META_KEY]["queues"] = queues(getattr(args[0], "scheduler", None))
@@ -385,7 +385,7 @@ def _req_view(req: Any) -> dict[str, Any]:
 
 
 def queues(scheduler: Any) -> dict[str, Any] | None:
-    """The scheduler's running batch, waiting queue, chunked request and pending result (SGL_KVEVICT_DEBUG=1)."""
+    """The scheduler's running batch, waiting queue, chunked request and pending result (KVEVICT_DEBUG=1)."""
     if scheduler is None:
         return None
     out: dict[str, Any] = {"forward_ct": int(getattr(scheduler, "forward_ct", -1))}

@@ -43,7 +43,7 @@ BACKEND_NAME = "kvevict"
 # `module:function[,...]` the plugin calls in every SGLang process after its own set-up: how the test
 # set-up registers its test-only policies (`sgl_kvevict.tools.testing:load`, tests/helpers.py) without an
 # entry point that every server would import
-EXTRA_LOAD_ENV = "SGL_KVEVICT_LOAD"
+EXTRA_LOAD_ENV = "KVEVICT_LOAD"
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 
 

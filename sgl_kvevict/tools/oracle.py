@@ -9,7 +9,7 @@ server's step-by-step computation (up to float rounding). Merges that change K/V
 reproducible by masking.
 
 Two users:
-- the eviction-path oracle (`tests/test_oracle_e2e.py`): the server's `kept_timeline` (SGL_KVEVICT_DEBUG=1)
+- the eviction-path oracle (`tests/test_oracle_e2e.py`): the server's `kept_timeline` (KVEVICT_DEBUG=1)
   becomes the mask rows (`visibility`), and the server's greedy tokens are compared with HF's argmax
   (`check_tokens`);
 - `benchmarks/fidelity.py`: a policy's selection over a prefilled context masks the cached past

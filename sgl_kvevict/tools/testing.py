@@ -2,7 +2,7 @@
 them, `test_recall_fault`, fails inside the recall stage (its exchange and its append are wrapped, for
 that policy only).
 
-The test set-up turns them on: its servers run with `SGL_KVEVICT_LOAD=sgl_kvevict.tools.testing:load`
+The test set-up turns them on: its servers run with `KVEVICT_LOAD=sgl_kvevict.tools.testing:load`
 (`tests/helpers.py`), which the plugin's `load` calls in every process; a normal server never imports
 the tools."""
 
