@@ -256,11 +256,12 @@ def test_host_cap_drops_the_least_recently_used_branch(recall_server: Server):
     """Two sessions that each fill most of the host pool: the first loses its entries to the second, its
     next turn still runs, and after a flush every host column is free again (no leak on either pool)."""
     failures0 = host_state(recall_server)["recall_failures"]
+    dropped0 = host_state(recall_server)["branches_dropped"]  # counters are per server
     a_turns = [FACT, *fillers(21, 5)]
     a, a_ids = session(recall_server, SNAP, a_turns)
     b, _ = session(recall_server, SNAP, [FACT, *fillers(41, 5)])
     state = host_state(recall_server)
-    assert state["branches_dropped"] >= 1 and state["host_used"] <= HOST, state
+    assert state["branches_dropped"] > dropped0 and state["host_used"] <= HOST, state
     out = recall_server.generate(input_ids=a_ids + _user("And the vault code?"), max_new_tokens=8, kv=SNAP)
     info = out["meta_info"]["kvevict"][0]
     assert not info["failed"] and info["evicted"] > 0, info
