@@ -251,7 +251,7 @@ def test_bad_per_request_override_is_http_400(kv_server: Server):
 # ---- SGLang features that interact: retraction --------------------------------------------------
 @pytest.fixture(scope="module")
 def retract_server():
-    from .helpers import CHECKED_ENV
+    from .helpers import CHECKED_ENV, START_TIMEOUT
 
     env = {**CHECKED_ENV, "SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "25"}
     srv = Server(
@@ -266,6 +266,7 @@ def retract_server():
             '{"lag": 32}',
         ],
         env=env,
+        timeout=START_TIMEOUT,
     )
     with srv:
         yield srv

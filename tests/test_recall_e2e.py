@@ -15,7 +15,7 @@ from sgl_kvevict.scenarios.base import ScenarioConfig
 from sgl_kvevict.serve.serverproc import Server
 from sgl_kvevict.tools.oracle import validate
 
-from .helpers import CHECKED_ENV, chat_ids, host_state, long_text, tokenizer
+from .helpers import CHECKED_ENV, START_TIMEOUT, chat_ids, host_state, long_text, tokenizer
 from .test_cli import check_in_process
 
 pytestmark = pytest.mark.server
@@ -43,7 +43,7 @@ def recall_server():
             str(HOST),
         ],
         env=CHECKED_ENV,
-        timeout=900,  # a loaded shared machine can take minutes to start a server
+        timeout=START_TIMEOUT,
     )
     with srv:
         yield srv
