@@ -26,6 +26,7 @@ def test_free_ports_avoid_the_ephemeral_range_and_sglangs_own() -> None:
     assert all(30000 <= p < ephemeral_low for p in ports), ports
 
 
+@pytest.mark.server
 def test_a_taken_port_is_retried_on_a_fresh_one() -> None:
     srv = Server(POOL, env=CHECKED_ENV, timeout=START_TIMEOUT)
     taken = srv.port
