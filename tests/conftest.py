@@ -37,7 +37,15 @@ def kv_server() -> Iterator[Server]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Triton cases (`triton` marker) need CUDA or Triton's interpreter. Without either, each file's
     `test_interpreter_subprocess` runs them under the interpreter (`tests/interp.py`, which checks how many
-    passed), so this process deselects them rather than report them as skipped."""
+    passed), so this process deselects them rather than report them as skipped. CUDA-only tests (`cuda`
+    marker) are skipped without CUDA."""
+    if not torch.cuda.is_available():  # `cuda` tests: a visible skip, they ran nowhere here
+        why = pytest.mark.skip(
+            reason="needs a CUDA device: scripts/cuda_kernels.sh runs it on a GPU (docs/tests.md)"
+        )
+        for it in items:
+            if it.get_closest_marker("cuda") is not None:
+                it.add_marker(why)
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
         return
     keep = [it for it in items if it.get_closest_marker("triton") is None]

@@ -487,7 +487,7 @@ def test_triton_dispatch_env():
     assert K.use_triton(torch.zeros(1, device=DEVICE))
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_cuda_kernels_do_not_sync():
     """On a GPU the Triton kernels and their wrappers never make the host wait: CUDA's sync debug mode
     turns any synchronising call (a scalar read, a device-to-host copy, a data-dependent shape) into an

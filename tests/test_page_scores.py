@@ -279,7 +279,7 @@ def test_recall_path_has_no_host_sync():
     assert sc.total == 0, sc.counts
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.cuda
 @pytest.mark.parametrize("swap", [True, False])
 @pytest.mark.parametrize("ragged", [False, True])
 def test_cuda_host_swap_with_a_pinned_host_store(swap, ragged):
@@ -298,7 +298,7 @@ def test_cuda_host_swap_with_a_pinned_host_store(swap, ragged):
         assert torch.equal(got.cpu(), exp)
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_cuda_recall_path_does_not_sync():
     """`test_recall_path_has_no_host_sync` on a GPU, checked by CUDA itself: in sync debug mode "error"
     any call that makes the host wait for the device raises. Summaries on the device, host store pinned."""
