@@ -26,12 +26,13 @@ CHECKED_ENV = {
     "KVEVICT_LOAD": "sgl_kvevict.tools.testing:load",  # the test-only policies (tools/testing.py)
 }
 POOL = ["--max-total-tokens", "40000"]
+# One start limit for every test server. Readiness is polled (a crash surfaces at once): the long limit
+# only lets a loaded machine, where a start has taken over 300 s, finish starting.
+START_TIMEOUT = 1200
 
 
 def _server(args: list[str]) -> Iterator[Server]:
-    # Readiness is polled (a crash surfaces at once): the long limit only lets a loaded machine, where
-    # a start has taken over 300 s, finish starting.
-    srv = Server(args, env=CHECKED_ENV, timeout=1200)
+    srv = Server(args, env=CHECKED_ENV, timeout=START_TIMEOUT)
     srv.start()
     try:
         yield srv

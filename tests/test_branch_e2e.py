@@ -10,7 +10,7 @@ import sglang as sgl
 
 from sgl_kvevict.serve.serverproc import Server
 
-from .helpers import CHECKED_ENV, chat_ids, long_text, tokenizer
+from .helpers import CHECKED_ENV, START_TIMEOUT, chat_ids, long_text, tokenizer
 
 pytestmark = pytest.mark.server
 
@@ -31,6 +31,7 @@ def branch_server():
     srv = Server(
         ["--max-total-tokens", "30000", "--kv-policy", "snapkv", "--kv-budget", str(BUDGET), *BRANCH],
         env=CHECKED_ENV,
+        timeout=START_TIMEOUT,
     )
     with srv:
         yield srv
@@ -150,6 +151,7 @@ def small_pool_server():
             *BRANCH,
         ],
         env=CHECKED_ENV,
+        timeout=START_TIMEOUT,
     )
     with srv:
         yield srv

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from sgl_kvevict.launch import CPU_FLAGS
 
@@ -326,6 +327,7 @@ def test_override_window_above_the_capture_buffer_is_refused():
     assert request_override({"kvevict": {"policy": "lagkv"}}, base, settings).policy == "lagkv"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here: gpu_check.py would run, not refuse")
 def test_gpu_check_refuses_without_cuda(capsys) -> None:
     """benchmarks/gpu_check.py is for a GPU machine: here it must say so and exit 2, starting nothing."""
     import importlib.util

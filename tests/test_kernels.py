@@ -28,9 +28,7 @@ wa_mod = importlib.import_module("sgl_kvevict.kernels.window_attention")
 CUDA = torch.cuda.is_available()
 TRITON_READY = CUDA or os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if CUDA else "cpu"
-triton_only = pytest.mark.skipif(
-    not TRITON_READY, reason="needs CUDA or TRITON_INTERPRET=1 (run via subprocess)"
-)
+triton_only = pytest.mark.triton  # without CUDA: deselected here, run by `test_interpreter_subprocess`
 
 SIZES = [1, 7, 129, 300]
 GQA = [(9, 3), (4, 4)]
@@ -489,7 +487,7 @@ def test_triton_dispatch_env():
     assert K.use_triton(torch.zeros(1, device=DEVICE))
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_cuda_kernels_do_not_sync():
     """On a GPU the Triton kernels and their wrappers never make the host wait: CUDA's sync debug mode
     turns any synchronising call (a scalar read, a device-to-host copy, a data-dependent shape) into an

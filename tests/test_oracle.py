@@ -3,6 +3,8 @@ physically compacted cache (what the server does) on the real model."""
 
 from __future__ import annotations
 
+import functools
+import math
 import random
 
 import pytest
@@ -162,3 +164,20 @@ def test_check_tokens_allows_only_near_ties():
     assert res.ok and res.max_logprob_diff < 1e-6
     res = oracle.check_tokens(logits[:2], [0, 1], ids, 1e-3, [good[0] + 0.01, good[1]])
     assert [p for p, _ in res.logprob_errors] == [0]
+
+
+def test_nan_fails_every_comparison():
+    """A NaN error is worse than any number and is kept (`max(0.0, nan)` is 0.0 and would hide it)."""
+    nan = float("nan")
+    assert math.isnan(oracle.worse(0.0, nan)) and math.isnan(oracle.worse(nan, 1.0))
+    assert math.isnan(functools.reduce(oracle.worse, [0.1, nan, 0.2], 0.0))  # the Triton check's reduction
+    assert oracle.worse(0.1, 0.2) == 0.2 and oracle.worse(0.2, 0.1) == 0.2
+    logits = torch.tensor([[0.0, 5.0, 1.0], [2.0, 2.0005, 0.0]])
+    lp = logits.log_softmax(-1)
+    ids = [9, 1, 0]
+    res = oracle.check_tokens(logits, [0, 1], ids, 1e-3, [nan, float(lp[1, 0])])
+    assert not res.ok and [p for p, _ in res.logprob_errors] == [0]
+    assert math.isnan(res.max_logprob_diff)
+    assert math.isnan(oracle.TokenCheck().merge(res).max_logprob_diff)
+    res = oracle.check_tokens(logits, [0, 1], ids, 1e-3, [float(lp[0, 1]), nan])  # NaN after a good one
+    assert not res.ok and math.isnan(res.max_logprob_diff)

@@ -22,7 +22,7 @@ ps_mod = importlib.import_module("sgl_kvevict.kernels.page_scores")
 CUDA = torch.cuda.is_available()
 TRITON_READY = CUDA or os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if CUDA else "cpu"
-triton_only = pytest.mark.skipif(not TRITON_READY, reason="needs CUDA or TRITON_INTERPRET=1 (via subprocess)")
+triton_only = pytest.mark.triton  # without CUDA: deselected here, run by `test_interpreter_subprocess`
 DTYPES = [torch.bfloat16, torch.float32]
 
 
@@ -279,7 +279,7 @@ def test_recall_path_has_no_host_sync():
     assert sc.total == 0, sc.counts
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.cuda
 @pytest.mark.parametrize("swap", [True, False])
 @pytest.mark.parametrize("ragged", [False, True])
 def test_cuda_host_swap_with_a_pinned_host_store(swap, ragged):
@@ -298,7 +298,7 @@ def test_cuda_host_swap_with_a_pinned_host_store(swap, ragged):
         assert torch.equal(got.cpu(), exp)
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_cuda_recall_path_does_not_sync():
     """`test_recall_path_has_no_host_sync` on a GPU, checked by CUDA itself: in sync debug mode "error"
     any call that makes the host wait for the device raises. Summaries on the device, host store pinned."""

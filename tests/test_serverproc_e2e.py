@@ -9,7 +9,7 @@ import requests
 
 from sgl_kvevict.serve.serverproc import PortTaken, Server, free_port
 
-from .helpers import CHECKED_ENV, POOL
+from .helpers import CHECKED_ENV, POOL, START_TIMEOUT
 
 
 def _hold(port: int) -> socket.socket:
@@ -26,8 +26,9 @@ def test_free_ports_avoid_the_ephemeral_range_and_sglangs_own() -> None:
     assert all(30000 <= p < ephemeral_low for p in ports), ports
 
 
+@pytest.mark.server
 def test_a_taken_port_is_retried_on_a_fresh_one() -> None:
-    srv = Server(POOL, env=CHECKED_ENV, timeout=600)
+    srv = Server(POOL, env=CHECKED_ENV, timeout=START_TIMEOUT)
     taken = srv.port
     with _hold(taken):
         srv.start()
@@ -46,7 +47,7 @@ def test_a_taken_port_is_retried_on_a_fresh_one() -> None:
 def test_a_port_named_by_the_caller_fails_fast_when_taken() -> None:
     port = free_port()
     with _hold(port):
-        srv = Server(POOL, port=port, env=CHECKED_ENV, timeout=600)
+        srv = Server(POOL, port=port, env=CHECKED_ENV, timeout=START_TIMEOUT)
         with pytest.raises(PortTaken, match=str(port)):
             srv.start()
         assert srv.proc is None

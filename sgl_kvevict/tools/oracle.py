@@ -265,7 +265,7 @@ class TokenCheck:
         self.ties += other.ties
         self.mismatches += other.mismatches
         self.logprob_errors += other.logprob_errors
-        self.max_logprob_diff = max(self.max_logprob_diff, other.max_logprob_diff)
+        self.max_logprob_diff = worse(self.max_logprob_diff, other.max_logprob_diff)
         return self
 
     @property
@@ -284,6 +284,11 @@ class TokenCheck:
         if self.logprob_errors:
             s += "; LOGPROB ERRORS " + ", ".join(f"pos {p}: {d:.3g}" for p, d in self.logprob_errors[:10])
         return s
+
+
+def worse(worst: float, x: float) -> float:
+    """The larger of two errors, NaN worse than any number and kept (`max(0.0, nan)` is 0.0: NaN lost)."""
+    return x if x != x or x > worst else worst
 
 
 def check_tokens(
@@ -307,8 +312,8 @@ def check_tokens(
         res.compared += 1
         if server_logprobs is not None:
             d = abs(float(logp[i, got]) - float(server_logprobs[i]))
-            res.max_logprob_diff = max(res.max_logprob_diff, d)
-            if d > logprob_tol:
+            res.max_logprob_diff = worse(res.max_logprob_diff, d)
+            if not d <= logprob_tol:  # NaN fails
                 res.logprob_errors.append((pos, d))
         if want == got:
             continue
