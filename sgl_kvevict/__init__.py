@@ -1,3 +1,3 @@
 """sgl-kvevict: decode-time KV-cache compression inside the real SGLang server."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -38,7 +38,7 @@ CPU_FLAGS = {
 # OpenMP threads that wait for each other sleep instead of spinning: on a busy machine a spinning thread
 # burns the time slice its preempted partner needs (one request beside two busy processes: 54.8 s once,
 # 5.4-7.8 s otherwise, with OpenMP's default; 5.4-5.6 s with PASSIVE; idle: 4.24 vs 4.38 s;
-# `benchmarks/omp_wait.py`). Servers on CPU often share their cores, so PASSIVE is the default there.
+# measured by `benchmarks/omp_wait.py`, removed after commit 55a1648). Servers on CPU often share their cores, so PASSIVE is the default there.
 # KVEVICT_BF16_LINEAR=fp64: bf16 linear layers in fp64 where the CPU lacks bf16 instructions (prefill
 # 2.4x faster on an AVX2-only EPYC; `cpu_compat/bf16_linear.py`). The plugin installs it only when asked.
 CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "OMP_WAIT_POLICY": "PASSIVE", "KVEVICT_BF16_LINEAR": "fp64"}

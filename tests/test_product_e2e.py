@@ -20,7 +20,7 @@ import requests
 
 from sgl_kvevict.serve.serverproc import Server
 
-from .helpers import CHECKED_ENV, POOL, chat_ids, host_state, long_text
+from .helpers import CHECKED_ENV, POOL, START_TIMEOUT, chat_ids, host_state, long_text
 from .test_recall_e2e import FACT, fillers, session
 from .test_reliability_e2e import abort_stream, tracebacks
 
@@ -42,7 +42,7 @@ def product_server() -> Iterator[Server]:
     with pytest.MonkeyPatch.context() as mp:
         for k in TEST_ONLY:  # nor inherited from the environment the tests run in
             mp.delenv(k, raising=False)
-        srv = Server([*MAKE_SERVE, *ARGS], env=env, timeout=1200)
+        srv = Server([*MAKE_SERVE, *ARGS], env=env, timeout=START_TIMEOUT)
         assert not any(k in srv.env for k in TEST_ONLY), {k: srv.env[k] for k in TEST_ONLY if k in srv.env}
         srv.start()
         try:

@@ -2,8 +2,8 @@
 
 Where the CPU has neither AVX512-BF16 nor AMX, torch's bf16 GEMM takes a slow path: on a 2-core AVX2
 EPYC, one SmolLM2 MLP projection over 512 tokens took 99.6 ms in bf16 and 23.9 ms as "convert to
-fp64, multiply, round back" (1 thread, `results/bf16-linear/times.txt`;
-`python benchmarks/bf16_linear.py` measures it on the machine at hand).
+fp64, multiply, round back" (1 thread; measured by `benchmarks/bf16_linear.py`, removed after commit
+55a1648).
 The model stays bf16 (weights, activations, the KV pool); only the product is formed wider.
 
 Why fp64 and not fp32: bf16 products are exact in either, but fp32 sums round differently with the
