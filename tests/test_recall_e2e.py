@@ -330,6 +330,9 @@ def test_bad_request_recall_is_http_400(recall_server: Server, kv: dict, needle:
     assert r.status_code == 400 and needle in r.text, r.text
 
 
+TUNED = ["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-config"]  # then the knobs
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
@@ -343,81 +346,60 @@ def test_bad_request_recall_is_http_400(recall_server: Server, kv: dict, needle:
         ),
         (["--kv-policy", "snapkv", "--kv-host-tokens", "100"], "--kv-recall-tokens"),
         (
-            ["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-config", '{"page": 0}'],
+            [*TUNED, '{"page": 0}'],
             "[1, 256]",
         ),
         (
-            ["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-config", '{"page": 257}'],
+            [*TUNED, '{"page": 257}'],
             "[1, 256]",
         ),
         (
-            ["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-config", '{"fetch_pages": 0}'],
+            [*TUNED, '{"fetch_pages": 0}'],
             "[1, 4096]",
         ),
         (
-            [
-                "--kv-policy",
-                "snapkv",
-                "--kv-recall-tokens",
-                "8",
-                "--kv-recall-config",
-                '{"fetch_pages": 5000}',
-            ],
+            [*TUNED, '{"fetch_pages": 5000}'],
             "[1, 4096]",
         ),
         (
-            [
-                "--kv-policy",
-                "snapkv",
-                "--kv-recall-tokens",
-                "8",
-                "--kv-recall-config",
-                '{"fetch_pages": 2.5}',
-            ],
+            [*TUNED, '{"fetch_pages": 2.5}'],
             "[1, 4096]",
         ),
         (["--kv-policy", "snapkv", "--kv-recall-config", '{"fetch_pages": 16}'], "--kv-recall-tokens"),
         (
-            ["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-config", '{"every": -1}'],
+            [*TUNED, '{"every": -1}'],
             "[0, 4096]",
         ),
         (
-            ["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-config", '{"every": 1.5}'],
+            [*TUNED, '{"every": 1.5}'],
             "every",
         ),
         (
-            ["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-config", '{"min_score": -0.1}'],
+            [*TUNED, '{"min_score": -0.1}'],
             "[0.0, 1.0]",
         ),
         (
-            ["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-config", '{"min_score": 1.5}'],
+            [*TUNED, '{"min_score": 1.5}'],
             "[0.0, 1.0]",
         ),
         (
-            ["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-config", '{"min_score": NaN}'],
+            [*TUNED, '{"min_score": NaN}'],
             "[0.0, 1.0]",
         ),
         (
-            ["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-config", '{"min_score": "x"}'],
+            [*TUNED, '{"min_score": "x"}'],
             "[0.0, 1.0]",
         ),
         (["--kv-policy", "snapkv", "--kv-recall-config", '{"min_score": 0.1}'], "--kv-recall-tokens"),
         (["--kv-policy", "snapkv", "--kv-recall-config", '{"page": 8}'], "--kv-recall-tokens"),
         (["--kv-policy", "snapkv", "--kv-recall-config", '{"every": 4}'], "--kv-recall-tokens"),
         (
-            [
-                "--kv-policy",
-                "snapkv",
-                "--kv-recall-tokens",
-                "8",
-                "--kv-recall-config",
-                '{"summary": "quest"}',
-            ],
+            [*TUNED, '{"summary": "quest"}'],
             "'minmax', 'mean' or 'off'",
         ),
         (["--kv-policy", "snapkv", "--kv-recall-config", '{"summary": "mean"}'], "--kv-recall-tokens"),
         (
-            ["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-config", '{"append": "yes"}'],
+            [*TUNED, '{"append": "yes"}'],
             "--kv-recall-config",
         ),
         (["--kv-policy", "snapkv", "--kv-recall-config", '{"append": "off"}'], "--kv-recall-tokens"),
