@@ -21,7 +21,7 @@ history that a compression policy sees. Beyond two filler turns (`turns` > 4) Sm
 full cache: at 14 turns it answers 24 of 36, every code and budget and no name (asked for a name it
 answers the filler turns' question instead, `gave_filler_answer`); compare a compressed run with `none`
 from the same replay, kind by kind (`kind`). The `recall-code` scenario (`build_code`) is the same chat
-with a four-digit locker code as every session's fact, the kind the full cache answers at 14 turns, so
+with a four-digit vault code as every session's fact, the kind the full cache answers at 14 turns, so
 that a miss under compression there is compression's. With `question_forks` the
 question is a fork: several branches off the same history ask for the fact at once, each in its own
 words, and each must answer it.
@@ -91,11 +91,12 @@ def plant(statement: str, cfg: ScenarioConfig) -> Turn:
     return Turn(inputs=_user(f"Remember this: {statement}."), min_new_tokens=cfg.plant_room or None)
 
 
-def locker_fact(r: random.Random) -> tuple[str, str, str]:
-    """The `recall-code` scenario's fact: a four-digit locker code, the one kind SmolLM2-135M recalls
-    after 12 filler turns with a full cache (it misses names there, see the module docstring)."""
-    v = str(r.randint(*CODES))
-    return f"my locker code is {v}", "What is my locker code? Answer with the number only.", v
+def code_fact(r: random.Random) -> tuple[str, str, str]:
+    """The `recall-code` scenario's fact: `fact`'s four-digit vault code, the kind SmolLM2-135M recalls
+    after 12 filler turns with a full cache (it misses names there, see the module docstring). Worded as
+    `fact` words it: asked to remember "my locker code", the model answers the plant with "This is a
+    classic example of a password-related error" and later cannot give the code (0 of 12, full cache)."""
+    return fact(r, ("code",))
 
 
 def build(cfg: ScenarioConfig) -> Scenario:
@@ -103,9 +104,9 @@ def build(cfg: ScenarioConfig) -> Scenario:
 
 
 def build_code(cfg: ScenarioConfig) -> Scenario:
-    """`recall-code`: the recall chat with a locker code as every session's fact, so that the full cache
+    """`recall-code`: the recall chat with a vault code as every session's fact, so that the full cache
     answers (nearly) every question at 14 turns and each miss under compression is compression's."""
-    return _build(cfg, "recall-code", locker_fact)
+    return _build(cfg, "recall-code", code_fact)
 
 
 def _build(cfg: ScenarioConfig, name: str, make_fact) -> Scenario:

@@ -87,8 +87,8 @@ def test_recall_kind_follows_the_question() -> None:
     assert seen == set(asks)
 
 
-def test_recall_code_scenario_asks_every_session_for_its_locker_code() -> None:
-    """`recall-code`: the recall chat's turns, with a four-digit locker code as every session's fact (the
+def test_recall_code_scenario_asks_every_session_for_its_vault_code() -> None:
+    """`recall-code`: the recall chat's turns, with a four-digit vault code as every session's fact (the
     kind the full cache recalls), and the plain recall scenario unchanged beside it."""
     from sgl_kvevict.scenarios import build, recall
 
@@ -99,8 +99,8 @@ def test_recall_code_scenario_asks_every_session_for_its_locker_code() -> None:
     for s in sc.sessions:
         assert s.kind == "recall-code" and len(s.turns) == 14
         plant, q = s.turns[0], s.turns[-1]
-        assert plant.inputs[0].content == f"Remember this: my locker code is {q.expect}."
-        assert recall.kind(q.expect) == "code" and "locker code" in q.inputs[0].content
+        assert plant.inputs[0].content == f"Remember this: the vault code is {q.expect}."
+        assert recall.kind(q.expect) == "code" and "vault code" in q.inputs[0].content
         assert all("What is the topic of this note?" in t.inputs[0].content for t in s.turns[1:-1])
         values.add(q.expect)
     assert len(values) > 6  # each session its own code
