@@ -551,7 +551,9 @@ def parse(argv: list[str] | None = None) -> BenchConfig:
         epilog=__doc__,
     )
     p.add_argument(
-        "--scenarios", default="agent,recall", help="comma list of: agent, recall, forks, long, sharegpt"
+        "--scenarios",
+        default="agent,recall",
+        help="comma list of: agent, recall, recall-code, forks, long, sharegpt",
     )
     p.add_argument("--scenario-path", help="sharegpt/OpenAI-messages JSON or JSONL file (scenario sharegpt)")
     p.add_argument("--sessions", type=int, default=4, help="sessions per scenario")

@@ -10,6 +10,7 @@ from .base import Scenario, ScenarioConfig
 BUILDERS: dict[str, Callable[[ScenarioConfig], Scenario]] = {
     "agent": agent.build,
     "recall": recall.build,
+    "recall-code": recall.build_code,
     "forks": forks.build,
     "long": long.build,
     "sharegpt": sharegpt.build,

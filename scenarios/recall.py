@@ -20,7 +20,9 @@ The fact stays in the first turn, with every filler turn after it, so it is the 
 history that a compression policy sees. Beyond two filler turns (`turns` > 4) SmolLM2-135M misses more with a
 full cache: at 14 turns it answers 24 of 36, every code and budget and no name (asked for a name it
 answers the filler turns' question instead, `gave_filler_answer`); compare a compressed run with `none`
-from the same replay, kind by kind (`kind`). With `question_forks` the
+from the same replay, kind by kind (`kind`). The `recall-code` scenario (`build_code`) is the same chat
+with a four-digit vault code as every session's fact, the kind the full cache answers at 14 turns, so
+that a miss under compression there is compression's. With `question_forks` the
 question is a fork: several branches off the same history ask for the fact at once, each in its own
 words, and each must answer it.
 """
@@ -63,9 +65,9 @@ BUDGETS = (20, 990)
 FILLER_ANSWER = "topic of this note"
 
 
-def fact(r: random.Random) -> tuple[str, str, str]:
+def fact(r: random.Random, kinds: tuple[str, ...] = ("code", "name", "number")) -> tuple[str, str, str]:
     """(statement, question, expected value)."""
-    kind = r.choice(["code", "name", "number"])
+    kind = r.choice(list(kinds))
     if kind == "code":
         v = str(r.randint(*CODES))
         return f"the vault code is {v}", "What is the vault code? Answer with the number only.", v
@@ -89,11 +91,29 @@ def plant(statement: str, cfg: ScenarioConfig) -> Turn:
     return Turn(inputs=_user(f"Remember this: {statement}."), min_new_tokens=cfg.plant_room or None)
 
 
+def code_fact(r: random.Random) -> tuple[str, str, str]:
+    """The `recall-code` scenario's fact: `fact`'s four-digit vault code, the kind SmolLM2-135M recalls
+    after 12 filler turns with a full cache (it misses names there, see the module docstring). Worded as
+    `fact` words it: asked to remember "my locker code", the model answers the plant with "This is a
+    classic example of a password-related error" and later cannot give the code (0 of 12, full cache)."""
+    return fact(r, ("code",))
+
+
 def build(cfg: ScenarioConfig) -> Scenario:
+    return _build(cfg, "recall", fact)
+
+
+def build_code(cfg: ScenarioConfig) -> Scenario:
+    """`recall-code`: the recall chat with a vault code as every session's fact, so that the full cache
+    answers (nearly) every question at 14 turns and each miss under compression is compression's."""
+    return _build(cfg, "recall-code", code_fact)
+
+
+def _build(cfg: ScenarioConfig, name: str, make_fact) -> Scenario:
     sessions = []
     for i in range(cfg.sessions):
-        r = rng_for(cfg.seed, "recall", i)
-        statement, question, value = fact(r)
+        r = rng_for(cfg.seed, name, i)
+        statement, question, value = make_fact(r)
         turns = [plant(statement, cfg)]
         for _ in range(max(0, cfg.turns - 2)):
             topic = r.choice(TOPICS)
@@ -105,8 +125,8 @@ def build(cfg: ScenarioConfig) -> Scenario:
             turns.append(Turn(inputs=[], branches=asks, expect=value, max_new_tokens=16))
         else:
             turns.append(Turn(inputs=_user(question), expect=value, max_new_tokens=16))
-        sessions.append(Session(id=f"recall-{i}", kind="recall", turns=turns))
-    return Scenario(name="recall", seed=cfg.seed, sessions=sessions)
+        sessions.append(Session(id=f"{name}-{i}", kind=name, turns=turns))
+    return Scenario(name=name, seed=cfg.seed, sessions=sessions)
 
 
 def correct(answer: str, expect: str) -> bool:

@@ -51,7 +51,7 @@ def test_scenarios_are_deterministic() -> None:
     from sgl_kvevict.scenarios import build
 
     cfg = ScenarioConfig(sessions=2, turns=3, seed=7)
-    for name in ("agent", "recall", "forks", "long"):
+    for name in ("agent", "recall", "recall-code", "forks", "long"):
         assert build(name, cfg) == build(name, cfg)
         assert build(name, cfg) != build(name, cfg.model_copy(update={"seed": 8}))
 
@@ -85,6 +85,27 @@ def test_recall_kind_follows_the_question() -> None:
         assert asks[k] in q.inputs[0].content, (q.expect, q.inputs[0].content)
         seen.add(k)
     assert seen == set(asks)
+
+
+def test_recall_code_scenario_asks_every_session_for_its_vault_code() -> None:
+    """`recall-code`: the recall chat's turns, with a four-digit vault code as every session's fact (the
+    kind the full cache recalls), and the plain recall scenario unchanged beside it."""
+    from sgl_kvevict.scenarios import build, recall
+
+    cfg = ScenarioConfig(sessions=12, turns=14, filler_tokens=150)
+    sc = build("recall-code", cfg)
+    assert sc.name == "recall-code" and len(sc.sessions) == 12
+    values = set()
+    for s in sc.sessions:
+        assert s.kind == "recall-code" and len(s.turns) == 14
+        plant, q = s.turns[0], s.turns[-1]
+        assert plant.inputs[0].content == f"Remember this: the vault code is {q.expect}."
+        assert recall.kind(q.expect) == "code" and "vault code" in q.inputs[0].content
+        assert all("What is the topic of this note?" in t.inputs[0].content for t in s.turns[1:-1])
+        values.add(q.expect)
+    assert len(values) > 6  # each session its own code
+    plain = build("recall", cfg)
+    assert plain.sessions[0].turns[0].inputs[0].content == "Remember this: the vault code is 4161."
 
 
 def test_recall_report_counts_answers_by_kind() -> None:
