@@ -6,7 +6,7 @@ ARGS ?=
 WORKERS ?= 2
 ENV := bash scripts/env.sh
 
-.PHONY: help env serve serve-cluster test test-fast faults lint model-path bench-kvpress docs docs-serve
+.PHONY: help env serve serve-cluster test test-long test-fast faults lint model-path bench-kvpress docs docs-serve
 
 ## List every target with its description.
 help:
@@ -24,12 +24,17 @@ serve:
 serve-cluster:
 	@PY=$$($(ENV)) && $$PY -m sgl_kvevict.cluster --workers $(WORKERS) --port $(PORT) -- --kv-policy $(POLICY) --kv-budget $(BUDGET) $(ARGS)
 
-## The whole test suite (unit, integration on SGLang's real pools, end-to-end on the real server).
+## The test suite CI runs: ruff, unit, integration on SGLang's real pools, end-to-end on the real server; not the `long` tests.
 ## OpenMP threads wait passively (as the CPU servers do, sgl_kvevict/launch.py): the suite shares 2 cores with its servers.
 test:
 	@PY=$$($(ENV)) && echo "[test] ruff" && $$PY -m ruff check . && $$PY -m ruff format --check . && \
 	  echo "[test] pytest" && $$PY -m sgl_kvevict.model >/dev/null && \
-	  OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $$PY -m pytest -v -rs --durations=25 tests
+	  OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $$PY -m pytest -v -rs --durations=25 -m "not long" tests
+
+## The long end-to-end tests (marker `long`: memory pressure, soak, sweeps, the cluster); not in CI. Run before a release.
+test-long:
+	@PY=$$($(ENV)) && $$PY -m sgl_kvevict.model >/dev/null && \
+	  OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $$PY -m pytest -v -rs --durations=25 -m long tests
 
 ## Only the tests that need no server.
 test-fast:

@@ -158,6 +158,7 @@ def small_pool_server():
         assert srv.alive(), srv.tail()
 
 
+@pytest.mark.long
 def test_full_pool_twelve_sessions_complete_without_leaks(small_pool_server: Server):
     with ThreadPoolExecutor(12) as ex:
         runs = list(

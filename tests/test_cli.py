@@ -31,21 +31,10 @@ def launch(*args: str, model: str = MISSING_MODEL) -> subprocess.CompletedProces
 @pytest.mark.parametrize(
     ("args", "needles"),
     [
+        # one case per layer that can refuse: argparse's choices, the plugin's start hook, SGLang's own
+        # features; the rest of the refusals run in process (test_bad_flags_refused_by_the_hook)
         (["--kv-policy", "bogus"], ["--kv-policy", "invalid choice", "lagkv", "d2o"]),
         (["--kv-policy", "lagkv", "--kv-budget", "1.5"], ["--kv-budget", "out of range"]),
-        (["--kv-policy", "lagkv", "--kv-budget", "0"], ["--kv-budget", "out of range"]),
-        (["--kv-policy", "lagkv", "--kv-policy-config", "{lag: 3"], ["--kv-policy-config", "not valid JSON"]),
-        (["--kv-policy", "lagkv", "--kv-policy-config", '{"lag": -1}'], ["--kv-policy-config", "'lag'"]),
-        (["--kv-policy", "lagkv", "--kv-policy-config", '{"colour": 1}'], ["--kv-policy-config", "'colour'"]),
-        (
-            ["--kv-policy", "criticalkv", "--kv-policy-config", '{"base": "lagkv"}'],
-            ["--kv-policy-config", "lagkv"],
-        ),
-        (
-            ["--kv-policy", "graphkv", "--kv-policy-config", '{"base": "nope"}'],
-            ["--kv-policy-config", "nope"],
-        ),
-        (["--kv-policy", "lagkv", "--page-size", "16"], ["--page-size 1"]),
         (["--kv-policy", "lagkv", "--enable-hierarchical-cache"], ["--enable-hierarchical-cache"]),
     ],
 )
@@ -89,6 +78,19 @@ def check_in_process(monkeypatch, capsys, args: list[str], model: str = MISSING_
     ("args", "needles"),
     [
         (["--kv-policy", "d2o", "--pp-size", "2"], ["pipeline parallelism", "--pp-size 2"]),
+        (["--kv-policy", "lagkv", "--kv-budget", "0"], ["--kv-budget", "out of range"]),
+        (["--kv-policy", "lagkv", "--kv-policy-config", "{lag: 3"], ["--kv-policy-config", "not valid JSON"]),
+        (["--kv-policy", "lagkv", "--kv-policy-config", '{"lag": -1}'], ["--kv-policy-config", "'lag'"]),
+        (["--kv-policy", "lagkv", "--kv-policy-config", '{"colour": 1}'], ["--kv-policy-config", "'colour'"]),
+        (
+            ["--kv-policy", "criticalkv", "--kv-policy-config", '{"base": "lagkv"}'],
+            ["--kv-policy-config", "lagkv"],
+        ),
+        (
+            ["--kv-policy", "graphkv", "--kv-policy-config", '{"base": "nope"}'],
+            ["--kv-policy-config", "nope"],
+        ),
+        (["--kv-policy", "lagkv", "--page-size", "16"], ["--page-size 1"]),
         (
             ["--kv-policy", "h2o", "--kv-policy-config", '{"window": 64}'],
             ["--kv-policy-config", "'window' (64)", "'recent' (32)"],

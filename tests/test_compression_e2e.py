@@ -106,6 +106,7 @@ def window_of(policy: str, cfg: dict) -> int:
 SIX_NEW = 120
 
 
+@pytest.mark.long
 def test_six_policies_at_once_hold_their_budget(kv_server: Server):
     prompts = {
         n: chat_ids(
@@ -292,6 +293,7 @@ def retract_server():
         assert srv.alive(), srv.tail()
 
 
+@pytest.mark.long
 def test_retracted_compressed_requests_complete(retract_server: Server):
     prompts = [
         chat_ids([{"role": "user", "content": long_text(500, seed=60 + i) + "\nList three workers."}])

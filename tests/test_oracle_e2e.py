@@ -239,6 +239,7 @@ def split_runs() -> Iterator[tuple[dict[str, list[oracle.Turn]], dict]]:
         yield out, srv.server_info()["internal_states"][0]["kvevict"]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("key", [*SPLIT, "session/snapkv"])
 def test_split_compression_equals_hf(split_runs, model, key: str):
     runs_, info = split_runs

@@ -22,7 +22,7 @@ from sgl_kvevict.serve.serverproc import Server
 
 from .helpers import POOL, _server, chat_ids, long_text
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.long]
 
 POLICIES = [
     {"policy": "d2o", "budget": 96},

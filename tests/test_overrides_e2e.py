@@ -12,7 +12,7 @@ from sgl_kvevict.serve.serverproc import Server
 
 from .helpers import POOL, _server, chat_ids, long_text
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.long]
 
 
 @pytest.fixture(scope="module")

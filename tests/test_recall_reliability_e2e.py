@@ -16,7 +16,7 @@ from sgl_kvevict.serve.serverproc import Server
 from .helpers import _server, chat_ids, host_state, long_text, speed, watchdog
 from .test_reliability_e2e import abort_stream, flush_until_whole, tracebacks
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.long]
 
 POOL_TOKENS, HOST_TOKENS, RECALL = 2600, 8000, 64
 POLICIES = ["snapkv", "d2o", "lagkv", "knorm"]

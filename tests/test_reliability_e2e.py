@@ -26,7 +26,7 @@ from .helpers import _server, chat_ids, long_text, scheduler_report, speed, watc
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_soak import flush_until_whole, run_soak  # noqa: E402
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.long]
 
 POLICIES = ["streaming", "knorm", "h2o", "snapkv", "lagkv", "d2o", "graphkv", "criticalkv"]
 POOL_TOKENS = 6000

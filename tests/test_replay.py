@@ -236,6 +236,7 @@ def test_sharegpt_loader(tmp_path: Path) -> None:
 
 
 @pytest.mark.server
+@pytest.mark.long
 def test_short_replay(tmp_path: Path) -> None:
     cfg = replay.BenchConfig(
         scenarios=["agent"],
@@ -288,6 +289,7 @@ def test_short_replay(tmp_path: Path) -> None:
 
 
 @pytest.mark.server
+@pytest.mark.long
 def test_long_session_branch_scope_caps_session_kv(tmp_path: Path) -> None:
     """One 8-turn session with short turns under snapkv at a 48-token budget in both scopes: every turn
     reports the session's KV and its branch KV; branch scope holds less at the last turn than request

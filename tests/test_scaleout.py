@@ -71,6 +71,7 @@ def _metric(text: str, name: str) -> float:
 
 
 @pytest.mark.server
+@pytest.mark.long
 def test_sessions_stay_on_their_worker_behind_the_router_and_metrics_are_exported(tmp_path):
     with Cluster(2, WORKER_ARGS, env=CHECKED_ENV, log_dir=tmp_path) as c:
         with ThreadPoolExecutor(3) as ex:
@@ -129,6 +130,7 @@ ENGINE_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.server
+@pytest.mark.long
 def test_offline_engine_takes_the_policy_as_keyword_arguments():
     env = {
         **CHECKED_ENV,
@@ -239,6 +241,7 @@ def test_engine_builds_server_args_from_our_keywords(monkeypatch):
 
 
 @pytest.mark.server
+@pytest.mark.long
 def test_data_parallel_ranks_each_compress_and_report():
     """`--dp-size 2` under a policy: each rank runs its own compressing tree (on CPU, launch binds one
     core range per rank: SGLANG_CPU_OMP_THREADS_BIND)."""

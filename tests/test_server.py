@@ -63,6 +63,7 @@ def test_greedy_tokens_equal_hf_transformers(plain_server: Server, i: int):
     assert got == want, f"server {tokenizer().decode(got)!r} != HF {tokenizer().decode(want)!r}"
 
 
+@pytest.mark.long
 def test_kv_policy_none_is_plain_sglang(plain_server: Server, none_server: Server):
     for msgs in PROMPTS:
         ids = chat_ids(msgs)

@@ -27,6 +27,7 @@ def test_free_ports_avoid_the_ephemeral_range_and_sglangs_own() -> None:
 
 
 @pytest.mark.server
+@pytest.mark.long
 def test_a_taken_port_is_retried_on_a_fresh_one() -> None:
     srv = Server(POOL, env=CHECKED_ENV, timeout=START_TIMEOUT)
     taken = srv.port

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,6 +26,18 @@ def free_port() -> int:
 
 
 PORT_TAKEN = "address already in use"
+
+
+def port_is_taken(port: int) -> bool:
+    """Whether another process holds the port now: checked before a start, so a taken port costs a
+    bind, not the minute SGLang spends loading before it binds its HTTP port."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed server's TIME_WAIT is free
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
 
 
 def stop_child(proc: subprocess.Popen, grace: float) -> None:
@@ -87,6 +100,8 @@ class Server:
         return self._start_once()
 
     def _start_once(self) -> Server:
+        if port_is_taken(self.port):
+            raise PortTaken(f"port {self.port} is in use by another process")
         print(
             f"[server] starting on :{self.port} (log {self.log_path}): {' '.join(self.cmd[3:])}",
             file=sys.stderr,
