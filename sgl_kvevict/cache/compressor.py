@@ -4,7 +4,7 @@ A step has two phases, so that a failure anywhere in policy code leaves the requ
 
 *Plan* (may fail, writes nothing the request or the tree can see):
 1. ask the policy, layer by layer, which region tokens each KV head keeps;
-2. if the policy merges (D2O), or the region starts with slots the tree owns, stage the region's K/V in
+2. if the policy merges (`Policy.merges`), or the region starts with slots the tree owns, stage the region's K/V in
    dense copies outside the pool, merge there and compact there.
 
 *Commit* (plain indexing, no policy code): write the kept K/V into the first `k` region slots (or, for a
@@ -44,7 +44,7 @@ from sgl_kvevict.cache import capture, demote, runtime, slotstats
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.nodes import is_compressed
 from sgl_kvevict.policies import LayerView, Policy
-from sgl_kvevict.policies.base import Phase
+from sgl_kvevict.policies.base import MERGED_STAT, Phase
 
 logger = logging.getLogger("sgl_kvevict")
 
@@ -509,7 +509,7 @@ def run(job: Job) -> int:
     for v in plan.views:  # bookkeeping: device statistics stay tensors, read where reported (`stats`)
         for name, val in v.stats.items():
             s.layer_stats.setdefault(name, [0.0] * rt.n_layers)[v.layer] = val
-        merged = v.stats.get("d2o_merged")
+        merged = v.stats.get(MERGED_STAT)
         if merged is not None:
             s.merged_count.add(merged)
             rt.totals.merged.add(merged)
