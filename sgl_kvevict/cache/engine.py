@@ -30,10 +30,9 @@ from typing import Any
 
 import torch
 
-from sgl_kvevict.cache import capture, compressor, demote, runtime, slotstats
+from sgl_kvevict.cache import capture, compressor, demote, runtime
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.compressor import Job
-from sgl_kvevict.policies import ragged
 from sgl_kvevict.policies.base import BatchView, Phase
 
 logger = logging.getLogger("sgl_kvevict")
@@ -133,12 +132,6 @@ def _defer(jobs: list[tuple[int, Job]], cap: int) -> list[tuple[int, Job]]:
     return run
 
 
-def _host_index(lengths: list[int], width: int, device: torch.device) -> torch.Tensor:
-    """Flat positions `r * width + j` for j < lengths[r]: where ragged rows sit in a padded layout."""
-    starts = [r * width for r in range(len(lengths))]
-    return ragged.aranges(starts, lengths).to(device, non_blocking=True)
-
-
 def _col(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64).view(-1, 1).to(device, non_blocking=True)
 
@@ -190,34 +183,15 @@ def _batch_view(jobs: list[Job], counts: list) -> BatchView:
 
 
 def _commit_group(jobs: list[Job], slots_pad: torch.Tensor, keep: torch.Tensor, ks: list[int]) -> None:
-    """Compaction for the group: each request's kept entries into the first k slots of its region (one
-    gather and one write per layer and buffer for all), demoted entries to the host tier first, and the
-    rest of the slots back to the allocator in one call. Nothing here can fail on valid indices; a
-    failure before it left everything as it was."""
-    rt = runtime.RT
-    dev = slots_pad.device
-    R, L, H, kmax = keep.shape  # noqa: N806
-    nmax = slots_pad.shape[1]
+    """The group's commit: demoted entries to the host tier first, then `compressor.compact_own` for
+    all requests at once (the commit the per-request path uses for a region of its own). Nothing here
+    can fail on valid indices; a failure before it left everything as it was."""
     # demote (recall on): the entries each request evicts, copied to host columns before any write
     dems = [
         demote.plan_demote(j.s, j.a, slots_pad[r, : j.n], keep[r, :, :, :k]) if demote.enabled(j.s) else None
         for r, (j, k) in enumerate(zip(jobs, ks, strict=True))
     ]
-    sel = _host_index(ks, kmax, dev)  # [sum k] valid (request, i) pairs of the padded kept layout
-    src = slots_pad.gather(1, keep.clamp(max=nmax - 1).reshape(R, -1)).view(R, L, H, kmax)
-    src = src.permute(1, 0, 3, 2).reshape(L, R * kmax, H).index_select(1, sel)  # [L, sum k, H]
-    heads = torch.arange(H, device=dev)
-    src_rows = (src * H + heads).reshape(L, -1)  # [L, sum k * H] flat (slot, head) pool rows
-    dst = slots_pad[:, :kmax].reshape(-1).index_select(0, sel)  # the first k region slots
-    dst_rows = (dst.unsqueeze(-1) * H + heads).reshape(-1)
-    for layer in range(L):
-        for buf in (rt.k_buffer(layer), rt.v_buffer(layer)):
-            flat = buf.view(-1, buf.shape[-1])
-            flat.index_copy_(0, dst_rows, flat.index_select(0, src_rows[layer]))  # gather, then write
-    if slotstats.STATS is not None:  # the per-slot statistic moves with its row, all layers in one op
-        slotstats.move_rows(slotstats.STATS, src_rows, dst_rows)
-    evicted = slots_pad.reshape(-1).index_select(0, _tail_index(ks, [j.n for j in jobs], nmax, dev))
-    rt.allocator.free(evicted)
+    compressor.compact_own(slots_pad, keep, ks, [j.n for j in jobs])
     for j, d in zip(jobs, dems, strict=True):
         demote.commit_demote(j.s, d, True)
 
@@ -249,13 +223,6 @@ def _bookkeeping(jobs: list[Job], batch: BatchView, keep: torch.Tensor, counts: 
     rt.tree.offsets[rows.to(rt.tree.offsets.device)] = torch.tensor(offs, dtype=rt.tree.offsets.dtype).to(
         rt.tree.offsets.device
     )
-
-
-def _tail_index(ks: list[int], ns: list[int], width: int, device: torch.device) -> torch.Tensor:
-    """Flat padded positions `r * width + j` for ks[r] <= j < ns[r]: the slots each request frees."""
-    starts = [r * width + k for r, k in enumerate(ks)]
-    drop = [n - k for k, n in zip(ks, ns, strict=True)]
-    return ragged.aranges(starts, drop).to(device, non_blocking=True)
 
 
 def _window_attention(jobs: list[Job], reg: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
