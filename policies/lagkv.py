@@ -56,11 +56,14 @@ over all requests (ragged layouts flat or padded, their indices built on the hos
    CPU, its Triton kernel on GPU; the pairs across two requests are scored and dropped), top k of each.
 2. *chunk recursion*, one pass per round over the requests still in it: the compressed part's chunks
    (per head, so gathered per (slot, head) row) and the reference block.
-3. *final cut*: `lag_score_dense` over the compressed part padded to the longest (`-inf` before the
+3. *final cut*: the compressed part as one partition (Eqs. 7-10 with unequal sizes) padded to the longest (`-inf` before the
    softmax, `+inf`/`-inf` before the reference's min/max), top `budget`.
 
-Scores are computed by the same ops, row for row, as `select`, so the kept tokens are the same
-(`tests/test_engine_sync.py` compares the two on ragged batches).
+`select` (the per-request path, one layer at a time) is this selection over a batch of one request and
+one layer, so both paths run the same code; `tests/test_policies.py` checks it against a plain-list
+LagKV (`naive_lagkv`), `tests/test_engine_sync.py` a ragged batch against one request at a time. A
+refiner (GraphKV over LagKV) re-ranks each scored partition's scores through `refine` (batch of one
+only: its rows must not be padded).
 """
 
 from __future__ import annotations
@@ -111,19 +114,6 @@ class LagKVConfig(PolicyConfig):
                 f"must keep between 1 and lag - 1 = {self.lag - 1}"
             )
         return self
-
-
-def lag_score_dense(z: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """Eqs. 7-10 for one partition of any size: z [R, M, D] judged by ref [R, M', D]; softmax over M."""
-    mn = ref.float().amin(dim=1, keepdim=True)
-    mx = ref.float().amax(dim=1, keepdim=True)
-    zn = (z.float() - mn) / (mx - mn + EPS)
-    return zn.std(dim=-1).softmax(dim=-1)
-
-
-def _gather_heads(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """x [H, N, D], idx [H, M] -> [H, M, D]."""
-    return x.gather(1, idx.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
 
 
 @register
@@ -193,80 +183,18 @@ class LagKVPolicy(Policy):
     def select(self, view: LayerView, budget: int) -> torch.Tensor:
         return self.select_refined(view, budget, None)
 
-    def _lag(self, kbuf: torch.Tensor, vbuf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        from sgl_kvevict.kernels import lag_scores
-
-        s = lag_scores(kbuf, slots, self.config.lag)
-        if self.config.score_v_ratio:
-            s = s + self.config.score_v_ratio * lag_scores(vbuf, slots, self.config.lag)
-        return s
-
-    def _top_per_chunk(self, s: torch.Tensor, keys: torch.Tensor, refine: Refine | None) -> torch.Tensor:
-        """s [H, P, L], keys [H, P, L, D] -> [H, P*k] sorted offsets into the P*L tokens."""
-        h, p, lag = s.shape
-        k = self.keep_per_partition
-        if refine is not None:
-            s = refine(s.reshape(h * p, lag), keys.reshape(h * p, lag, -1), k).view(h, p, lag)
-        top = s.topk(k, dim=-1).indices.sort(dim=-1).values
-        return (top + torch.arange(p, device=s.device).unsqueeze(-1) * lag).flatten(1)
-
     def select_refined(self, view: LayerView, budget: int, refine: Refine | None) -> torch.Tensor:
-        """`select`, with an optional refinement of the scores inside each partition (GraphKV over LagKV)."""
-        lag, h, n = self.config.lag, view.n_kv_heads, view.n
-        dev = view.slots.device
-        t0 = max(view.n_sink, view.n_compacted)
-        pc = self._partitions(n, view.n_sink, view.n_recent, view.n_compacted)
-        seq = torch.arange(view.n_sink, t0, device=dev).expand(h, -1)
-        if pc > 0:
-            sl = view.slots[t0 : t0 + (pc + 1) * lag]
-            s = self._lag(view.k_buffer, view.v_buffer, sl)  # [H, pc, L]
-            keys = view.k_buffer[sl[: pc * lag]].transpose(0, 1).reshape(h, pc, lag, -1)
-            new = self._top_per_chunk(s, keys, refine) + t0
-            seq = torch.cat([seq, new], dim=1)
-        raw = torch.arange(t0 + pc * lag, n, device=dev)
-        if self.config.cap_to_budget and seq.shape[1] > budget:
-            seq = self._recurse(view, seq, raw[:lag], max(0, budget), refine)
-        sinks = torch.arange(view.n_sink, device=dev).expand(h, -1)
-        return torch.cat([sinks, seq, raw.expand(h, -1)], dim=1)
-
-    def _recurse(
-        self, view: LayerView, seq: torch.Tensor, ref: torch.Tensor, budget: int, refine: Refine | None
-    ) -> torch.Tensor:
-        """Chunk recursion over the compressed part `seq` [H, c] (sorted region indices per head)."""
-        from sgl_kvevict.kernels import lag_scores
-
-        lag, h = self.config.lag, seq.shape[0]
-        keys, values = view.keys(), view.values()  # [H, N, D]
-        vr = self.config.score_v_ratio
-        while seq.shape[1] > budget and seq.shape[1] >= lag and ref.numel() == lag:
-            c = seq.shape[1]
-            rem = c % lag
-            q = c // lag
-            idx = torch.cat([seq[:, rem:], ref.expand(h, -1)], dim=1)  # [H, (q+1)L]
-            kk, vv = _gather_heads(keys, idx), _gather_heads(values, idx)
-            ar = torch.arange(idx.shape[1], device=idx.device)
-            # the kernel reads a [pool, H, D] buffer: feed it the per-head sequences as one
-            s = lag_scores(kk.transpose(0, 1).contiguous(), ar, lag)
-            if vr:
-                s = s + vr * lag_scores(vv.transpose(0, 1).contiguous(), ar, lag)
-            off = self._top_per_chunk(s, kk[:, : q * lag].reshape(h, q, lag, -1), refine)
-            seq = torch.cat([seq[:, :rem], seq[:, rem:].gather(1, off)], dim=1)
-        if seq.shape[1] <= budget:
-            return seq
-        if budget == 0:
-            return seq[:, :0]
-        kz, vz = _gather_heads(keys, seq), _gather_heads(values, seq)
-        if ref.numel() > 0:
-            kr, vr_ = keys[:, ref], values[:, ref]
-        else:  # nothing after the compressed part: judge it against itself (LocalKV, Eqs. 14-15)
-            kr, vr_ = kz, vz
-        s = lag_score_dense(kz, kr)
-        if vr:
-            s = s + vr * lag_score_dense(vz, vr_)
-        if refine is not None:
-            s = refine(s, kz, budget)
-        top = s.topk(budget, dim=-1).indices.sort(dim=-1).values
-        return seq.gather(1, top)
+        """`select`, with an optional refinement of the scores inside each partition (GraphKV over
+        LagKV): the batched selection over a batch of one request and one layer."""
+        c = lag_counts(self, view.n, view.n_sink, view.n_recent, view.n_compacted, budget)
+        one = BatchView(
+            slots=view.slots.view(1, -1),
+            valid=torch.ones(1, view.n, dtype=torch.bool, device=view.slots.device),
+            k_buffers=[view.k_buffer],
+            v_buffers=[view.v_buffer],
+            counts=[c],
+        )
+        return batch_select(self, one, refine)[0, 0]
 
 
 # Bound on the gathered K (or V) elements scored at once: the layers are scored in chunks below it. On a
@@ -284,8 +212,8 @@ def _layer_step(per_layer: int, dev: torch.device) -> int:
 
 @dataclass
 class LagCounts:
-    """One request's LagKV step, every count on the host (`LagKVPolicy.batch_counts`; the same counts
-    `select_refined` arrives at), for `select_batch`: what `Kept` holds, and the recursion's."""
+    """One request's LagKV step, every count on the host (`lag_counts`), for `batch_select`: what `Kept`
+    holds, and the recursion's."""
 
     n: int
     n_sink: int
@@ -375,7 +303,7 @@ def _rows(slots_flat: torch.Tensor, pos: torch.Tensor, heads: torch.Tensor) -> t
 
 
 def _dense(kz: torch.Tensor, kr: torch.Tensor, rmask: torch.Tensor) -> torch.Tensor:
-    """`policies.lagkv.lag_score_dense` before its softmax, padded: z `[..., W, D]` judged by the
+    """Eqs. 7-10 before the softmax, padded: z `[..., W, D]` min-max normalised per channel by the
     reference `[..., Wr, D]` whose real rows are `rmask` `[..., Wr]`. Returns the per-token std."""
     r = kr.float()
     m = rmask.unsqueeze(-1)
@@ -385,10 +313,12 @@ def _dense(kz: torch.Tensor, kr: torch.Tensor, rmask: torch.Tensor) -> torch.Ten
     return zn.std(dim=-1)
 
 
-def _cut(batch: BatchView, fin: list[int], seq: torch.Tensor, lag: int, vr: float) -> torch.Tensor:
+def _cut(
+    batch: BatchView, fin: list[int], seq: torch.Tensor, lag: int, vr: float, refine: Refine | None
+) -> torch.Tensor:
     """Stage 3 for the requests `fin`: each one's compressed part (`seq` `[L, H, R, Cmax]`, its first
     `pre` entries) scored as one partition against the raw tail's first L tokens (against itself when
-    there is no raw tail, as `LagKVPolicy._recurse` does) and cut to its top `cut`, in position order."""
+    there is no raw tail: LocalKV, Eqs. 14-15) and cut to its top `cut`, in position order."""
     cs: list[LagCounts] = batch.counts
     sflat, nmax = batch.slots.reshape(-1), batch.slots.shape[1]
     L, H, R, cmax = seq.shape  # noqa: N806
@@ -408,6 +338,8 @@ def _cut(batch: BatchView, fin: list[int], seq: torch.Tensor, lag: int, vr: floa
     wr = max(ref_n)
     raw_pos, rmask = ragged.padded([cs[r].n - cs[r].raw for r in fin], ref_n, wr)
     zidx, _ = ragged.padded([0] * F, ref_n, wr)
+    # (clamped: a request judged by its raw tail reads none of these, and its tail may be longer than Cmax)
+    zidx = zidx.clamp(max=cmax - 1)
     own = zsel.gather(3, _to(zidx, dev).view(1, 1, F, wr).expand(L, H, F, wr))
     sr = _to(torch.tensor(self_ref).view(F, 1), dev)
     rpos = torch.where(sr, own, _to(raw_pos, dev).view(1, 1, F, wr))
@@ -431,6 +363,8 @@ def _cut(batch: BatchView, fin: list[int], seq: torch.Tensor, lag: int, vr: floa
     s = s.masked_fill(zm, float("-inf"))
     cuts = [cs[r].cut for r in fin]
     bmax = max(cuts)
+    if refine is not None:  # one request: no padding
+        s = _refined(batch, s, zrows, bmax, refine)
     top = s.topk(bmax, dim=-1).indices  # [L, H, F, bmax], best first
     past = torch.arange(bmax).unsqueeze(0) >= torch.tensor(cuts).view(-1, 1)
     top = top.masked_fill(_to(past, dev), w).sort(dim=-1).values.clamp(max=w - 1)
@@ -450,7 +384,36 @@ def _dense_rows(buf: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return flat.index_select(0, rows.reshape(-1)).view(*rows.shape, buf.shape[-1])
 
 
-def _first_stage(batch: BatchView, seq: torch.Tensor, lag: int, kk: int, vr: float) -> None:
+def _top(
+    batch: BatchView,
+    s: torch.Tensor,
+    rows: torch.Tensor,
+    scored: torch.Tensor,
+    kk: int,
+    refine: Refine | None,
+) -> torch.Tensor:
+    """`[L, H, P, kk]` sorted offsets of the top `kk` of each scored block `s` `[L, H, P, lag]`. `rows`:
+    the blocks' flat pool rows `[L or 1, H, B * lag]`, `scored`: which blocks `s` holds (for `refine`,
+    which also reads their keys)."""
+    if refine is not None:
+        blocks = rows.view(rows.shape[0], rows.shape[1], -1, s.shape[-1]).index_select(2, scored)
+        s = _refined(batch, s, blocks, kk, refine)
+    return s.topk(kk, dim=-1).indices.sort(dim=-1).values
+
+
+def _refined(batch: BatchView, s: torch.Tensor, rows: torch.Tensor, k: int, refine: Refine) -> torch.Tensor:
+    """`refine` over scores `s` `[L, H, P, W]` whose keys sit at pool rows `rows` `[L or 1, H, P, W]`;
+    every (layer, head, block) is one row of the refiner's input."""
+    L, H, P, W = s.shape  # noqa: N806
+    keys = torch.stack(
+        [_dense_rows(batch.k_buffers[x], rows[x if rows.shape[0] > 1 else 0]) for x in range(L)]
+    )
+    return refine(s.reshape(L * H * P, W), keys.reshape(L * H * P, W, -1), k).view(L, H, P, W)
+
+
+def _first_stage(
+    batch: BatchView, seq: torch.Tensor, lag: int, kk: int, vr: float, refine: Refine | None
+) -> None:
     """Stage 1, in place on `seq` `[L, H, R, Cmax]`: every request's scored partitions, laid end to end
     with their successors; the top `kk` of each go after the request's compacted part."""
     cs: list[LagCounts] = batch.counts
@@ -466,15 +429,17 @@ def _first_stage(batch: BatchView, seq: torch.Tensor, lag: int, kk: int, vr: flo
     rows = _rows(batch.slots.reshape(-1), _to(pos, dev).view(1, 1, -1), heads)  # [1, H, M]
     s = _block_scores(batch, rows, lag, vr)  # [L, H, B - 1, lag]
     # block b is judged by block b + 1 of the same request
-    scored = ragged.aranges(ragged.offsets(blocks), pcs)
-    top = s.index_select(2, _to(scored, dev)).topk(kk, dim=-1).indices.sort(dim=-1).values
+    scored = _to(ragged.aranges(ragged.offsets(blocks), pcs), dev)
+    top = _top(batch, s.index_select(2, scored), rows, scored, kk, refine)
     shift = ragged.repeat([cs[r].t0 for r in part], pcs) + ragged.aranges([0] * len(pcs), pcs) * lag
     top = top + _to(shift, dev).view(1, 1, -1, 1)  # region positions
     dst = ragged.aranges([r * cmax + cs[r].t0 - cs[r].n_sink for r in part], [p * kk for p in pcs])
     seq.view(L, H, R * cmax).index_copy_(2, _to(dst, dev), top.reshape(L, H, -1))
 
 
-def _round(batch: BatchView, seq: torch.Tensor, i: int, lag: int, kk: int, vr: float) -> torch.Tensor:
+def _round(
+    batch: BatchView, seq: torch.Tensor, i: int, lag: int, kk: int, vr: float, refine: Refine | None
+) -> torch.Tensor:
     """Stage 2, round `i` of the chunk recursion over the requests still in it: `seq` after it."""
     cs: list[LagCounts] = batch.counts
     R, L, H, nmax = batch.shape  # noqa: N806
@@ -493,9 +458,10 @@ def _round(batch: BatchView, seq: torch.Tensor, i: int, lag: int, kk: int, vr: f
         seg_n += [qs[a] * lag, lag]
     pos = src.index_select(2, _to(ragged.aranges(seg_s, seg_n), dev))  # [L, H, M] region positions
     pos = pos + _to(ragged.repeat([r * nmax for r in act], [(q + 1) * lag for q in qs]), dev)
-    s = _block_scores(batch, _rows(batch.slots.reshape(-1), pos, heads), lag, vr)  # [L, H, B - 1, lag]
-    scored = ragged.aranges(ragged.offsets([q + 1 for q in qs]), qs)
-    top = s.index_select(2, _to(scored, dev)).topk(kk, dim=-1).indices.sort(dim=-1).values
+    rows = _rows(batch.slots.reshape(-1), pos, heads)
+    s = _block_scores(batch, rows, lag, vr)  # [L, H, B - 1, lag]
+    scored = _to(ragged.aranges(ragged.offsets([q + 1 for q in qs]), qs), dev)
+    top = _top(batch, s.index_select(2, scored), rows, scored, kk, refine)
     # offsets into the compressed part
     shift = ragged.repeat(rem, qs) + ragged.aranges([0] * len(qs), qs) * lag
     top = top + _to(shift, dev).view(1, 1, -1, 1)
@@ -528,22 +494,25 @@ def _assemble(batch: BatchView, seq: torch.Tensor) -> torch.Tensor:
     return keep.permute(2, 0, 1, 3)
 
 
-def batch_select(pol: LagKVPolicy, batch: BatchView) -> torch.Tensor:
+def batch_select(pol: LagKVPolicy, batch: BatchView, refine: Refine | None = None) -> torch.Tensor:
     """`LagKVPolicy.select_batch`: partitions, chunk recursion and final cut for every request and layer
-    of the batch at once (stages in the module's docstring)."""
+    of the batch at once (stages in the module's docstring); `refine` re-ranks each scored partition's
+    scores (a batch of one request only)."""
     cfg = pol.config
     lag, kk, vr = cfg.lag, pol.keep_per_partition, cfg.score_v_ratio
     cs: list[LagCounts] = batch.counts
     R, L, H, _ = batch.shape  # noqa: N806
+    if refine is not None and R != 1:
+        raise ValueError("lagkv: a refined selection runs on one request at a time")
     dev = batch.slots.device
     cmax = max(1, max(c.c0 for c in cs))
     # the compressed part, [L, H, R, Cmax] region positions: the compacted part first
     base, _ = ragged.padded([c.n_sink for c in cs], [c.t0 - c.n_sink for c in cs], cmax)
     seq = _to(base, dev).view(1, 1, R, cmax).expand(L, H, R, cmax).contiguous()
-    _first_stage(batch, seq, lag, kk, vr)
+    _first_stage(batch, seq, lag, kk, vr, refine)
     for i in range(max(len(c.rounds) for c in cs)):
-        seq = _round(batch, seq, i, lag, kk, vr)
+        seq = _round(batch, seq, i, lag, kk, vr, refine)
     fin = [r for r, c in enumerate(cs) if c.cut > 0]
     if fin:  # the compressed part as one partition against the raw tail, cut to the budget
-        seq = _cut(batch, fin, seq, lag, vr)
+        seq = _cut(batch, fin, seq, lag, vr, refine)
     return _assemble(batch, seq)
