@@ -16,11 +16,13 @@ from . import lagkv as _lagkv  # noqa: E402,F401
 from . import none as _none  # noqa: E402,F401
 from . import snapkv as _snapkv  # noqa: E402,F401
 from . import streaming as _streaming  # noqa: E402,F401
-from .base import LayerView, Policy, PolicyConfig, Refiner, compacted_len, short, topk_keep
+from .base import BatchView, Kept, LayerView, Policy, PolicyConfig, Refiner, compacted_len, short, topk_keep
 from .registry import REGISTRY, PolicyConfigError, available, build, build_base, register
 
 __all__ = [
     "REGISTRY",
+    "BatchView",
+    "Kept",
     "LayerView",
     "Policy",
     "PolicyConfig",

@@ -28,8 +28,13 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from . import ragged
+
 MAX_WINDOW = 1 << 16  # bound on every token count in a policy config (sinks, recent, interval, window)
 Phase = Literal["prefill", "decode", "finish"]
+# The `LayerView.stats` entry where a merging policy reports how many evicted tokens it merged (a device
+# count; the runner adds it to the request's and the server's `merged` totals).
+MERGED_STAT = "d2o_merged"
 Need = Literal["attn", "o_proj"]
 
 
@@ -179,6 +184,127 @@ def compacted_len(keep: torch.Tensor, n: int) -> int:
     return b - run
 
 
+@dataclass
+class Kept:
+    """One request's batched step in host integers, known before any score: the region length `n`, its
+    sinks and recent window, the kept count `k`, and `raw`, how many of the kept are the region's last
+    tokens for every head (`raw_tail`). Subclasses add what their selection needs (LagKV's)."""
+
+    n: int
+    n_sink: int
+    n_recent: int
+    k: int
+    raw: int
+
+
+@dataclass
+class BatchView:
+    """Many requests, every layer: the batched counterpart of `LayerView`, `[requests, layers, KV heads,
+    tokens]`. Regions are padded to the longest (`Nmax`); every ragged count is a host integer in
+    `counts` (from `Policy.batch_counts`), so a selection over it needs no read back from the device.
+
+    `slots`: `[R, Nmax]` int64 region slots, the padding repeating a real slot of its row; `valid`:
+    `[R, Nmax]` which are real. `k_buffers`/`v_buffers`: each layer's whole pool tensor `[pool_slots,
+    Hkv, D]`. `attn`: `[R, L, Hkv, Nmax]` window attention, zeros in the padding (policies that need
+    "attn"). `states`/`stacks`: each request's per-layer state dicts and the stacked `[L, Hkv, m]`
+    carried scores its last batched compression left (read by `carry_batch`)."""
+
+    slots: torch.Tensor
+    valid: torch.Tensor
+    k_buffers: list[torch.Tensor]
+    v_buffers: list[torch.Tensor]
+    counts: list[Any]
+    attn: torch.Tensor | None = None
+    states: list[list[dict[str, Any]]] = field(default_factory=list)
+    stacks: list[torch.Tensor | None] = field(default_factory=list)
+    # out: `[R, L, Hkv, Nmax]` scores whose kept entries the runner carries to the next compression
+    scored: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """`(R, L, Hkv, Nmax)`."""
+        r, nmax = self.slots.shape
+        return r, len(self.k_buffers), int(self.k_buffers[0].shape[1]), nmax
+
+    def col(self, values: list[int]) -> torch.Tensor:
+        """A host `[R, 1]` int64 column of per-request integers."""
+        return torch.tensor(values, dtype=torch.int64).view(-1, 1)
+
+
+def pad_sorted(keep: torch.Tensor, ks: list[int], nmax: int) -> torch.Tensor:
+    """`keep` `[R, L, H, Kmax]` with the entries past each request's own k set to `nmax` (so they go
+    last), then every head's indices in position order: what `Policy.select_batch` returns."""
+    r, kmax = keep.shape[0], keep.shape[-1]
+    past = (torch.arange(kmax).unsqueeze(0) >= torch.tensor(ks).view(-1, 1)).to(keep.device)  # [R, Kmax]
+    return keep.masked_fill(past.view(r, 1, 1, kmax), nmax).sort(dim=-1).values
+
+
+def topk_keep_batch(scores: torch.Tensor, batch: BatchView) -> torch.Tensor:
+    """`topk_keep` for a batch: sinks, recent and each request's best `k - sinks - recent` candidates per
+    (layer, head) of `[R, L, H, Nmax]` scores. Equal budgets across layers and heads make one top-k
+    over all of them exact; returns what `Policy.select_batch` returns."""
+    R, _, _, nmax = batch.shape  # noqa: N806
+    dev = scores.device
+    pos = torch.arange(nmax, dtype=torch.int64).unsqueeze(0)
+    n_col = batch.col([c.n for c in batch.counts])
+    sink_col = batch.col([c.n_sink for c in batch.counts])
+    recent_col = batch.col([c.n_recent for c in batch.counts])
+    fixed = ((pos < sink_col) | ((pos >= n_col - recent_col) & (pos < n_col))).to(dev)
+    ranked = scores.masked_fill(~batch.valid.view(R, 1, 1, nmax), float("-inf"))
+    ranked = ranked.masked_fill(fixed.view(R, 1, 1, nmax), float("inf"))
+    ks = [c.k for c in batch.counts]
+    keep = ranked.topk(max(ks), dim=-1).indices  # fixed first, then the best candidates
+    return pad_sorted(keep, ks, nmax)
+
+
+def carry_batch(batch: BatchView, scores: torch.Tensor, cfg: WindowScoreConfig) -> torch.Tensor:
+    """`carry_scores` for a batch: each request's first kept tokens combine their new `[R, L, H, Nmax]`
+    scores with those carried from its last compression ('max' or 'decay'; 'none' ignores them). Leaves
+    the result in `batch.scored`, whose kept entries the runner carries on."""
+    batch.scored = scores = _carry_batch(batch, scores, cfg)
+    return scores
+
+
+def _carry_batch(batch: BatchView, scores: torch.Tensor, cfg: WindowScoreConfig) -> torch.Tensor:
+    if cfg.carry == "none":
+        return scores
+    R, L, H, nmax = scores.shape  # noqa: N806
+    olds, lens = [], []
+    for r, c in enumerate(batch.counts):
+        old = carried_stack(batch.states[r], batch.stacks[r])
+        m = 0 if old is None else min(int(old.shape[-1]), c.n)
+        lens.append(m)
+        if m:
+            olds.append(old[..., :m].to(scores.device, torch.float32).reshape(L * H, m))
+    if not any(lens):
+        return scores
+    flat = torch.cat(olds, dim=1)  # [L*H, sum m]
+    idx = ragged.aranges([r * nmax for r in range(R)], lens).to(scores.device, non_blocking=True)
+    prior = torch.full((L * H, R * nmax), float("-inf") if cfg.carry == "max" else 0.0, device=scores.device)
+    prior.index_copy_(1, idx, flat)
+    prior = prior.view(L, H, R, nmax).permute(2, 0, 1, 3)
+    if cfg.carry == "max":
+        return torch.maximum(scores, prior)
+    return scores + cfg.carry_decay * prior
+
+
+def carried_stack(states: list[dict[str, Any]], base: torch.Tensor | None) -> torch.Tensor | None:
+    """`[L, H, m]` carried scores of a request: `base`, the stacked tensor its last batched compression
+    left (when every layer's entry is still a view of it), else a stack of the per-layer entries."""
+    per = [d.get("carried") for d in states]
+    if not per or any(x is None for x in per):
+        return None
+    if (
+        base is not None
+        and base.shape[0] == len(per)
+        and all(x.data_ptr() == base[i].data_ptr() and x.shape == base[i].shape for i, x in enumerate(per))
+    ):
+        return base
+    if len({tuple(x.shape) for x in per}) != 1:
+        return None
+    return torch.stack(per)
+
+
 class Policy:
     """Base class. Subclasses set `name`, `Config`, `needs`, and override `score` (or `select`)."""
 
@@ -187,6 +313,20 @@ class Policy:
     needs: ClassVar[frozenset[Need]] = frozenset()
     # True when scores are attention probabilities (CriticalKV's guarantee needs them).
     attention_scores: ClassVar[bool] = False
+    # True when the policy selects over a batch (`select_batch`, by default `score_batch` + top-k): the
+    # runner then compresses all the requests of a step that use it in one pass (the fast path). A
+    # subclass that overrides `score`, `select` or `raw_tail` without its own batched counterpart is
+    # not batchable unless it says so itself (`__init_subclass__`).
+    batchable: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "batchable" in cls.__dict__:
+            return
+        per_request = any(m in cls.__dict__ for m in ("score", "select", "raw_tail"))
+        batched = any(m in cls.__dict__ for m in ("score_batch", "select_batch", "batch_counts"))
+        if per_request and not batched:
+            cls.batchable = False
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
         self.config = config if config is not None else self.Config()
@@ -217,6 +357,24 @@ class Policy:
     def merge(self, view: LayerView, keep: torch.Tensor) -> None:
         """Optional: fold evicted tokens into kept slots in place, before compaction (D2O)."""
         return None
+
+    # -- what, for a batch (policies with `batchable`) ---------------------------------------------
+    def batch_counts(self, n: int, n_sink: int, n_recent: int, n_compacted: int, budget: int) -> Kept:
+        """The host half of `select_batch` for one request: its kept count and raw tail, read from no
+        tensor. Default: sinks + recent + up to `budget` candidates, the recent window raw. May raise
+        when the batched selection cannot take the request (its group then runs per request)."""
+        b = min(budget, max(0, n - n_sink - n_recent))
+        return Kept(n, n_sink, n_recent, n_sink + b + n_recent, n_recent)
+
+    def score_batch(self, batch: BatchView) -> torch.Tensor:
+        """`[R, L, Hkv, Nmax]` float32 scores of every request's region on every layer (`score` for a
+        batch; the padding is never kept, whatever its score)."""
+        raise NotImplementedError
+
+    def select_batch(self, batch: BatchView) -> torch.Tensor:
+        """`[R, L, Hkv, Kmax]` kept region indices per request, layer and head: each request's first
+        `batch.counts[r].k` sorted, the rest `Nmax` (`pad_sorted`). Must keep what `select` keeps."""
+        return topk_keep_batch(self.score_batch(batch), batch)
 
     @property
     def merges(self) -> bool:

@@ -52,7 +52,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from .base import LayerView, topk_keep
+from .base import MERGED_STAT, LayerView, topk_keep
 from .h2o import H2OConfig, H2OPolicy
 from .registry import register
 
@@ -138,4 +138,4 @@ class D2OPolicy(H2OPolicy):
             counts,
             self.config.threshold,
         )
-        view.stats["d2o_merged"] = counts["merged"]  # a device tensor: no host sync in the step
+        view.stats[MERGED_STAT] = counts["merged"]  # a device tensor: no host sync in the step

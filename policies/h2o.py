@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import LayerView, Need, Policy, WindowScoreConfig, carry_scores
+from .base import BatchView, LayerView, Need, Policy, WindowScoreConfig, carry_batch, carry_scores
 from .registry import register
 
 
@@ -26,6 +26,12 @@ class H2OPolicy(Policy):
     Config = H2OConfig
     needs = frozenset[Need]({"attn"})
     attention_scores = True
+    batchable = True
 
     def score(self, view: LayerView) -> torch.Tensor:
         return carry_scores(view, view.require_attn(self.name).float() * self.config.window, self.config)
+
+    def score_batch(self, batch: BatchView) -> torch.Tensor:
+        if batch.attn is None:
+            raise ValueError(f"{self.name} needs batch.attn (window attention)")
+        return carry_batch(batch, batch.attn * self.config.window, self.config)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import LayerView, Policy, PolicyConfig
+from .base import BatchView, LayerView, Policy, PolicyConfig
 from .registry import register
 
 
@@ -22,6 +22,13 @@ class KNormConfig(PolicyConfig):
 class KNormPolicy(Policy):
     name = "knorm"
     Config = KNormConfig
+    batchable = True
 
     def score(self, view: LayerView) -> torch.Tensor:
         return -view.keys().float().norm(dim=-1)
+
+    def score_batch(self, batch: BatchView) -> torch.Tensor:
+        R, L, H, nmax = batch.shape  # noqa: N806
+        flat = batch.slots.reshape(-1)
+        norms = torch.stack([k.index_select(0, flat).float().norm(dim=-1) for k in batch.k_buffers])
+        return -norms.view(L, R, nmax, H).permute(1, 0, 3, 2)  # [L, R*Nmax, H] -> [R, L, H, Nmax]

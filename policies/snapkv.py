@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, field_validator
 
-from .base import LayerView, Need, Policy, WindowScoreConfig, carry_scores
+from .base import BatchView, LayerView, Need, Policy, WindowScoreConfig, carry_batch, carry_scores
 from .registry import register
 
 
@@ -54,7 +54,16 @@ class SnapKVPolicy(Policy):
     config: SnapKVConfig
     needs = frozenset[Need]({"attn"})
     attention_scores = True
+    batchable = True
 
     def score(self, view: LayerView) -> torch.Tensor:
         pooled = pool_scores(view.require_attn(self.name), self.config.kernel_size, self.config.pooling)
         return carry_scores(view, pooled, self.config)
+
+    def score_batch(self, batch: BatchView) -> torch.Tensor:
+        if batch.attn is None:
+            raise ValueError(f"{self.name} needs batch.attn (window attention)")
+        R, L, H, nmax = batch.shape  # noqa: N806
+        flat = batch.attn.reshape(-1, nmax)  # pooling runs along each row's tokens
+        pooled = pool_scores(flat, self.config.kernel_size, self.config.pooling).view(R, L, H, nmax)
+        return carry_batch(batch, pooled, self.config)

@@ -14,9 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from pydantic import Field
 
-from sgl_kvevict.cache import compressor, engine, engine_lagkv
+from sgl_kvevict.cache import compressor, engine
 from sgl_kvevict.cache import state as st
+from sgl_kvevict.policies import REGISTRY, LayerView, Policy, PolicyConfig
+from sgl_kvevict.policies.base import BatchView
 from sgl_kvevict.serve import hooks
 from sgl_kvevict.tools.pools import Pools, SyncCounter
 
@@ -81,10 +84,48 @@ def _tied_rows_agree(a: list[torch.Tensor], b: list[torch.Tensor], most: int) ->
 @pytest.mark.parametrize("key", list(CONFIGS))
 def test_batched_step_equals_per_request(key: str, caplog: pytest.LogCaptureFixture) -> None:
     """Variable lengths over requests, two steps (the second combines carried scores)."""
+    _compare(_name(key), CONFIGS[key], TIES.get(key), caplog)
+
+
+class VNormConfig(PolicyConfig):
+    power: float = Field(2.0, gt=0, le=8)
+
+
+class VNormPolicy(Policy):
+    """A new policy written as docs/contributing.md shows: `score`, `score_batch`, `batchable`."""
+
+    name = "test_vnorm"
+    Config = VNormConfig
+    batchable = True
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        return view.values().float().norm(p=self.config.power, dim=-1)
+
+    def score_batch(self, batch: BatchView) -> torch.Tensor:
+        R, L, H, n = batch.shape  # noqa: N806
+        flat = batch.slots.reshape(-1)
+        norms = [v.index_select(0, flat).float().norm(p=self.config.power, dim=-1) for v in batch.v_buffers]
+        return torch.stack(norms).view(L, R, n, H).permute(1, 0, 3, 2)
+
+
+def test_a_new_policy_is_on_the_fast_path(caplog: pytest.LogCaptureFixture, monkeypatch) -> None:
+    """A policy the engine has never heard of, registered by name: batched because it declares it, and
+    equal to its own per-request path. A subclass that changes `score` alone is not batchable."""
+    monkeypatch.setitem(REGISTRY, VNormPolicy.name, VNormPolicy)
+    _compare(VNormPolicy.name, {"power": 1.0}, None, caplog)
+
+    class Changed(VNormPolicy):
+        def score(self, view: LayerView) -> torch.Tensor:
+            return -super().score(view)
+
+    assert VNormPolicy.batchable and not Changed.batchable
+
+
+def _compare(name: str, config: dict, ties: int | None, caplog: pytest.LogCaptureFixture) -> None:
     out = []
     for batched in (False, True):
         pools = Pools(layers=LAYERS, max_reqs=4, max_len=TOKENS + 8, seed=3)
-        b = pools.batch(4, TOKENS, _name(key), 48, CONFIGS[key])
+        b = pools.batch(4, TOKENS, name, 48, config)
         for i, r in enumerate(b.reqs):  # ragged: shorten the first requests
             r.kv.kv_committed_len = r.kv.kv_allocated_len = TOKENS - 9 * i
         for _ in range(2):
@@ -108,9 +149,9 @@ def test_batched_step_equals_per_request(key: str, caplog: pytest.LogCaptureFixt
     assert ref["free"] == got["free"] and ref["offsets"] == got["offsets"]
     assert any(row[2] > 0 for row in ref["rows"]), "the scenario must evict"
     for a, b in zip(ref["rows"], got["rows"], strict=True):
-        if key in TIES:
+        if ties is not None:
             assert a[:4] == b[:4]
-            _tied_rows_agree(a[4] + a[5], b[4] + b[5], TIES[key])
+            _tied_rows_agree(a[4] + a[5], b[4] + b[5], ties)
             continue
         assert a[:4] == b[:4]
         for x, y in zip(a[4] + a[5], b[4] + b[5], strict=True):
@@ -261,11 +302,16 @@ def test_batched_lagkv_equals_per_request(key: str, caplog: pytest.LogCaptureFix
 def test_batched_lagkv_layer_chunks(key: str, caplog: pytest.LogCaptureFixture, monkeypatch) -> None:
     """The same with the gathers bounded to one layer at a time (what long regions and large batches
     get): the scores of each layer chunk land in the right place."""
-    from sgl_kvevict.cache import engine_lagkv as el
+    from sgl_kvevict.policies import lagkv as el
 
     monkeypatch.setattr(el, "MAX_GATHER", 1)
     monkeypatch.setattr(el, "MAX_GATHER_CPU", 1)
     _compare_lag(key, caplog)
+
+
+def _lag_counts(job: compressor.Job):
+    """The host counts of LagKV's batched selection for one job."""
+    return job.s.policy.batch_counts(job.n, job.n_sink, job.n_recent, job.s.comp_slots, job.budget)
 
 
 def _compare_lag(key: str, caplog: pytest.LogCaptureFixture) -> None:
@@ -280,7 +326,7 @@ def _compare_lag(key: str, caplog: pytest.LogCaptureFixture) -> None:
                 jobs = [j for j in (compressor.prepare(r, "decode") for r in b.reqs) if j is not None]
                 assert all(engine._policy_key(j) is not None for j in jobs)
                 if step == 0:
-                    assert LAG_COVERS[key]([engine_lagkv.counts(j) for j in jobs])
+                    assert LAG_COVERS[key]([_lag_counts(j) for j in jobs])
                 hooks._compress_batch(b)
                 assert FALLBACK not in caplog.text  # no per-request fallback
             else:

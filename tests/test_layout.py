@@ -207,3 +207,74 @@ def test_no_module_uses_another_modules_privates():
 )
 def test_private_check_catches_a_planted_use(source: str, expected: int):
     assert len(private_uses("sgl_kvevict.cache.engine", ast.parse(source))) == expected
+
+
+def policy_names() -> set[str]:
+    """Every policy's `name = "..."` in `policies/` (class bodies), read with `ast`. "none" is left out:
+    it is also an ordinary word of configuration values."""
+    names = set()
+    for f in sorted((ROOT / "policies").glob("*.py")):
+        for cls in (n for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.ClassDef)):
+            for st in cls.body:
+                if (
+                    isinstance(st, ast.Assign)
+                    and [getattr(t, "id", None) for t in st.targets] == ["name"]
+                    and isinstance(st.value, ast.Constant)
+                ):
+                    names.add(st.value.value)
+    return names - {"none", ""}
+
+
+def policy_name_uses(tree: ast.Module, names: set[str]) -> list[tuple[int, str]]:
+    """(line, text) of every string literal (docstrings aside) or identifier that contains a policy's
+    name: code that picks behaviour by policy name rather than by a declared property of the policy."""
+    docs = {
+        id(n.body[0].value)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and n.body
+        and isinstance(n.body[0], ast.Expr)
+        and isinstance(n.body[0].value, ast.Constant)
+    }
+    hits = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs:
+            text = n.value
+        elif isinstance(n, ast.ImportFrom):
+            text = n.module or ""
+        elif isinstance(n, ast.Name | ast.alias | ast.Attribute | ast.FunctionDef | ast.ClassDef):
+            text = getattr(n, "id", None) or getattr(n, "attr", None) or getattr(n, "name", "")
+        else:
+            continue
+        if any(p in text.lower() for p in names):
+            hits.append((getattr(n, "lineno", 0), text))
+    return hits
+
+
+def test_the_cache_knows_no_policy_by_name():
+    """The runner asks a policy what it declares (`batchable`, `merges`, `needs`, `batch_counts`, ...):
+    no policy name in `sgl_kvevict/cache/`, and LagKV's batched selection lives in its own module."""
+    names = policy_names()
+    assert {"lagkv", "snapkv", "streaming", "knorm", "h2o", "d2o", "graphkv", "criticalkv"} <= names
+    bad = [
+        f"{MODULES[m].relative_to(ROOT)}:{line}: {text!r}"
+        for m in MODULES
+        if group(m) == "cache"
+        for line, text in policy_name_uses(TREES[m], names)
+    ]
+    assert not bad, "policy names in the cache (declare a property on the policy instead):\n" + "\n".join(bad)
+    assert not (ROOT / "sgl_kvevict" / "cache" / "engine_lagkv.py").exists()
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ('if pol.name == "lagkv":\n    pass\n', 1),
+        ('"""Picks LagKV\'s path."""\nBATCHED = ("h2o", "knorm")\n', 2),
+        ("from sgl_kvevict.policies import snapkv\n", 1),
+        ("from sgl_kvevict.policies.snapkv import pool_scores\n", 1),
+        ('"""SnapKV and H2O, in prose."""\nif pol.batchable:\n    pass\n', 0),
+    ],
+)
+def test_policy_name_check_catches_a_planted_use(source: str, expected: int):
+    assert len(policy_name_uses(ast.parse(source), policy_names())) == expected

@@ -4,7 +4,7 @@ A step has two phases, so that a failure anywhere in policy code leaves the requ
 
 *Plan* (may fail, writes nothing the request or the tree can see):
 1. ask the policy, layer by layer, which region tokens each KV head keeps;
-2. if the policy merges (D2O), or the region starts with slots the tree owns, stage the region's K/V in
+2. if the policy merges (`Policy.merges`), or the region starts with slots the tree owns, stage the region's K/V in
    dense copies outside the pool, merge there and compact there.
 
 *Commit* (plain indexing, no policy code): write the kept K/V into the first `k` region slots (or, for a
@@ -43,8 +43,8 @@ from sgl_kvevict import kernels
 from sgl_kvevict.cache import capture, demote, runtime, slotstats
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.nodes import is_compressed
-from sgl_kvevict.policies import LayerView, Policy
-from sgl_kvevict.policies.base import Phase
+from sgl_kvevict.policies import LayerView, Policy, ragged
+from sgl_kvevict.policies.base import MERGED_STAT, Phase
 
 logger = logging.getLogger("sgl_kvevict")
 
@@ -288,17 +288,15 @@ def _write(req: Any, s: st.ReqState, plan: Plan, own_start: int, dem: list) -> b
     stats = slotstats.STATS
     if own_start <= a:  # the whole region is the request's own: compact in place
         dem.append(demote.plan_demote(s, a, plan.slots, plan.keep))
-        if plan.dense_k is None:
-            kernels.compact(k_bufs, v_bufs, plan.slots, plan.keep)
-            if stats is not None:
-                slotstats.compact(stats, plan.slots, plan.keep)
+        if plan.dense_k is None:  # the batched step's commit, for a batch of one
+            compact_own(plan.slots.view(1, -1), plan.keep.unsqueeze(0), [k], [plan.n])
         else:
             if stats is not None:
                 slotstats.write(stats, plan.slots[:k], _staged_stats(stats, plan))
             for kb, vb, dk, dv in zip(k_bufs, v_bufs, plan.dense_k, plan.dense_v, strict=True):
                 kb[plan.slots[:k]] = dk
                 vb[plan.slots[:k]] = dv
-        rt.allocator.free(plan.slots[k:])
+            rt.allocator.free(plan.slots[k:])
         new = plan.slots[:k]
     else:
         target = _target_slots(req, s, plan, own_start)
@@ -319,6 +317,43 @@ def _write(req: Any, s: st.ReqState, plan: Plan, own_start: int, dem: list) -> b
     row[a + k : a + k + after.numel()] = after
     kv.kv_committed_len = kv.kv_allocated_len = a + k + after.numel()
     return True
+
+
+def compact_own(slots: torch.Tensor, keep: torch.Tensor, ks: list[int], ns: list[int]) -> None:
+    """The commit of regions the requests own, for one request or a batch: each request's kept entries
+    move into the first `k` slots of its region (one gather, then one write, per layer and buffer for
+    all requests: sources and destinations may overlap), the per-slot statistic moves with its rows,
+    and the rest of the slots go back to the allocator in one call. The caller writes the rows' lengths.
+
+    `slots`: `[R, Nmax]` int64 region slots (padding repeats a real slot); `keep`: `[R, L, Hkv, Kmax]`
+    sorted kept region indices, each request's first `ks[r]` real; `ns`: the region lengths. Every
+    index is built from these host counts: no read back from the device."""
+    rt = runtime.RT
+    dev = slots.device
+    R, L, H, kmax = keep.shape  # noqa: N806
+    nmax = slots.shape[1]
+    sel = _host_index(ks, kmax, dev)  # [sum k] valid (request, i) pairs of the padded kept layout
+    src = slots.gather(1, keep.clamp(max=nmax - 1).reshape(R, -1)).view(R, L, H, kmax)
+    src = src.permute(1, 0, 3, 2).reshape(L, R * kmax, H).index_select(1, sel)  # [L, sum k, H]
+    heads = torch.arange(H, device=dev)
+    src_rows = (src * H + heads).reshape(L, -1)  # [L, sum k * H] flat (slot, head) pool rows
+    dst = slots[:, :kmax].reshape(-1).index_select(0, sel)  # the first k region slots
+    dst_rows = (dst.unsqueeze(-1) * H + heads).reshape(-1)
+    for layer in range(L):
+        for buf in (rt.k_buffer(layer), rt.v_buffer(layer)):
+            flat = buf.view(-1, buf.shape[-1])
+            flat.index_copy_(0, dst_rows, flat.index_select(0, src_rows[layer]))  # gather, then write
+    if slotstats.STATS is not None:  # the per-slot statistic moves with its row, all layers in one op
+        slotstats.move_rows(slotstats.STATS, src_rows, dst_rows)
+    drop = [n - k for k, n in zip(ks, ns, strict=True)]
+    tail = ragged.aranges([r * nmax + k for r, k in enumerate(ks)], drop).to(dev, non_blocking=True)
+    rt.allocator.free(slots.reshape(-1).index_select(0, tail))
+
+
+def _host_index(lengths: list[int], width: int, device: torch.device) -> torch.Tensor:
+    """Flat positions `r * width + j` for j < lengths[r]: where ragged rows sit in a padded layout."""
+    starts = [r * width for r in range(len(lengths))]
+    return ragged.aranges(starts, lengths).to(device, non_blocking=True)
 
 
 def own_region(req: Any, s: st.ReqState, upto: int | None = None) -> bool:
@@ -509,7 +544,7 @@ def run(job: Job) -> int:
     for v in plan.views:  # bookkeeping: device statistics stay tensors, read where reported (`stats`)
         for name, val in v.stats.items():
             s.layer_stats.setdefault(name, [0.0] * rt.n_layers)[v.layer] = val
-        merged = v.stats.get("d2o_merged")
+        merged = v.stats.get(MERGED_STAT)
         if merged is not None:
             s.merged_count.add(merged)
             rt.totals.merged.add(merged)

@@ -5,17 +5,16 @@ that decides slots (region length, sinks, recent window, budget, so the kept cou
 then runs the tensor work once for all of them wherever it can:
 
 - *batched* (the common path): the region is the request's own (no tree-owned slot in it), the policy
-  does not merge, and its selection is one of those written here over `[requests, layers, heads,
-  tokens]` (`streaming`, `knorm`, `h2o`, `snapkv`: equal budgets across layers and heads make one
-  top-k over all of them exact; `lagkv`: its partitions, chunk recursion and final cut for all
-  requests and layers at once, `engine_lagkv`). Requests of different lengths are padded to the
-  longest; every ragged index is built on the host from host-known lengths (for LagKV, every count of
-  its recursion too), so the step never reads a device value: no host
-  synchronisation (`tests/test_engine_sync.py` counts them). Compaction moves each request's kept
+  declares itself `batchable` and does not merge, and its window of captured queries is full when it
+  needs attention. The policy's own `select_batch` (in its module under `policies/`) selects over a
+  `BatchView`, `[requests, layers, heads, tokens]`, from host counts its `batch_counts` gave; this
+  module knows no policy by name. Requests of different lengths are padded to the longest; every
+  ragged index is built on the host from host-known lengths, so the step never reads a device value:
+  no host synchronisation (`tests/test_engine_sync.py` counts them). Compaction moves each request's kept
   tokens into the first `k` slots of its region, one gather and one write per layer and buffer for all
   requests together, and the rest of the slots go back to the allocator in one call.
-- *per request* (`compressor.run`): everything else (merging policies, the refiners, GraphKV over
-  LagKV included, a region that starts in the tree, a capture window not yet full).
+- *per request* (`compressor.run`): everything else (policies that are not batchable or that merge, the
+  refiners among them, a region that starts in the tree, a capture window not yet full).
 
 Plan / agree / commit is kept: the batched plan writes nothing; tensor-parallel ranks agree on its
 success (one all-reduce for the batch); if it fails anywhere, every request of the batch goes through
@@ -31,32 +30,30 @@ from typing import Any
 
 import torch
 
-from sgl_kvevict.cache import capture, compressor, demote, engine_lagkv, ragged, runtime, slotstats
+from sgl_kvevict.cache import capture, compressor, demote, runtime
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.compressor import Job
-from sgl_kvevict.policies.base import Phase
+from sgl_kvevict.policies.base import BatchView, Phase
 
 logger = logging.getLogger("sgl_kvevict")
 
-# policies with a selection written over the batch (LagKV's in `engine_lagkv`)
-BATCHED = ("streaming", "knorm", "h2o", "snapkv", "lagkv")
 # Bound on one chunk of window-attention logits (fp32 elements): requests are scored in chunks below it.
 MAX_LOGITS = 1 << 26
 
 
 def _policy_key(job: Job) -> str | None:
     """The batch group of a job, or None when it must take the per-request path."""
-    s = job.s
-    pol = s.policy
-    if type(pol).__module__.split(".")[-1] not in BATCHED or pol.name not in BATCHED:
-        return None
-    if job.own_start > job.a or pol.merges:
-        return None
+    pol = job.s.policy
+    if not pol.batchable or job.own_start > job.a or pol.merges or "o_proj" in pol.needs:
+        return None  # (a `BatchView` carries window attention, not W_O)
     if "attn" in pol.needs:
         w = pol.config.window
         if w > job.a + job.n or capture.count(job.req.kv.req_pool_idx, _length(job)) < w:
             return None
-    return pol.name + json.dumps(pol.config.model_dump(mode="json"), sort_keys=True)
+    cls = type(pol)
+    return f"{cls.__module__}.{cls.__qualname__}" + json.dumps(
+        pol.config.model_dump(mode="json"), sort_keys=True
+    )
 
 
 def _length(job: Job) -> int:
@@ -135,12 +132,6 @@ def _defer(jobs: list[tuple[int, Job]], cap: int) -> list[tuple[int, Job]]:
     return run
 
 
-def _host_index(lengths: list[int], width: int, device: torch.device) -> torch.Tensor:
-    """Flat positions `r * width + j` for j < lengths[r]: where ragged rows sit in a padded layout."""
-    starts = [r * width for r in range(len(lengths))]
-    return ragged.aranges(starts, lengths).to(device, non_blocking=True)
-
-
 def _col(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64).view(-1, 1).to(device, non_blocking=True)
 
@@ -151,136 +142,87 @@ def _run_group(jobs: list[Job]) -> list[int]:
     rt = runtime.RT
     rt.order_after_forward()
     pol = jobs[0].s.policy
-    dev = rt.req_to_token.device
-    L, H = rt.n_layers, rt.n_kv_heads  # noqa: N806
-    R = len(jobs)  # noqa: N806
-    ns = [j.n for j in jobs]
-    lag_counts = None
-    if pol.name == "lagkv":  # kept counts from partitions and the chunk recursion, still host-only
-        lag_counts = [engine_lagkv.counts(j) for j in jobs]
-        ks = [c.k for c in lag_counts]
-        tails = [min(c.raw, c.k) for c in lag_counts]
-        if any(k >= n for k, n in zip(ks, ns, strict=True)):
-            raise RuntimeError("lagkv: a request of the group keeps its whole region")
-    else:
-        b = [min(j.budget, max(0, j.n - j.n_sink - j.n_recent)) for j in jobs]
-        ks = [j.n_sink + bb + j.n_recent for j, bb in zip(jobs, b, strict=True)]
-        tails = [min(j.n_recent, k) for j, k in zip(jobs, ks, strict=True)]
-    if all(k >= j.n for k, j in zip(ks, jobs, strict=True)):
-        return [0] * R
-    nmax, kmax = max(ns), max(ks)
-    rows = [j.req.kv.req_pool_idx for j in jobs]
-    anchors = [j.a for j in jobs]
+    # kept counts and raw tails, host-only (a policy may refuse a request here: the group goes per request)
+    counts = [pol.batch_counts(j.n, j.n_sink, j.n_recent, j.s.comp_slots, j.budget) for j in jobs]
+    if all(c.k >= j.n for c, j in zip(counts, jobs, strict=True)):
+        return [0] * len(jobs)
+    batch = _batch_view(jobs, counts)
+    keep = pol.select_batch(batch)  # [R, L, H, Kmax], sorted, Nmax past each request's k
+    ks = [c.k for c in counts]
+    _commit_group(jobs, batch.slots, keep, ks)
+    _bookkeeping(jobs, batch, keep, counts, t0)
+    return [j.n - k for j, k in zip(jobs, ks, strict=True)]
 
-    # region slots, padded [R, Nmax] (padding reads the row's first slot; it is never kept)
+
+def _batch_view(jobs: list[Job], counts: list) -> BatchView:
+    """The group's regions as the policy's batched selection sees them (window attention included when
+    the policy needs it): slots padded to the longest region, padding reading the row's first slot."""
+    rt = runtime.RT
+    dev = rt.req_to_token.device
+    L = rt.n_layers  # noqa: N806
+    ns = [j.n for j in jobs]
+    nmax = max(ns)
     pad_pos = torch.arange(nmax, dtype=torch.int64).unsqueeze(0)
     n_col = torch.tensor(ns, dtype=torch.int64).view(-1, 1)
-    cols = (torch.tensor(anchors, dtype=torch.int64).view(-1, 1) + pad_pos.clamp(max=n_col - 1)).to(dev)
-    row_t = _col(rows, dev)
-    slots_pad = rt.req_to_token[row_t, cols].to(torch.int64)  # [R, Nmax]
+    anchors = torch.tensor([j.a for j in jobs], dtype=torch.int64).view(-1, 1)
+    cols = (anchors + pad_pos.clamp(max=n_col - 1)).to(dev)
+    slots_pad = rt.req_to_token[_col([j.req.kv.req_pool_idx for j in jobs], dev), cols].to(torch.int64)
     valid = (pad_pos < n_col).to(dev)  # [R, Nmax]
+    batch = BatchView(
+        slots=slots_pad,
+        valid=valid,
+        k_buffers=[rt.k_buffer(layer) for layer in range(L)],
+        v_buffers=[rt.v_buffer(layer) for layer in range(L)],
+        counts=counts,
+        states=[j.s.layer_state for j in jobs],
+        stacks=[getattr(j.s, "carry_stack", None) for j in jobs],
+    )
+    if "attn" in jobs[0].s.policy.needs:
+        batch.attn = _window_attention(jobs, cols, valid)  # [R, L, H, Nmax]
+    return batch
 
-    carried_scores = None
-    if lag_counts is not None:
-        keep = engine_lagkv.select(jobs, lag_counts, slots_pad)  # [R, L, H, Kmax]
-    elif pol.name == "streaming":
-        # the newest b candidates of every head: sinks, then the contiguous run [n - (k - sinks), n)
-        pos = torch.arange(kmax, dtype=torch.int64).unsqueeze(0)
-        shift = torch.tensor([j.n - k for j, k in zip(jobs, ks, strict=True)], dtype=torch.int64).view(-1, 1)
-        sink = torch.tensor([j.n_sink for j in jobs], dtype=torch.int64).view(-1, 1)
-        keep = torch.where(pos < sink, pos, pos + shift).to(dev)  # [R, Kmax]
-        keep = keep.view(R, 1, 1, kmax).expand(R, L, H, kmax)
-    else:
-        scores = _scores(pol, jobs, slots_pad, cols, valid)  # [R, L, H, Nmax] float32
-        if "attn" in pol.needs:
-            scores = _carry(jobs, scores, nmax)
-            carried_scores = scores
-        sink_col = torch.tensor([j.n_sink for j in jobs], dtype=torch.int64).view(-1, 1)
-        recent_col = torch.tensor([j.n_recent for j in jobs], dtype=torch.int64).view(-1, 1)
-        fixed = ((pad_pos < sink_col) | ((pad_pos >= n_col - recent_col) & (pad_pos < n_col))).to(dev)
-        ranked = scores.masked_fill(~valid.view(R, 1, 1, nmax), float("-inf"))
-        ranked = ranked.masked_fill(fixed.view(R, 1, 1, nmax), float("inf"))
-        keep = ranked.topk(kmax, dim=-1).indices  # [R, L, H, Kmax]: fixed first, then the best candidates
-    # entries past a request's own k go last, then every head's kept indices in position order
-    if lag_counts is None:  # (LagKV's come sorted and padded)
-        past = (torch.arange(kmax).unsqueeze(0) >= torch.tensor(ks).view(-1, 1)).to(dev)  # [R, Kmax]
-        keep = keep.masked_fill(past.view(R, 1, 1, kmax), nmax).sort(dim=-1).values
 
+def _commit_group(jobs: list[Job], slots_pad: torch.Tensor, keep: torch.Tensor, ks: list[int]) -> None:
+    """The group's commit: demoted entries to the host tier first, then `compressor.compact_own` for
+    all requests at once (the commit the per-request path uses for a region of its own). Nothing here
+    can fail on valid indices; a failure before it left everything as it was."""
     # demote (recall on): the entries each request evicts, copied to host columns before any write
     dems = [
         demote.plan_demote(j.s, j.a, slots_pad[r, : j.n], keep[r, :, :, :k]) if demote.enabled(j.s) else None
         for r, (j, k) in enumerate(zip(jobs, ks, strict=True))
     ]
-    # commit: nothing below can fail on valid indices; a failure above left everything as it was
-    sel = _host_index(ks, kmax, dev)  # [sum k] valid (request, i) pairs of the padded kept layout
-    src = slots_pad.gather(1, keep.clamp(max=nmax - 1).reshape(R, -1)).view(R, L, H, kmax)
-    src = src.permute(1, 0, 3, 2).reshape(L, R * kmax, H).index_select(1, sel)  # [L, sum k, H]
-    heads = torch.arange(H, device=dev)
-    src_rows = (src * H + heads).reshape(L, -1)  # [L, sum k * H] flat (slot, head) pool rows
-    dst = slots_pad[:, :kmax].reshape(-1).index_select(0, sel)  # the first k region slots
-    dst_rows = (dst.unsqueeze(-1) * H + heads).reshape(-1)
-    for layer in range(L):
-        for buf in (rt.k_buffer(layer), rt.v_buffer(layer)):
-            flat = buf.view(-1, buf.shape[-1])
-            flat.index_copy_(0, dst_rows, flat.index_select(0, src_rows[layer]))  # gather, then write
-    if slotstats.STATS is not None:  # the per-slot statistic moves with its row, all layers in one op
-        slotstats.move_rows(slotstats.STATS, src_rows, dst_rows)
-    evicted = slots_pad.reshape(-1).index_select(0, _tail_index(ks, ns, nmax, dev))
-    rt.allocator.free(evicted)
+    compressor.compact_own(slots_pad, keep, ks, [j.n for j in jobs])
     for j, d in zip(jobs, dems, strict=True):
         demote.commit_demote(j.s, d, True)
 
-    # host bookkeeping per request; the tensor state (carried scores, row offsets) in one op each
+
+def _bookkeeping(jobs: list[Job], batch: BatchView, keep: torch.Tensor, counts: list, t0: float) -> None:
+    """Host bookkeeping per request; the tensor state (carried scores, row offsets) in one op each."""
+    rt = runtime.RT
+    L, nmax = rt.n_layers, batch.slots.shape[1]  # noqa: N806
+    ks = [c.k for c in counts]
     for j in jobs:
         if not j.s.layer_state:
             j.s.layer_state = [{} for _ in range(L)]
-    if carried_scores is not None:
-        carried = carried_scores.gather(-1, keep.clamp(max=nmax - 1))  # [R, L, H, Kmax]
+    if batch.scored is not None:  # the kept tokens' scores, carried to the next compression
+        carried = batch.scored.gather(-1, keep.clamp(max=nmax - 1))  # [R, L, H, Kmax]
         for r, (j, k) in enumerate(zip(jobs, ks, strict=True)):
             per = carried[r, :, :, :k]
             for layer, d in enumerate(j.s.layer_state):
                 d.pop("scored", None)
                 d["carried"] = per[layer]
             j.s.carry_stack = per
-    dt = (time.perf_counter() - t0) / R
+    dt = (time.perf_counter() - t0) / len(jobs)
     offs = []
-    for r, (j, k) in enumerate(zip(jobs, ks, strict=True)):
-        kr = keep[r, :, :, :k] if st.DEBUG else None
+    for r, (j, c) in enumerate(zip(jobs, counts, strict=True)):
+        kr = keep[r, :, :, : c.k] if st.DEBUG else None
         kv = j.req.kv
-        kv.kv_committed_len = kv.kv_allocated_len = j.a + k
-        offs.append(compressor.account(j, k, tails[r], kr, dt))
-    rt.tree.offsets[torch.tensor(rows, dtype=torch.int64).to(rt.tree.offsets.device)] = torch.tensor(
-        offs, dtype=rt.tree.offsets.dtype
-    ).to(rt.tree.offsets.device)
-    return [j.n - k for j, k in zip(jobs, ks, strict=True)]
-
-
-def _tail_index(ks: list[int], ns: list[int], width: int, device: torch.device) -> torch.Tensor:
-    """Flat padded positions `r * width + j` for ks[r] <= j < ns[r]: the slots each request frees."""
-    starts = [r * width + k for r, k in enumerate(ks)]
-    drop = [n - k for k, n in zip(ks, ns, strict=True)]
-    return ragged.aranges(starts, drop).to(device, non_blocking=True)
-
-
-def _scores(
-    pol: Any, jobs: list[Job], slots_pad: torch.Tensor, cols: torch.Tensor, valid: torch.Tensor
-) -> torch.Tensor:
-    """`[R, L, H, Nmax]` float32 scores of every request's region on every layer. `cols`: each
-    request's padded region positions in its row; `valid`: which of them are real."""
-    rt = runtime.RT
-    R, L, H, nmax = len(jobs), rt.n_layers, rt.n_kv_heads, slots_pad.shape[1]  # noqa: N806
-    if pol.name == "knorm":
-        flat = slots_pad.reshape(-1)
-        norms = torch.stack(
-            [rt.k_buffer(layer).index_select(0, flat).float().norm(dim=-1) for layer in range(L)]
-        )  # [L, R*Nmax, H]
-        return -norms.view(L, R, nmax, H).permute(1, 0, 3, 2)
-    attn = _window_attention(jobs, cols, valid)  # [R, L, H, Nmax]
-    if pol.name == "h2o":
-        return attn * pol.config.window
-    from sgl_kvevict.policies.snapkv import pool_scores
-
-    return pool_scores(attn.reshape(-1, nmax), pol.config.kernel_size, pol.config.pooling).view(R, L, H, nmax)
+        kv.kv_committed_len = kv.kv_allocated_len = j.a + c.k
+        offs.append(compressor.account(j, c.k, min(c.raw, c.k), kr, dt))
+    rows = torch.tensor([j.req.kv.req_pool_idx for j in jobs], dtype=torch.int64)
+    rt.tree.offsets[rows.to(rt.tree.offsets.device)] = torch.tensor(offs, dtype=rt.tree.offsets.dtype).to(
+        rt.tree.offsets.device
+    )
 
 
 def _window_attention(jobs: list[Job], reg: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -320,47 +262,3 @@ def _window_attention(jobs: list[Job], reg: torch.Tensor, valid: torch.Tensor) -
             p = torch.softmax(logits, dim=-1).mean(dim=(2, 3))  # [r, H, A]
             out[r0:r1, layer] = p.gather(2, reg[r0:r1].unsqueeze(1).expand(r1 - r0, H, nmax))
     return out.masked_fill_(~valid.view(R, 1, 1, nmax), 0.0)
-
-
-def _carry(jobs: list[Job], scores: torch.Tensor, nmax: int) -> torch.Tensor:
-    """`policies.base.carry_scores` for the batch: each request's first kept tokens combine their new
-    score with the one carried from its last compression ('max' or 'decay'; 'none' ignores it)."""
-    cfg = jobs[0].s.policy.config
-    if cfg.carry == "none":
-        return scores
-    R, L, H = scores.shape[0], scores.shape[1], scores.shape[2]  # noqa: N806
-    olds, lens = [], []
-    for j in jobs:
-        old = _carried_stack(j.s)
-        m = 0 if old is None else min(int(old.shape[-1]), j.n)
-        lens.append(m)
-        if m:
-            olds.append(old[..., :m].to(scores.device, torch.float32).reshape(L * H, m))
-    if not any(lens):
-        return scores
-    flat = torch.cat(olds, dim=1)  # [L*H, sum m]
-    idx = _host_index(lens, nmax, scores.device)  # positions in [R * Nmax]
-    prior = torch.full((L * H, R * nmax), float("-inf") if cfg.carry == "max" else 0.0, device=scores.device)
-    prior.index_copy_(1, idx, flat)
-    prior = prior.view(L, H, R, nmax).permute(2, 0, 1, 3)
-    if cfg.carry == "max":
-        return torch.maximum(scores, prior)
-    return scores + cfg.carry_decay * prior
-
-
-def _carried_stack(s: st.ReqState) -> torch.Tensor | None:
-    """`[L, H, m]` carried scores of a request: the stacked tensor its last batched compression left
-    (when every layer's entry is still a view of it), else a stack of the per-layer entries."""
-    per = [d.get("carried") for d in s.layer_state]
-    if not per or any(x is None for x in per):
-        return None
-    base = getattr(s, "carry_stack", None)
-    if (
-        base is not None
-        and base.shape[0] == len(per)
-        and all(x.data_ptr() == base[i].data_ptr() and x.shape == base[i].shape for i, x in enumerate(per))
-    ):
-        return base
-    if len({tuple(x.shape) for x in per}) != 1:
-        return None
-    return torch.stack(per)

@@ -1,4 +1,4 @@
-"""Ragged index layouts built on the host from host integers, for the batched engines.
+"""Ragged index layouts built on the host from host integers, for the batched selections and the engine.
 
 Requests in one batched step have different lengths, so their rows sit in flat or padded layouts. Every
 index into such a layout is computed here from counts the host already knows, never read back from the
