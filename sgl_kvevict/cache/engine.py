@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from sgl_kvevict.cache import capture, compressor, demote, engine_lagkv, ragged, runtime, slotstats
+from sgl_kvevict.cache import capture, compressor, demote, engine_lagkv, ragged, slotstats
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.compressor import Job
 from sgl_kvevict.policies.base import Phase
@@ -54,7 +54,7 @@ def _policy_key(job: Job) -> str | None:
         return None
     if "attn" in pol.needs:
         w = pol.config.window
-        if w > job.a + job.n or capture.count(job.req.kv.req_pool_idx, _length(job)) < w:
+        if w > job.a + job.n or capture.count(job.s.ctx, job.req.kv.req_pool_idx, _length(job)) < w:
             return None
     return pol.name + json.dumps(pol.config.model_dump(mode="json"), sort_keys=True)
 
@@ -70,8 +70,6 @@ def compress_batch(items: list[tuple[Any, Phase]], cap: int | None = None) -> li
     A policy failure degrades only its request (as `compressor.safe_compress` does one at a time).
     `cap`: region tokens this step may compress (`--kv-compress-step-tokens`); see `_defer`."""
     freed = [0] * len(items)
-    if runtime.RT is None:
-        return freed
     jobs: list[tuple[int, Job]] = []
     for i, (req, phase) in enumerate(items):
         try:
@@ -95,7 +93,7 @@ def compress_batch(items: list[tuple[Any, Phase]], cap: int | None = None) -> li
             done = _run_group([j for _, j in members])
         except Exception as e:
             error = e
-        if not compressor.agree(error is None) or done is None:
+        if not compressor.agree(members[0][1].s.ctx.rt, error is None) or done is None:
             logger.warning("kvevict: batched compression failed (%s); per request instead", error)
             single.extend(members)
             continue
@@ -111,7 +109,7 @@ def _split(job: Job, cap: int | None) -> bool:
     cap (about `cap` region tokens' worth of layers run per step), or it is already under way."""
     if cap is None or (job.n <= cap and job.s.pending is None):
         return job.s.pending is not None
-    job.layers = max(1, cap * runtime.RT.n_layers // max(1, job.n))
+    job.layers = max(1, cap * job.s.ctx.rt.n_layers // max(1, job.n))
     return True
 
 
@@ -120,14 +118,13 @@ def _defer(jobs: list[tuple[int, Job]], cap: int) -> list[tuple[int, Job]]:
     soonest), then those that waited longest, until their regions cover `cap` tokens (at least one
     runs, so every step progresses). The rest wait; a job deferred right after prefill keeps its phase
     for the step that runs it."""
-    rt = runtime.RT
     order = sorted(jobs, key=lambda ij: (ij[1].s.pending is None, -ij[1].s.deferred))
     run, spent = [], 0
     for i, job in order:
         if run and spent >= cap:
             job.s.deferred += 1
             job.s.after_extend = job.phase == "prefill"
-            rt.totals.compressions_deferred += 1
+            job.s.ctx.rt.totals.compressions_deferred += 1
             continue
         job.s.deferred = 0
         spent += min(job.n, cap)  # a larger job plans only part of its layers (`_split`)
@@ -148,7 +145,7 @@ def _col(values: list[int], device: torch.device) -> torch.Tensor:
 def _run_group(jobs: list[Job]) -> list[int]:
     """Plan (select) for the group's requests at once, then commit: compaction and frees for all."""
     t0 = time.perf_counter()
-    rt = runtime.RT
+    rt = jobs[0].s.ctx.rt
     rt.order_after_forward()
     pol = jobs[0].s.policy
     dev = rt.req_to_token.device
@@ -223,8 +220,9 @@ def _run_group(jobs: list[Job]) -> list[int]:
         for buf in (rt.k_buffer(layer), rt.v_buffer(layer)):
             flat = buf.view(-1, buf.shape[-1])
             flat.index_copy_(0, dst_rows, flat.index_select(0, src_rows[layer]))  # gather, then write
-    if slotstats.STATS is not None:  # the per-slot statistic moves with its row, all layers in one op
-        slotstats.move_rows(slotstats.STATS, src_rows, dst_rows)
+    stats = jobs[0].s.ctx.stats
+    if stats is not None:  # the per-slot statistic moves with its row, all layers in one op
+        slotstats.move_rows(stats, src_rows, dst_rows)
     evicted = slots_pad.reshape(-1).index_select(0, _tail_index(ks, ns, nmax, dev))
     rt.allocator.free(evicted)
     for j, d in zip(jobs, dems, strict=True):
@@ -267,7 +265,7 @@ def _scores(
 ) -> torch.Tensor:
     """`[R, L, H, Nmax]` float32 scores of every request's region on every layer. `cols`: each
     request's padded region positions in its row; `valid`: which of them are real."""
-    rt = runtime.RT
+    rt = jobs[0].s.ctx.rt
     R, L, H, nmax = len(jobs), rt.n_layers, rt.n_kv_heads, slots_pad.shape[1]  # noqa: N806
     if pol.name == "knorm":
         flat = slots_pad.reshape(-1)
@@ -288,7 +286,7 @@ def _window_attention(jobs: list[Job], reg: torch.Tensor, valid: torch.Tensor) -
     region: `[R, L, Hkv, Nmax]`, zeros in the padding. Keys are each request's whole row (prefix +
     region), padded; the causal mask and the padding come from host-known lengths. `reg`, `valid`: the
     group's padded region positions in each row and which of them are real."""
-    rt = runtime.RT
+    rt = jobs[0].s.ctx.rt
     dev = rt.req_to_token.device
     R, L, H, Hq, D = len(jobs), rt.n_layers, rt.n_kv_heads, rt.n_q_heads, rt.head_dim  # noqa: N806
     g = Hq // H
@@ -303,7 +301,9 @@ def _window_attention(jobs: list[Job], reg: torch.Tensor, valid: torch.Tensor) -
     limit = (all_col - w).view(R, 1, 1, 1) + torch.arange(w).view(1, 1, w, 1)  # [R, 1, W, 1]
     masked = (torch.arange(amax).view(1, 1, 1, amax) > limit).to(dev)  # [R, 1(G), W, A]
     # every request's last w queries, oldest first, in one gather out of the capture store
-    q_all = capture.STORE.stacked([j.req.kv.req_pool_idx for j in jobs], [_length(j) for j in jobs], w)
+    q_all = jobs[0].s.ctx.capture.stacked(
+        [j.req.kv.req_pool_idx for j in jobs], [_length(j) for j in jobs], w
+    )
     nmax = reg.shape[1]  # `reg`: the region part of each row, a padded [R, Nmax] gather out of [R, A]
     out = torch.zeros(R, L, H, nmax, dtype=torch.float32, device=dev)
     step = max(1, MAX_LOGITS // max(1, H * g * w * amax))

@@ -25,10 +25,11 @@ same (`tests/test_engine_sync.py`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from sgl_kvevict.cache import ragged, runtime
+from sgl_kvevict.cache import ragged
 from sgl_kvevict.cache.compressor import Job
 
 # Bound on the gathered K (or V) elements scored at once: the layers are scored in chunks below it. On a
@@ -93,7 +94,7 @@ def _to(x: torch.Tensor, dev: torch.device) -> torch.Tensor:
     return x.to(dev, non_blocking=True)
 
 
-def _block_scores(rows: torch.Tensor, lag: int, vr: float) -> torch.Tensor:
+def _block_scores(rt: Any, rows: torch.Tensor, lag: int, vr: float) -> torch.Tensor:
     """`[L, H, B - 1, lag]` LagKV scores (K + vr * V) of B consecutive blocks of `lag` tokens, each judged
     by the next. `rows`: `[L or 1, H, B * lag]` flat (slot * H + head) pool rows, per layer or shared.
     The rows are gathered straight into the layout the score's math reads (`[layers * heads, B, lag,
@@ -102,7 +103,6 @@ def _block_scores(rows: torch.Tensor, lag: int, vr: float) -> torch.Tensor:
     from sgl_kvevict.kernels.dispatch import use_triton
     from sgl_kvevict.kernels.lag_scores import lag_scores_heads
 
-    rt = runtime.RT
     L, H, D = rt.n_layers, rt.n_kv_heads, rt.head_dim  # noqa: N806
     m = rows.shape[-1]
     step = _layer_step(m * H * D, rows.device)
@@ -148,12 +148,18 @@ def _dense(kz: torch.Tensor, kr: torch.Tensor, rmask: torch.Tensor) -> torch.Ten
 
 
 def _cut(
-    cs: list[Counts], fin: list[int], seq: torch.Tensor, sflat: torch.Tensor, nmax: int, lag: int, vr: float
+    rt: Any,
+    cs: list[Counts],
+    fin: list[int],
+    seq: torch.Tensor,
+    sflat: torch.Tensor,
+    nmax: int,
+    lag: int,
+    vr: float,
 ) -> torch.Tensor:
     """Stage 3 for the requests `fin`: each one's compressed part (`seq` `[L, H, R, Cmax]`, its first
     `pre` entries) scored as one partition against the raw tail's first L tokens (against itself when
     there is no raw tail, as `LagKVPolicy._recurse` does) and cut to its top `cut`, in position order."""
-    rt = runtime.RT
     L, H, R, cmax = seq.shape  # noqa: N806
     D = rt.head_dim  # noqa: N806
     dev = seq.device
@@ -183,8 +189,8 @@ def _cut(
     for l0 in range(0, L, step):
         layers = range(l0, min(L, l0 + step))
         for kind in ("k", "v") if vr else ("k",):
-            z = torch.stack([_dense_rows(layer, kind, zrows[layer]) for layer in layers])
-            ref = torch.stack([_dense_rows(layer, kind, rrows[layer]) for layer in layers])
+            z = torch.stack([_dense_rows(rt, layer, kind, zrows[layer]) for layer in layers])
+            ref = torch.stack([_dense_rows(rt, layer, kind, rrows[layer]) for layer in layers])
             stds[kind].append(_dense(z, ref, rm))
     zm = _to(~zmask, dev)
     s = torch.cat(stds["k"]).masked_fill(zm, float("-inf")).softmax(dim=-1)
@@ -206,9 +212,8 @@ def _cut(
     return seq
 
 
-def _dense_rows(layer: int, kind: str, rows: torch.Tensor) -> torch.Tensor:
+def _dense_rows(rt: Any, layer: int, kind: str, rows: torch.Tensor) -> torch.Tensor:
     """K or V of one layer at flat pool rows `rows` (any shape), with a trailing D axis."""
-    rt = runtime.RT
     buf = rt.k_buffer(layer) if kind == "k" else rt.v_buffer(layer)
     flat = buf.view(-1, buf.shape[-1])
     return flat.index_select(0, rows.reshape(-1)).view(*rows.shape, buf.shape[-1])
@@ -217,7 +222,7 @@ def _dense_rows(layer: int, kind: str, rows: torch.Tensor) -> torch.Tensor:
 def select(jobs: list[Job], cs: list[Counts], slots_pad: torch.Tensor) -> torch.Tensor:
     """`[R, L, H, Kmax]` kept region indices per request, layer and head, sorted, padded with Nmax past
     each request's own k. `slots_pad`: `[R, Nmax]` region slots (padding repeats a real slot)."""
-    rt = runtime.RT
+    rt = jobs[0].s.ctx.rt
     pol = jobs[0].s.policy
     cfg = pol.config
     lag, kk, vr = cfg.lag, pol.keep_per_partition, cfg.score_v_ratio
@@ -240,7 +245,7 @@ def select(jobs: list[Job], cs: list[Counts], slots_pad: torch.Tensor) -> torch.
         blocks = [p + 1 for p in pcs]
         pos = ragged.aranges([r * nmax + cs[r].t0 for r in part], [b * lag for b in blocks])
         rows = _rows(sflat, _to(pos, dev).view(1, 1, -1), heads)  # [1, H, M]
-        s = _block_scores(rows, lag, vr)  # [L, H, B - 1, lag]
+        s = _block_scores(rt, rows, lag, vr)  # [L, H, B - 1, lag]
         # block b is judged by block b + 1 of the same request
         scored = ragged.aranges(ragged.offsets(blocks), pcs)
         top = s.index_select(2, _to(scored, dev)).topk(kk, dim=-1).indices.sort(dim=-1).values
@@ -264,7 +269,7 @@ def select(jobs: list[Job], cs: list[Counts], slots_pad: torch.Tensor) -> torch.
             seg_n += [qs[a] * lag, lag]
         pos = src.index_select(2, _to(ragged.aranges(seg_s, seg_n), dev))  # [L, H, M] region positions
         pos = pos + _to(ragged.repeat([r * nmax for r in act], [(q + 1) * lag for q in qs]), dev)
-        s = _block_scores(_rows(sflat, pos, heads), lag, vr)  # [L, H, B - 1, lag]
+        s = _block_scores(rt, _rows(sflat, pos, heads), lag, vr)  # [L, H, B - 1, lag]
         scored = ragged.aranges(ragged.offsets([q + 1 for q in qs]), qs)
         top = s.index_select(2, _to(scored, dev)).topk(kk, dim=-1).indices.sort(dim=-1).values
         # offsets into the compressed part
@@ -278,7 +283,7 @@ def select(jobs: list[Job], cs: list[Counts], slots_pad: torch.Tensor) -> torch.
     # 3. final cut to the budget: the compressed part as one partition against the raw tail
     fin = [r for r, c in enumerate(cs) if c.cut > 0]
     if fin:
-        seq = _cut(cs, fin, seq, sflat, nmax, lag, vr)
+        seq = _cut(rt, cs, fin, seq, sflat, nmax, lag, vr)
 
     # sinks, the compressed part, the raw tail; past k: Nmax
     ks = [c.k for c in cs]
