@@ -98,37 +98,36 @@ class KvEvictRadixCache(RadixCache):
             self.ctx.rt.totals.heap_mib_trimmed += runtime.trim_heap()
 
     # ---- sizes count slots ------------------------------------------------------------------------
+    # SGLang's own lock methods move a node between evictable and protected as `len(node.key)` tokens;
+    # here sizes are slots (`len(node.value)`, fewer than tokens in a compressed node), which is what
+    # SGLang's idle memory check compares with the allocator. Its methods run as they are, and the
+    # difference is corrected for the nodes whose lock they flip.
     def inc_lock_ref(self, node: TreeNode):
-        from sglang.srt.mem_cache.base_prefix_cache import IncLockRefResult
-
-        if self.disable:
-            return IncLockRefResult(delta=0)
-        delta = 0
-        while node != self.root_node:
-            if node.lock_ref == 0:
-                self.evictable_size_ -= len(node.value)
-                self.protected_size_ += len(node.value)
-                delta -= len(node.value)
-            node.lock_ref += 1
-            self._update_leaf_status(node)
-            node = node.parent
-        return IncLockRefResult(delta=delta)
+        extra = self._slots_over_tokens(node, lock_ref=0)
+        return self._in_slots(super().inc_lock_ref(node), extra, protect=True)
 
     def dec_lock_ref(self, node: TreeNode, params: Any = None):
-        from sglang.srt.mem_cache.base_prefix_cache import DecLockRefResult
+        extra = self._slots_over_tokens(node, lock_ref=1)
+        return self._in_slots(super().dec_lock_ref(node, params), extra, protect=False)
 
-        if self.disable:
-            return DecLockRefResult(delta=0)
-        delta = 0
-        while node != self.root_node:
-            if node.lock_ref == 1:
-                self.evictable_size_ += len(node.value)
-                self.protected_size_ -= len(node.value)
-                delta += len(node.value)
-            node.lock_ref -= 1
-            self._update_leaf_status(node)
+    def _slots_over_tokens(self, node: TreeNode, lock_ref: int) -> int:
+        """Slots minus tokens over the nodes from `node` up whose lock count is `lock_ref` (those a lock
+        change moves between evictable and protected); 0 where every node holds a slot per token."""
+        extra = 0
+        while not self.disable and node != self.root_node:
+            if node.lock_ref == lock_ref:
+                extra += len(node.value) - len(node.key)
             node = node.parent
-        return DecLockRefResult(delta=delta)
+        return extra
+
+    def _in_slots(self, result: Any, extra: int, protect: bool) -> Any:
+        """SGLang's lock result and sizes, with `extra` (slots minus tokens of the flipped nodes) added."""
+        if extra:
+            moved = extra if protect else -extra
+            self.evictable_size_ -= moved
+            self.protected_size_ += moved
+            result.delta -= moved
+        return result
 
     def _delete_leaf(self, node: TreeNode) -> None:
         key = (MARK, node.id) if is_compressed(node) else node.key.child_key(self.page_size)
