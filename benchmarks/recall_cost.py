@@ -45,11 +45,14 @@ LAYERS, KV_HEADS, GROUP, DIM = 30, 3, 3, 64
 WINDOW = 32  # the append's window queries
 
 
-def forward_batch(decode: bool, n_new: int) -> SimpleNamespace:
-    """The fields of SGLang's ForwardBatch that `recall.before_attention` reads, for row 0."""
+def forward_batch(p: Pools, decode: bool, n_new: int) -> SimpleNamespace:
+    """The fields of SGLang's ForwardBatch that `recall.before_attention` reads, for row 0 of `p`."""
     mode = SimpleNamespace(is_decode=lambda: decode, is_extend=lambda: not decode)
     return SimpleNamespace(
-        forward_mode=mode, req_pool_indices=torch.tensor([0]), extend_seq_lens_cpu=None if decode else [n_new]
+        forward_mode=mode,
+        req_pool_indices=torch.tensor([0]),
+        extend_seq_lens_cpu=None if decode else [n_new],
+        req_to_token_pool=p.r2t,  # names the server (`context.of_forward`)
     )
 
 
@@ -66,7 +69,7 @@ def measure(e: int, budget: int, r: int, new_tokens: int, steps: int) -> dict:
     p = Pools(
         layers=LAYERS, kv_heads=KV_HEADS, group=GROUP, head_dim=DIM, max_reqs=2, max_len=e + budget + 256
     )
-    host.POOL = host.HostPool(LAYERS, KV_HEADS, DIM, e + 64, torch.bfloat16)
+    p.ctx.host = host.HostPool(LAYERS, KV_HEADS, DIM, e + 64, torch.bfloat16)
     batch = p.batch(1, e + budget, "streaming", budget)
     req = batch.reqs[0]
     s = st.get(req)
@@ -77,34 +80,33 @@ def measure(e: int, budget: int, r: int, new_tokens: int, steps: int) -> dict:
     # a new turn's prefill: the row's history is the compacted region, the new tokens follow it
     kv_len = int(req.kv.kv_committed_len)
     req.prefix_len, req.extend_end, req.output_ids = s.tokens_for(kv_len), None, []
-    moved0, in0, read0 = s.bytes_moved, s.recalled, host.POOL.totals.keys_read
+    moved0, in0, read0 = s.bytes_moved, s.recalled, p.ctx.host.totals.keys_read
     assert recall.arm(req, s), "the prefill recall did not arm"
-    prefill_s = run_layers(p, forward_batch(False, new_tokens), new_tokens)
-    prefill = (s.recalled - in0, s.bytes_moved - moved0, host.POOL.totals.keys_read - read0)
+    prefill_s = run_layers(p, forward_batch(p, False, new_tokens), new_tokens)
+    prefill = (s.recalled - in0, s.bytes_moved - moved0, p.ctx.host.totals.keys_read - read0)
     # the turn's append, with a captured window of random queries at the row's last positions
-    moved0, in0, read0 = s.bytes_moved, s.recalled, host.POOL.totals.keys_read
-    assert capture.ensure(0, WINDOW, 0)
+    moved0, in0, read0 = s.bytes_moved, s.recalled, p.ctx.host.totals.keys_read
+    assert capture.ensure(p.ctx, 0, WINDOW, 0)
     length = s.tokens_for(int(req.kv.kv_committed_len))
     for layer in range(LAYERS):
         q = torch.randn(WINDOW, p.q_heads, DIM, generator=p.gen).to(torch.bfloat16)
-        capture.STORE.put(0, layer, q, torch.arange(length - WINDOW, length))
+        p.store.put(0, layer, q, torch.arange(length - WINDOW, length))
     t0 = time.perf_counter()
     assert recall.append(req, s) > 0, "nothing appended"
     append_s = time.perf_counter() - t0
-    append = (s.recalled - in0, s.bytes_moved - moved0, host.POOL.totals.keys_read - read0)
+    append = (s.recalled - in0, s.bytes_moved - moved0, p.ctx.host.totals.keys_read - read0)
     step_s, step_in, step_bytes, step_read = [], [], [], []
     for _ in range(steps):
-        moved0, in0, read0 = s.bytes_moved, s.recalled, host.POOL.totals.keys_read
+        moved0, in0, read0 = s.bytes_moved, s.recalled, p.ctx.host.totals.keys_read
         recall.after_compress(req, decode=True)  # due every step: armed for this step's forward
-        if recall.ARMED.get(0) is None:
+        if p.ctx.armed.get(0) is None:
             break
-        step_s.append(run_layers(p, forward_batch(True, 1), 1))
+        step_s.append(run_layers(p, forward_batch(p, True, 1), 1))
         step_in.append(s.recalled - in0)
         step_bytes.append(s.bytes_moved - moved0)
-        step_read.append(host.POOL.totals.keys_read - read0)
+        step_read.append(p.ctx.host.totals.keys_read - read0)
     s.drop_host()
-    recall.ARMED.clear()
-    host.POOL = None
+    p.ctx.armed.clear()
     return {
         "host": s.host_peak,
         "prefill_s": prefill_s,

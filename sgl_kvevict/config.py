@@ -14,6 +14,7 @@ a `flag` in its `json_schema_extra` is one, named, parsed, bounded and described
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -647,16 +648,15 @@ def server_config() -> KvConfig:
     return KvConfig.model_validate(json.loads(raw))
 
 
-_SETTINGS: tuple[str | None, ServerSettings] | None = None
-
-
 def server_settings() -> ServerSettings:
-    """The operator's override rules in this process (from the launcher's environment; parsed once)."""
-    global _SETTINGS
-    raw = os.environ.get(SETTINGS_ENV_VAR)
-    if _SETTINGS is None or _SETTINGS[0] != raw:
-        _SETTINGS = (raw, ServerSettings.model_validate_json(raw) if raw else ServerSettings())
-    return _SETTINGS[1]
+    """The operator's override rules in this process (from the launcher's environment; parsed once per
+    value). A server's cache keeps the ones it started with (`cache.context.KvEvictContext.settings`)."""
+    return _settings_from(os.environ.get(SETTINGS_ENV_VAR))
+
+
+@functools.lru_cache(maxsize=8)
+def _settings_from(raw: str | None) -> ServerSettings:
+    return ServerSettings.model_validate_json(raw) if raw else ServerSettings()
 
 
 def _check_operator_rules(

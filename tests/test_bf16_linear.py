@@ -114,9 +114,9 @@ def test_fp64_weights_are_kept_refreshed_on_write_and_capped(monkeypatch: pytest
     monkeypatch.setattr(bf16_linear, "CACHE_BYTES", 0)
     other = (torch.randn(8, 576) / 24).bfloat16()
     assert bf16_linear.wide(other) is not bf16_linear.wide(other), "past the cap: converted per call"
-    assert id(other) not in bf16_linear._wide
-    assert bf16_linear._kept_bytes == sum(c.nbytes for _, _, c in bf16_linear._wide.values())
-    kept = bf16_linear._kept_bytes
+    assert id(other) not in bf16_linear.WIDE.copies
+    assert bf16_linear.WIDE.kept_bytes == sum(c.nbytes for _, _, c in bf16_linear.WIDE.copies.values())
+    kept = bf16_linear.WIDE.kept_bytes
     del w, first, again
     gc.collect()
-    assert bf16_linear._kept_bytes == kept - 1536 * 576 * 8, "a dead weight's copy leaves the count"
+    assert bf16_linear.WIDE.kept_bytes == kept - 1536 * 576 * 8, "a dead weight's copy leaves the count"

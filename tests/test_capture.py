@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
 
-from sgl_kvevict.cache import capture
+from sgl_kvevict.cache import capture, context
 from sgl_kvevict.tools.pools import SyncCounter
 
 H, D = 2, 3
@@ -185,39 +186,71 @@ def test_the_hook_reads_nothing_back(decode):
     assert counter.counts == {}, counter.counts
 
 
+def _sglang_pools(rows: int = 6, layers: int = 3) -> tuple[Any, Any]:
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+    return ReqToTokenPool(rows, 64, "cpu", False), MHATokenToKVPool(
+        128, 1, torch.float32, 1, D, layers, "cpu", False
+    )
+
+
+def _forward(r2t: Any, kv: Any, layer: int = 2) -> None:
+    """One BEFORE-attention call of a decode forward over SGLang's pools `r2t`, `kv` (row 1, position 0)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    backend = SimpleNamespace(req_to_token_pool=r2t, token_to_kv_pool=kv)
+    with forward_context(ForwardContext(attn_backend=backend)):
+        q = torch.ones(1, H * D, dtype=torch.bfloat16)
+        capture.before_attention(Layer(layer), q, None, None, Batch([1], [0], None))
+
+
 def test_hook_without_a_store_config_does_nothing():
-    old = capture.CONF, capture.STORE
-    capture.CONF, capture.STORE = None, None
-    try:
-        capture.before_attention(Layer(0), torch.zeros(1, H * D), None, None, Batch([1], [0], None))
-        assert capture.STORE is None
-    finally:
-        capture.CONF, capture.STORE = old
+    r2t, kv = _sglang_pools()
+    ctx = context.for_pool(r2t)
+    ctx.capture_conf = None
+    _forward(r2t, kv)
+    assert ctx.capture is None
 
 
 def test_first_forward_builds_the_store_from_sglangs_pools():
     """With CUDA graphs the model runner captures (after a warm-up forward) before the plugin attaches
-    to the scheduler: the first forward must build the store from SGLang's own pools."""
-    from types import SimpleNamespace
+    to the scheduler: the first forward must build the store from SGLang's own pools, in the context
+    the tree over those pools then adopts."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+    from sgl_kvevict.cache.tree import KvEvictRadixCache
 
-    r2t = ReqToTokenPool(6, 64, "cpu", False)
-    kv = MHATokenToKVPool(128, 1, torch.float32, 1, D, 3, "cpu", False)
-    old = capture.CONF, capture.STORE
-    capture.CONF, capture.STORE = (4, 2), None
-    try:
-        backend = SimpleNamespace(req_to_token_pool=r2t, token_to_kv_pool=kv)
-        with forward_context(ForwardContext(attn_backend=backend)):
-            q = torch.ones(1, H * D, dtype=torch.bfloat16)
-            capture.before_attention(Layer(2), q, None, None, Batch([1], [0], None))
-        store = capture.STORE
-        assert store is not None and store.buf.shape == (3, 3, 5, H, D) and store.buf.dtype == torch.bfloat16
-        assert store.slot_of_row.shape[0] == r2t.req_to_token.shape[0]
-        assert float(store.buf[store.slots].abs().sum()) > 0  # the warm-up's write went to the dummy slot
-    finally:
-        capture.CONF, capture.STORE = old
+    r2t, kv = _sglang_pools()
+    ctx = context.for_pool(r2t)
+    ctx.capture_conf = (4, 2)
+    _forward(r2t, kv)
+    store = ctx.capture
+    assert store is not None and store.buf.shape == (3, 3, 5, H, D) and store.buf.dtype == torch.bfloat16
+    assert store.slot_of_row.shape[0] == r2t.req_to_token.shape[0]
+    assert float(store.buf[store.slots].abs().sum()) > 0  # the warm-up's write went to the dummy slot
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    alloc = TokenToKVPoolAllocator(128, torch.float32, "cpu", kv, False)
+    params = CacheInitParams(
+        disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=1
+    )
+    assert KvEvictRadixCache(params, 6).ctx is ctx
+
+
+def test_two_servers_in_one_process_keep_their_own_stores():
+    """Two row pools (two servers in one process, e.g. two offline engines or two test ranks) get two
+    contexts: a forward over one builds and writes only its own store."""
+    (r2t_a, kv_a), (r2t_b, kv_b) = _sglang_pools(), _sglang_pools(rows=8, layers=2)
+    a, b = context.for_pool(r2t_a), context.for_pool(r2t_b)
+    assert a is not b
+    a.capture_conf, b.capture_conf = (4, 2), (4, 2)
+    _forward(r2t_a, kv_a)
+    assert a.capture is not None and b.capture is None
+    _forward(r2t_b, kv_b, layer=1)
+    assert b.capture is not None and b.capture is not a.capture
+    assert b.capture.buf.shape[1] == 2 and a.capture.buf.shape[1] == 3  # each from its own pools
 
 
 @pytest.mark.parametrize("window", [1, 4, 32])

@@ -19,7 +19,7 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from sgl_kvevict.cache import capture, compressor, runtime
+from sgl_kvevict.cache import capture, compressor
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.tree import KvEvictRadixCache, Region, is_compressed
 from sgl_kvevict.tools.pools import runtime_for
@@ -64,8 +64,7 @@ class Rank:
         )
 
     def activate(self) -> None:
-        runtime.RT = self.rt
-        capture.STORE = self.store
+        self.tree.ctx.rt, self.tree.ctx.capture = self.rt, self.store
 
 
 def _kvq(pos: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -123,8 +122,8 @@ def _start(rank: Rank, policy: str, config: dict, share_prompt: bool) -> SimpleN
     req.kv.req_pool_idx = 0
     req.lock = rank.tree.lock(rank.tree.root_node)
     req.last_node = rank.tree.root_node
-    s = st.ensure(req)
-    st.on_match(req, Region(rank.tree.root_node, 0, 0, None))
+    s = st.ensure(req, rank.tree.ctx)
+    st.on_match(req, rank.tree.ctx, Region(rank.tree.root_node, 0, 0, None))
     if "attn" in s.policy.needs:
         assert rank.store.ensure(0, s.policy.config.window, 0)
     for pos in range(PROMPT):

@@ -266,6 +266,138 @@ def test_the_cache_knows_no_policy_by_name():
     assert not (ROOT / "sgl_kvevict" / "cache" / "engine_lagkv.py").exists()
 
 
+# ---- state: no `global`, no module-level mutable state outside registries and constants -------------
+# The module-level mutable objects the package may hold, each a registry (keys to entries, mutated in
+# place, never rebound) or a cache of derived values. A server's state lives in its cache's context
+# (`cache/context.py`), never here.
+REGISTRIES: dict[str, str] = {
+    "sgl_kvevict.cache.context._BY_POOL": "request-row pool -> the context of the server over it (weakly)",
+    "sgl_kvevict.cache.state.LIVE": "every live ReqState, weakly (a soak's leak count)",
+    "sgl_kvevict.cpu_compat.bf16_linear.WIDE": "fp64 copies of the process's bf16 weights, keyed by weight",
+    "sgl_kvevict.policies.registry.REGISTRY": "policy name -> policy class",
+    "sgl_kvevict.policies.criticalkv._SIG_W": "fixed random signature weights per (row words, device)",
+    "sgl_kvevict.tools.oracle._ACTIVE": "the mask sources HF's attention (registered by name) reads: a stack",
+}
+# Another module's attribute set from outside it: only test machinery, each named here.
+PATCHES: dict[tuple[str, str], str] = {
+    ("sgl_kvevict.tools.testing", "sgl_kvevict.cache.recall.exchange"): "the recall fault policy's failure",
+}
+# Module-level instances of the module's own class that hold nothing that changes (markers, stand-ins).
+CONSTANT_INSTANCES = {"sgl_kvevict.cache.tree.MARK", "sgl_kvevict.serve.hooks.DRAINED"}
+MUTABLE_CALLS = {"dict", "list", "set", "bytearray", "defaultdict", "OrderedDict", "deque", "Counter"}
+MUTABLE_CALLS |= {"WeakValueDictionary", "WeakKeyDictionary", "WeakSet"}
+MUTATORS = {"append", "extend", "insert", "pop", "popitem", "remove", "clear", "update", "setdefault"}
+MUTATORS |= {"add", "discard", "sort", "reverse", "__setitem__", "__delitem__"}
+
+
+def top_level(body: list[ast.stmt]) -> list[ast.stmt]:
+    """The statements a module runs at import: its body, into `if`/`try` blocks (not functions)."""
+    out: list[ast.stmt] = []
+    for node in body:
+        if isinstance(node, (ast.If, ast.Try)):
+            handlers = [h.body for h in getattr(node, "handlers", [])]
+            for part in (node.body, node.orelse, getattr(node, "finalbody", []), *handlers):
+                out += top_level(part)
+        else:
+            out.append(node)
+    return out
+
+
+def mutable_bindings(tree: ast.Module) -> dict[str, tuple[int, bool]]:
+    """Module-level names bound to a mutable container or to an instance of the module's own class:
+    name -> (line, whether it is such an instance)."""
+    own = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+    containers = (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)
+    found: dict[str, tuple[int, bool]] = {}
+    for node in top_level(tree.body):
+        if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+            continue
+        v = node.value
+        fn = v.func if isinstance(v, ast.Call) else None
+        callee = fn.id if isinstance(fn, ast.Name) else fn.attr if isinstance(fn, ast.Attribute) else None
+        if isinstance(v, containers) or callee in MUTABLE_CALLS | own:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found.update({t.id: (node.lineno, callee in own) for t in targets if isinstance(t, ast.Name)})
+    return found
+
+
+def mutated_names(tree: ast.Module) -> tuple[set[str], set[str]]:
+    """(bare names, attribute names) whose object the code mutates: `x[k] = v`, `del x[k]`, `x += ...`,
+    `x.append(...)` and the other `MUTATORS`."""
+    bare: set[str] = set()
+    attrs: set[str] = set()
+
+    def note(e: ast.expr) -> None:
+        if isinstance(e, ast.Name):
+            bare.add(e.id)
+        elif isinstance(e, ast.Attribute):
+            attrs.add(e.attr)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            note(node.value)
+        elif isinstance(node, ast.AugAssign):
+            note(node.target)
+        elif (
+            isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS
+        ):
+            note(node.func.value)
+    return bare, attrs
+
+
+def module_aliases(name: str, tree: ast.Module) -> dict[str, str]:
+    """Local name -> package module, for every `from pkg import mod` / `import pkg.mod as m`."""
+    aliases: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            mod = resolve(name, node)
+            aliases.update(
+                {a.asname or a.name: f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in MODULES}
+            )
+        elif isinstance(node, ast.Import):
+            aliases.update({a.asname: a.name for a in node.names if a.name in MODULES and a.asname})
+    return aliases
+
+
+def state_problems(name: str, tree: ast.Module, attrs_mutated: set[str]) -> list[str]:
+    """`global` statements, another module's attributes assigned, and module-level mutable objects
+    that are mutated but not declared in `REGISTRIES` / `CONSTANT_INSTANCES`."""
+    where = MODULES[name].relative_to(ROOT) if name in MODULES else name
+    out = [
+        f"{where}:{n.lineno}: global {', '.join(n.names)}"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Global)
+    ]
+    aliases = module_aliases(name, tree)
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        for t in targets if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) else []:
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in aliases:
+                target = f"{aliases[t.value.id]}.{t.attr}"
+                if (name, target) not in PATCHES:
+                    out.append(f"{where}:{node.lineno}: sets {target}")
+    bare, _ = mutated_names(tree)
+    for var, (line, instance) in mutable_bindings(tree).items():
+        full = f"{name}.{var}"
+        if full in REGISTRIES or full in CONSTANT_INSTANCES:
+            continue
+        if instance or var in bare or var in attrs_mutated:
+            out.append(f"{where}:{line}: module-level mutable state {var} (a registry? add it to REGISTRIES)")
+    return out
+
+
+def test_no_global_and_no_module_state():
+    attrs = set().union(*(mutated_names(t)[1] for t in TREES.values()))
+    problems = [p for n in MODULES for p in state_problems(n, TREES[n], attrs)]
+    assert not problems, "state outside a server's context:\n" + "\n".join(problems)
+
+
+def test_every_declared_registry_exists():
+    declared = set(REGISTRIES) | CONSTANT_INSTANCES
+    bound = {f"{n}.{v}" for n in MODULES for v in mutable_bindings(TREES[n])}
+    assert declared <= bound, f"stale entries: {sorted(declared - bound)}"
+
+
 @pytest.mark.parametrize(
     "source, expected",
     [
@@ -278,3 +410,16 @@ def test_the_cache_knows_no_policy_by_name():
 )
 def test_policy_name_check_catches_a_planted_use(source: str, expected: int):
     assert len(policy_name_uses(ast.parse(source), policy_names())) == expected
+
+
+        ("X = None\n\ndef f():\n    global X\n    X = 1\n", 1),  # a global
+        ("SEEN = {}\n\ndef f(k):\n    SEEN[k] = 1\n", 1),  # a dict filled at run time
+        ("LOG = []\n\ndef f(x):\n    LOG.append(x)\n", 1),
+        ("class Box:\n    pass\n\nBOX = Box()\n", 1),  # a module-level instance of its own class
+        ("from sgl_kvevict.cache import runtime\n\ndef f(rt):\n    runtime.RT = rt\n", 1),  # another's
+        ("NAMES = ['a', 'b']\nTABLE = {'a': 1}\n\ndef f(k):\n    return TABLE[k], NAMES\n", 0),  # constants
+    ],
+)
+def test_state_check_catches_a_planted_global(source: str, expected: int):
+    tree = ast.parse(source)
+    assert len(state_problems("sgl_kvevict.cache.planted", tree, mutated_names(tree)[1])) == expected

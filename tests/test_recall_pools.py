@@ -11,7 +11,7 @@ import torch
 from sgl_kvevict import kernels as K
 from sgl_kvevict.cache import capture, compressor, demote, engine, host, recall
 from sgl_kvevict.cache import state as st
-from sgl_kvevict.config import DEFAULT_RECALL_FETCH_PAGES, SETTINGS_ENV_VAR, RecallTuning, ServerSettings
+from sgl_kvevict.config import DEFAULT_RECALL_FETCH_PAGES, RecallTuning, ServerSettings
 from sgl_kvevict.tools.pools import Pools
 
 L, H, G, D, N, W, R = 3, 2, 2, 16, 160, 16, 6
@@ -32,8 +32,6 @@ def _tags(buf_k: list[torch.Tensor], buf_v: list[torch.Tensor], probe: torch.Ten
 def pools():
     p = Pools(layers=L, kv_heads=H, group=G, head_dim=D, max_reqs=4, max_len=256, dtype=torch.float32)
     yield p
-    host.POOL = None
-    capture.STORE, capture.CONF = None, None
 
 
 def _setup(p: Pools, policy: str):
@@ -41,12 +39,12 @@ def _setup(p: Pools, policy: str):
     req = batch.reqs[0]
     s = st.get(req)
     s.recall = R
-    host.POOL = host.HostPool(L, H, D, 512, torch.float32)
+    p.ctx.host = host.HostPool(L, H, D, 512, torch.float32)
     if "attn" not in s.policy.needs:  # recall scores with the window even for attention-free policies
-        assert capture.ensure(0, W, 0)
+        assert capture.ensure(p.ctx, 0, W, 0)
     q = torch.randn(L, W, H * G, D, generator=p.gen)
     for layer in range(L):
-        capture.STORE.put(0, layer, q[layer], torch.arange(N - W, N))
+        p.store.put(0, layer, q[layer], torch.arange(N - W, N))
     slots = p.r2t.req_to_token[0, :N].long()
     heads = torch.arange(H).unsqueeze(-1)
     orig_k = [p.kv.get_key_buffer(layer)[slots].transpose(0, 1).clone() for layer in range(L)]
@@ -57,7 +55,7 @@ def _setup(p: Pools, policy: str):
 def _compressed(p: Pools, monkeypatch, cfg: ServerSettings, policy: str = "snapkv"):
     """`_setup` under the server settings `cfg`, then the prefill compression (which demotes): the request,
     its state, and the fingerprints of the region's entries (`_tags`) with the probe that makes them."""
-    monkeypatch.setenv(SETTINGS_ENV_VAR, cfg.to_env())
+    p.ctx.settings = cfg
     batch, req, s, heads, orig_k, orig_v = _setup(p, policy)
     probe = torch.randn(D, generator=p.gen)
     want = _tags(orig_k, orig_v, probe)
@@ -72,12 +70,12 @@ def _held(p: Pools, req, s) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     slots = p.r2t.req_to_token[0, :kv_len].long()
     cols = s.host.cols
     ks = [
-        torch.cat([p.kv.get_key_buffer(ly)[slots].transpose(0, 1), host.POOL.k[ly][cols].transpose(0, 1)], 1)
+        torch.cat([p.kv.get_key_buffer(ly)[slots].transpose(0, 1), p.ctx.host.k[ly][cols].transpose(0, 1)], 1)
         for ly in range(L)
     ]
     vs = [
         torch.cat(
-            [p.kv.get_value_buffer(ly)[slots].transpose(0, 1), host.POOL.v[ly][cols].transpose(0, 1)], 1
+            [p.kv.get_value_buffer(ly)[slots].transpose(0, 1), p.ctx.host.v[ly][cols].transpose(0, 1)], 1
         )
         for ly in range(L)
     ]
@@ -127,10 +125,10 @@ def _reference_swaps(
     n_pg = -(-e // page)
     out = []
     for ly in range(L):
-        q = capture.STORE.get(0, ly, length)  # [Hq, W, D]
+        q = p.store.get(0, ly, length)  # [Hq, W, D]
         per = []
         for h in range(H):
-            hk_all = host.POOL.k[ly][s.host.cols, h].float()
+            hk_all = p.ctx.host.k[ly][s.host.cols, h].float()
             if summary != "off" and n_pg > n_sel:
                 qs = torch.cat([q[h * G + g, W - w :].float() for g in range(G)])
                 sc = [_page_bound(qs, hk_all[pg * page : (pg + 1) * page], summary) for pg in range(n_pg)]
@@ -193,26 +191,26 @@ def test_demote_then_recall_keeps_every_entry(
     `floor`: `--kv-recall-config` `min_score` (0: beating the displaced entry is enough). Every host key is scored
     (`summary="off"`); `test_paged_recall_*` covers the page summaries."""
     cfg = ServerSettings(recall_tokens=R, recall=RecallTuning(page=page, summary="off", min_score=floor))
-    monkeypatch.setenv(SETTINGS_ENV_VAR, cfg.to_env())
+    pools.ctx.settings = cfg
     p = pools
     batch, req, s, heads, orig_k, orig_v = _setup(p, policy)
     probe = torch.randn(D, generator=p.gen)
     want = _tags(orig_k, orig_v, probe)
-    before_free = host.POOL.n_free
+    before_free = p.ctx.host.n_free
     with compressor.one_thread():
         if path == "batched":
             freed = engine.compress_batch([(req, "prefill")])[0]
         else:
             freed = compressor.compress(req, "prefill")
     assert freed > 0
-    assert s.host.count == freed and host.POOL.n_free == before_free - freed
+    assert s.host.count == freed and p.ctx.host.n_free == before_free - freed
     ks, vs = _held(p, req, s)
     assert torch.allclose(_tags(ks, vs, probe), want, atol=1e-4)  # nothing lost: device + host = the region
     expect = _reference_swaps(p, req, s, page, fresh or W, cap=fresh * page if fresh else R, floor=floor)
     if floor:  # the floor is what holds some back: without it, more would come
         unfloored = _reference_swaps(p, req, s, page, fresh or W, cap=R)
         assert sum(len(x) for per in expect for x in per) < sum(len(x) for per in unfloored for x in per)
-    host_k = [host.POOL.k[ly][s.host.cols].clone() for ly in range(L)]
+    host_k = [p.ctx.host.k[ly][s.host.cols].clone() for ly in range(L)]
     s.recall_steps = fresh
     swapped = recall.recall(req, s)
     assert swapped == sum(len(x) for per in expect for x in per)
@@ -229,7 +227,7 @@ def test_demote_then_recall_keeps_every_entry(
     assert torch.allclose(_tags(ks, vs, probe), want, atol=1e-4)  # still nothing lost, nothing duplicated
     assert s.recalled == swapped and s.bytes_moved == swapped * 2 * D * 4 * 2
     s.drop_host()
-    assert host.POOL.n_free == host.POOL.size
+    assert p.ctx.host.n_free == p.ctx.host.size
 
 
 def test_host_pool_lru_drops_whole_branches():
@@ -323,22 +321,22 @@ def test_a_failure_inside_recall_changes_nothing(pools: Pools, monkeypatch, wher
     the last layer, before it writes, or inside a page-summary refresh after layer 1's swap) leaves the
     device row and the host columns as they were (the layers already swapped are swapped back), turns
     recall off for that request only, and is counted; the request keeps its compression."""
-    monkeypatch.setenv(
-        SETTINGS_ENV_VAR,
-        ServerSettings(recall_tokens=R, recall=RecallTuning(page=4, min_score=0, fetch_pages=8)).to_env(),
+    pools.ctx.settings = ServerSettings(
+        recall_tokens=R, recall=RecallTuning(page=4, min_score=0, fetch_pages=8)
     )
     p = pools
     batch, req, s, heads, orig_k, orig_v = _setup(p, "snapkv")
     with compressor.one_thread():
         assert compressor.compress(req, "prefill") > 0
-    assert recall._paged(s.host, R)[0] is not None  # the paged path, summaries built before the failure
+    # the paged path, summaries built before the failure
+    assert recall._paged(s.ctx, s.host, R)[0] is not None
     kv_len = req.kv.kv_committed_len
     slots = p.r2t.req_to_token[0, :kv_len].long()
     dev_before = [p.kv.get_key_buffer(ly)[slots].clone() for ly in range(L)]
     dev_v_before = [p.kv.get_value_buffer(ly)[slots].clone() for ly in range(L)]
     cols = s.host.cols.clone()
-    host_before = host.POOL.k[:, cols].clone()  # (unused columns hold uninitialised memory)
-    host_v_before = host.POOL.v[:, cols].clone()
+    host_before = p.ctx.host.k[:, cols].clone()  # (unused columns hold uninitialised memory)
+    host_v_before = p.ctx.host.v[:, cols].clone()
     real_swap, real_refresh = recall.K.host_swap, recall.K.refresh_pages
     swapped: list[int] = []  # entries each host_swap call moved (the rollback's calls included)
     refreshes: list[int] = []
@@ -362,16 +360,16 @@ def test_a_failure_inside_recall_changes_nothing(pools: Pools, monkeypatch, wher
     assert recall.safe_recall(req) == 0
     before = swapped[: calls_before + (where == "refresh_pages")]  # the layers swapped before the failure
     assert (sum(before) > 0) == bool(before), swapped  # (then swapped back)
-    assert s.recall == 0 and not demote.enabled(s) and host.POOL.totals.recall_failures == 1
+    assert s.recall == 0 and not demote.enabled(s) and p.ctx.host.totals.recall_failures == 1
     for ly in range(L):
         assert torch.equal(p.kv.get_key_buffer(ly)[slots], dev_before[ly]), ly
         assert torch.equal(p.kv.get_value_buffer(ly)[slots], dev_v_before[ly]), ly
-    assert torch.equal(s.host.cols, cols) and torch.equal(host.POOL.k[:, cols], host_before)
-    assert torch.equal(host.POOL.v[:, cols], host_v_before)
+    assert torch.equal(s.host.cols, cols) and torch.equal(p.ctx.host.k[:, cols], host_before)
+    assert torch.equal(p.ctx.host.v[:, cols], host_v_before)
     assert s.host.summaries is None  # rebuilt from the columns by the next recall
     assert s.recalled == 0 and s.bytes_moved == 0 and not s.failed
     s.drop_host()
-    assert host.POOL.n_free == host.POOL.size
+    assert p.ctx.host.n_free == p.ctx.host.size
 
 
 @pytest.mark.parametrize("summary", ["minmax", "mean"])
@@ -389,11 +387,11 @@ def test_paged_recall_swaps_what_the_reference_picks(
         p, monkeypatch, ServerSettings(recall_tokens=R, recall=RecallTuning(min_score=0, **tier))
     )
     cap = fresh * page if fresh else R
-    sums, n_sel = recall._paged(s.host, min(R, cap))
+    sums, n_sel = recall._paged(s.ctx, s.host, min(R, cap))
     assert sums is not None and n_sel < -(-s.host.count // page)  # fewer pages fetched than held
     assert n_sel == max(-(-recall.FETCH * min(R, cap) // page), fetch)
     expect = _reference_swaps(p, req, s, page, fresh or W, summary, cap, fetch=fetch)
-    host_k = [host.POOL.k[ly][s.host.cols].clone() for ly in range(L)]
+    host_k = [p.ctx.host.k[ly][s.host.cols].clone() for ly in range(L)]
     s.recall_steps = fresh
     swapped = recall.recall(req, s)
     assert swapped == sum(len(x) for per in expect for x in per) > 0
@@ -405,7 +403,7 @@ def test_paged_recall_swaps_what_the_reference_picks(
     assert sm is not None and sm.n == s.host.count
     assert (sm.kmin is None, sm.kmean is None) == ((summary == "mean"), (summary == "minmax"))  # its own only
     for ly in range(L):
-        fresh_min, fresh_max, fresh_mean = K.page_summaries_ref(host.POOL.k[ly][s.host.cols], page)
+        fresh_min, fresh_max, fresh_mean = K.page_summaries_ref(p.ctx.host.k[ly][s.host.cols], page)
         if summary == "minmax":
             assert torch.equal(sm.kmin[:, ly], fresh_min) and torch.equal(sm.kmax[:, ly], fresh_max)
         else:
@@ -416,19 +414,17 @@ def test_paged_recall_swaps_what_the_reference_picks(
                 j = int((s.host.cols == c).nonzero())
                 assert (dev[:, h] == host_k[ly][j, h]).all(-1).any()
     s.drop_host()
-    assert host.POOL.n_free == host.POOL.size
+    assert p.ctx.host.n_free == p.ctx.host.size
 
 
 def test_paged_recall_equals_flat_when_it_would_fetch_every_page(pools: Pools, monkeypatch):
     """With no more pages than a paged recall fetches, recall scores every key exactly (no summaries)."""
-    monkeypatch.setenv(
-        SETTINGS_ENV_VAR, ServerSettings(recall_tokens=R, recall=RecallTuning(page=128, min_score=0)).to_env()
-    )
+    pools.ctx.settings = ServerSettings(recall_tokens=R, recall=RecallTuning(page=128, min_score=0))
     p = pools
     batch, req, s, heads, orig_k, orig_v = _setup(p, "snapkv")
     with compressor.one_thread():
         assert compressor.compress(req, "prefill") > 0
-    assert recall._paged(s.host, R) == (None, 0)
+    assert recall._paged(s.ctx, s.host, R) == (None, 0)
     expect = _reference_swaps(p, req, s, 128, W, "minmax")
     assert recall.recall(req, s) == sum(len(x) for per in expect for x in per) > 0
     assert s.host.summaries is None
@@ -450,19 +446,19 @@ def test_append_brings_the_best_entries_into_fresh_slots(
     p = pools
     req, s, probe, want = _compressed(p, monkeypatch, cfg, policy)
     kv_len, comp, offset = req.kv.kv_committed_len, s.comp_slots, s.offset
-    length, count, free = s.tokens_for(kv_len), s.host.count, host.POOL.n_free
+    length, count, free = s.tokens_for(kv_len), s.host.count, p.ctx.host.n_free
     tail = p.r2t.req_to_token[0, comp:kv_len].clone()
-    sums, _ = recall._paged(s.host, R)
+    sums, _ = recall._paged(s.ctx, s.host, R)
     assert (sums is None) == (summary == "off")
     expect = _reference_swaps(p, req, s, page, W, summary if sums is not None else "off", fetch=2, append=R)
-    host_k = [host.POOL.k[ly][s.host.cols].clone() for ly in range(L)]
+    host_k = [p.ctx.host.k[ly][s.host.cols].clone() for ly in range(L)]
     cols_before = s.host.cols.clone()
     s.append_due = True
     assert recall.safe_append(req) == R
     assert req.kv.kv_committed_len == kv_len + R and s.comp_slots == comp + R and s.offset == offset - R
     assert s.tokens_for(req.kv.kv_committed_len) == length and s.appended == R
     assert torch.equal(p.r2t.req_to_token[0, comp + R : kv_len + R], tail)  # the tail moved right, whole
-    assert s.host.count == count - R and host.POOL.n_free == free + R
+    assert s.host.count == count - R and p.ctx.host.n_free == free + R
     _assert_appended(p, comp, expect, host_k, cols_before)
     ks, vs = _held(p, req, s)
     assert torch.allclose(_tags(ks, vs, probe), want, atol=1e-4)  # nothing lost, nothing duplicated
@@ -475,16 +471,16 @@ def test_append_brings_the_best_entries_into_fresh_slots(
     if sums is not None:
         assert sm is not None and sm.n <= s.host.count
         for ly in range(L):
-            ref = K.page_summaries_ref(host.POOL.k[ly][s.host.cols[: sm.n]], page)
+            ref = K.page_summaries_ref(p.ctx.host.k[ly][s.host.cols[: sm.n]], page)
             mine = sm.kmin if summary == "minmax" else sm.kmean
             theirs = ref[0] if summary == "minmax" else ref[2]
             assert torch.allclose(mine[:, ly].float(), theirs, atol=1e-5)
-        sm = recall.summaries(s.host, page, summary)  # brought up to the columns again
+        sm = recall.summaries(s.ctx, s.host, page, summary)  # brought up to the columns again
         assert sm.n == s.host.count
     # the turn's decode budget holds the appended columns: no compression fires for them
     assert compressor._trigger(req, s, "decode") is None
     s.drop_host()
-    assert host.POOL.n_free == host.POOL.size
+    assert p.ctx.host.n_free == p.ctx.host.size
 
 
 def test_a_turns_recall_scores_with_its_own_queries_only(pools: Pools, monkeypatch):
@@ -502,13 +498,13 @@ def test_a_turns_recall_scores_with_its_own_queries_only(pools: Pools, monkeypat
     expect = _reference_swaps(p, req, s, 1, mine, append=R)
     whole = _reference_swaps(p, req, s, 1, W, append=R)
     assert expect != whole, "the test needs the turn's queries to pick differently from the window's"
-    host_k = [host.POOL.k[ly][s.host.cols].clone() for ly in range(L)]
+    host_k = [p.ctx.host.k[ly][s.host.cols].clone() for ly in range(L)]
     cols_before = s.host.cols.clone()
     s.append_due = True
     assert recall.safe_append(req) == R
     _assert_appended(p, comp, expect, host_k, cols_before)
     s.drop_host()
-    assert host.POOL.n_free == host.POOL.size
+    assert p.ctx.host.n_free == p.ctx.host.size
 
 
 def test_append_rolls_back_on_a_failure(pools: Pools, monkeypatch):
@@ -517,7 +513,7 @@ def test_append_rolls_back_on_a_failure(pools: Pools, monkeypatch):
     cfg = ServerSettings(
         recall_tokens=R, recall=RecallTuning(min_score=0, append="on", page=4, fetch_pages=8)
     )
-    monkeypatch.setenv(SETTINGS_ENV_VAR, cfg.to_env())
+    pools.ctx.settings = cfg
     p = pools
     batch, req, s, heads, orig_k, orig_v = _setup(p, "snapkv")
     with compressor.one_thread():
@@ -525,7 +521,7 @@ def test_append_rolls_back_on_a_failure(pools: Pools, monkeypatch):
     kv_len = req.kv.kv_committed_len
     row = p.r2t.req_to_token[0, :kv_len].clone()
     cols = s.host.cols.clone()
-    host_k, host_v = host.POOL.k[:, cols].clone(), host.POOL.v[:, cols].clone()
+    host_k, host_v = p.ctx.host.k[:, cols].clone(), p.ctx.host.v[:, cols].clone()
     avail = p.alloc.available_size()
     real = recall.holes_filled
     calls: list[int] = []
@@ -541,10 +537,10 @@ def test_append_rolls_back_on_a_failure(pools: Pools, monkeypatch):
     assert recall.safe_append(req) == 0
     assert req.kv.kv_committed_len == kv_len and torch.equal(p.r2t.req_to_token[0, :kv_len], row)
     assert torch.equal(s.host.cols, cols)
-    assert torch.equal(host.POOL.k[:, cols], host_k) and torch.equal(host.POOL.v[:, cols], host_v)
+    assert torch.equal(p.ctx.host.k[:, cols], host_k) and torch.equal(p.ctx.host.v[:, cols], host_v)
     assert p.alloc.available_size() == avail and s.recall == 0 and s.appended == 0
     s.drop_host()
-    assert host.POOL.n_free == host.POOL.size
+    assert p.ctx.host.n_free == p.ctx.host.size
 
 
 def test_a_paged_append_takes_no_more_than_its_fetched_pages_hold(pools: Pools, monkeypatch):
@@ -554,10 +550,10 @@ def test_a_paged_append_takes_no_more_than_its_fetched_pages_hold(pools: Pools, 
     cfg = ServerSettings(recall_tokens=R, recall=RecallTuning(min_score=0, append="on", **tier))
     p = pools
     req, s, probe, want = _compressed(p, monkeypatch, cfg)
-    assert recall._paged(s.host, R)[1] == 1  # one page fetched
+    assert recall._paged(s.ctx, s.host, R)[1] == 1  # one page fetched
     s.append_due = True
     assert recall.safe_append(req) == 1
     ks, vs = _held(p, req, s)
     assert torch.allclose(_tags(ks, vs, probe), want, atol=1e-4)  # nothing lost, nothing duplicated
     s.drop_host()
-    assert host.POOL.n_free == host.POOL.size
+    assert p.ctx.host.n_free == p.ctx.host.size

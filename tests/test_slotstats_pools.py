@@ -10,7 +10,6 @@ recomputes every norm.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -35,15 +34,10 @@ CASES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _no_stats_after() -> Iterator[None]:
-    yield
-    slotstats.reset()
-
-
 def _forward_write(rank: Rank, slots: torch.Tensor, values: list[torch.Tensor], mode: ForwardMode) -> None:
     """What the forward pass does per layer for the statistic: the BEFORE hook on the values it writes."""
-    batch = SimpleNamespace(forward_mode=mode, out_cache_loc=slots)  # the ForwardBatch fields it reads
+    # the ForwardBatch fields it reads (its row pool names the server: `context.of_forward`)
+    batch = SimpleNamespace(forward_mode=mode, out_cache_loc=slots, req_to_token_pool=rank.r2t)
     for layer in range(L):
         v = values[layer]
         slotstats.before_attention(SimpleNamespace(layer_id=layer), None, None, v.flatten(1), batch)
@@ -70,7 +64,7 @@ def _stale_rows(rank: Rank, req) -> int:
     row = rank.r2t.req_to_token[0, : req.kv.kv_committed_len].to(torch.int64)
     stale = 0
     for layer in range(L):
-        got = slotstats.STATS[layer, row]  # [n, H]
+        got = rank.tree.ctx.stats[layer, row]  # [n, H]
         want = kernels.vo_norms(rank.kv.get_value_buffer(layer), row, rank.rt.o_proj(layer)).t()
         nan = torch.isnan(got)
         # to fp32 rounding, as test_kernels' rows-vs-pool check (a one-token chunk's sum can land an ulp
@@ -94,7 +88,7 @@ def _scenario(
     """Prefill, compress, decode with compressions, finish. Yields (rank, req) after each step."""
     rank = Rank(slice(0, 4), torch.bfloat16)  # a bf16 model's pool and W_O: norms are bit-identical
     if stats:
-        slotstats.setup(rank.rt)
+        rank.tree.ctx.slot_stats = slotstats.setup(rank.rt)
     req = _prefill(rank, policy, config, share_prompt)
     s = st.get(req)
 
@@ -143,7 +137,7 @@ def test_statistic_moves_with_its_row(policy: str, config: dict, share_prompt: b
 @pytest.mark.parametrize("config", [{}, {"base": "d2o"}, {"base": "h2o"}], ids=["snapkv", "d2o", "h2o"])
 def test_criticalkv_keeps_what_recomputing_keeps(config: dict, share_prompt: bool) -> None:
     def run(stats: bool) -> tuple[list[list[torch.Tensor]], int, int]:
-        # one scenario at a time: the statistic's buffer is process-wide, like the runtime
+        # every scenario on a rank of its own: its statistic is that rank's (`tree.ctx`)
         steps, req = [], None
         for rank, req in _scenario("criticalkv", config, share_prompt, None, stats, not stats):
             steps.append(_contents(rank, req))
@@ -153,7 +147,6 @@ def test_criticalkv_keeps_what_recomputing_keeps(config: dict, share_prompt: boo
         return steps, s.own_evicted, s.merged
 
     with_stats, evicted, merged = run(stats=True)
-    slotstats.reset()
     recomputed, evicted_b, merged_b = run(stats=False)
     assert len(with_stats) == len(recomputed) == DECODE + 1
     for a, b in zip(with_stats, recomputed, strict=True):
@@ -164,10 +157,10 @@ def test_criticalkv_keeps_what_recomputing_keeps(config: dict, share_prompt: boo
 def test_stale_rows_are_recomputed_once_and_stored() -> None:
     """A NaN (stale or never written) is computed by the policy from the pool and stored back."""
     rank = Rank(slice(0, 4), torch.bfloat16)
-    slotstats.setup(rank.rt)
+    rank.tree.ctx.slot_stats = slotstats.setup(rank.rt)
     req = _start(rank, "criticalkv", {}, share_prompt=False)  # K/V written without the hook: all NaN
     row = rank.r2t.req_to_token[0, :PROMPT].to(torch.int64)
-    assert bool(torch.isnan(slotstats.STATS[:, row]).all())
+    assert bool(torch.isnan(rank.tree.ctx.stats[:, row]).all())
     assert compressor.compress(req, "prefill") > 0
     assert _stale_rows(rank, req) == 0
 
@@ -176,7 +169,8 @@ def test_batched_engine_moves_the_statistic_without_host_sync() -> None:
     pools = Pools(layers=3, max_reqs=8, max_len=168)
     b = pools.batch(8, 160, "snapkv", 48, {"window": 8})
     b.reqs[0].kv.kv_committed_len = b.reqs[0].kv.kv_allocated_len = 140  # ragged
-    stats = slotstats.setup(pools.rt)
+    pools.ctx.slot_stats = slotstats.setup(pools.rt)
+    stats = pools.ctx.stats
     all_slots = torch.arange(pools.kv.get_value_buffer(0).shape[0])
     for layer in range(3):  # as if every value had been written by a forward
         stats[layer] = kernels.vo_norms(
@@ -195,7 +189,8 @@ def test_batched_engine_moves_the_statistic_without_host_sync() -> None:
 
 def test_hook_has_no_host_sync_and_skips_other_modes() -> None:
     rank = Rank(slice(0, 4), torch.bfloat16)
-    stats = slotstats.setup(rank.rt)
+    rank.tree.ctx.slot_stats = slotstats.setup(rank.rt)
+    stats = rank.tree.ctx.stats
     slots = torch.tensor([5, 9, 3], dtype=torch.int64)
     vals = [torch.randn(3, 4, 16).bfloat16() for _ in range(L)]
     with SyncCounter() as sc:
@@ -208,7 +203,7 @@ def test_hook_has_no_host_sync_and_skips_other_modes() -> None:
     # a write that fails (here: more values than slots) switches the statistic off rather than leaving
     # those slots with their previous occupants' norms
     _forward_write(rank, torch.tensor([1, 2]), vals, ForwardMode.DECODE)
-    assert slotstats.STATS is None
+    assert rank.tree.ctx.stats is None
     _forward_write(rank, slots, vals, ForwardMode.DECODE)  # no buffer: the hook is a no-op
 
 

@@ -93,7 +93,8 @@ def test_retraction_drops_a_pending_plan() -> None:
     assert s.pending is not None
     assert s.pending.states[0], "D2O's plan keeps per-layer state (its threshold)"
     assert not any(s.layer_state), "...in copies: the request's own state is untouched until the commit"
-    st.on_match(req, Region(rank.tree.root_node, 0, 0, None))  # re-admission after a retraction
+    # re-admission after a retraction
+    st.on_match(req, rank.tree.ctx, Region(rank.tree.root_node, 0, 0, None))
     assert s.pending is None and not any(s.layer_state)
 
 

@@ -161,10 +161,11 @@ def branch_req(scope: str = "branch", shared_prefix: int = 0):
     from types import SimpleNamespace
 
     from sgl_kvevict.cache import state as st
+    from sgl_kvevict.cache.context import KvEvictContext
 
     kv = {"policy": "snapkv", "budget": 8, "config": {"scope": scope, "shared_prefix": shared_prefix}}
     req = SimpleNamespace(rid="r", lock=None, sampling_params=SimpleNamespace(custom_params={"kvevict": kv}))
-    return req, st.ensure(req)
+    return req, st.ensure(req, KvEvictContext())
 
 
 def two_nodes(t: KvEvictRadixCache):

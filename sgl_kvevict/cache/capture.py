@@ -26,9 +26,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from sgl_kvevict.cache import context
+
+if TYPE_CHECKING:
+    from sgl_kvevict.cache.context import KvEvictContext
 
 logger = logging.getLogger("sgl_kvevict")
 
@@ -166,49 +171,51 @@ class Store:
         self.buf.index_put_((slot, layer_idx, pos.to(torch.int64) % win), qv.to(self.buf.dtype))
 
 
-STORE: Store | None = None
-# (window, slots) the server's requests may need, set by the plugin in the scheduler process; the store
-# itself is built at the first forward (a warm-up run, before any CUDA graph capture).
-CONF: tuple[int, int] | None = None
+def ensure(ctx: KvEvictContext, row: int, window: int, start: int) -> bool:
+    return ctx.capture is not None and ctx.capture.ensure(row, window, start)
 
 
-def ensure(row: int, window: int, start: int) -> bool:
-    return STORE is not None and STORE.ensure(row, window, start)
+def drop(ctx: KvEvictContext, row: int | None) -> None:
+    if row is not None and ctx.capture is not None:
+        ctx.capture.drop(row)
 
 
-def drop(row: int | None) -> None:
-    if row is not None and STORE is not None:
-        STORE.drop(row)
+def live(ctx: KvEvictContext) -> int:
+    return 0 if ctx.capture is None else len(ctx.capture.entries)
 
 
-def live() -> int:
-    return 0 if STORE is None else len(STORE.entries)
-
-
-def count(row: int, length: int) -> int:
-    return 0 if STORE is None else STORE.count(row, length)
+def count(ctx: KvEvictContext, row: int, length: int) -> int:
+    return 0 if ctx.capture is None else ctx.capture.count(row, length)
 
 
 def build(
-    rows: int, layers: int, heads: int, dim: int, dtype: torch.dtype, device: Any, start_layer: int = 0
+    ctx: KvEvictContext,
+    rows: int,
+    layers: int,
+    heads: int,
+    dim: int,
+    dtype: torch.dtype,
+    device: Any,
+    start_layer: int = 0,
 ) -> Store | None:
-    """The store, once per process (None when `CONF` says no request captures). Called when the plugin
-    attaches to the scheduler, or by the first forward if that runs first (a CUDA graph warm-up)."""
-    global STORE
-    if STORE is not None or CONF is None:
-        return STORE
-    window, slots = CONF
-    STORE = Store(rows, layers, window, heads, dim, min(slots, max(1, rows - 1)), dtype, device, start_layer)
+    """The context's store, built once (None when its `capture_conf` says no request captures). Called
+    when the plugin attaches to the scheduler, or by the first forward if that runs first (a CUDA graph
+    warm-up)."""
+    if ctx.capture is not None or ctx.capture_conf is None:
+        return ctx.capture
+    window, slots = ctx.capture_conf
+    store = Store(rows, layers, window, heads, dim, min(slots, max(1, rows - 1)), dtype, device, start_layer)
+    ctx.capture = store
     logger.info(
         "sgl-kvevict: window-query capture buffer: %d slots x %d layers x %d queries x %d heads x %d (%.1f MiB)",
-        STORE.slots,
+        store.slots,
         layers,
         window,
         heads,
         dim,
-        STORE.nbytes / (1 << 20),
+        store.nbytes / (1 << 20),
     )
-    return STORE
+    return store
 
 
 def _pools(forward_batch: Any) -> tuple[Any, Any]:
@@ -223,15 +230,19 @@ def _pools(forward_batch: Any) -> tuple[Any, Any]:
 
 def before_attention(layer_mod, q, k, v, forward_batch, *args, **kwargs):
     """BEFORE hook on RadixAttention.forward: every row's queries into the store (see the module)."""
-    if CONF is None or q is None:
+    if q is None:
         return None
     mode = forward_batch.forward_mode
     if not (mode.is_decode() or mode.is_extend()):
         return None
-    store = STORE
+    r2t, pool = _pools(forward_batch)
+    ctx = context.for_pool(r2t)
+    store = ctx.capture
     if store is None:
-        r2t, pool = _pools(forward_batch)
+        if ctx.capture_conf is None:
+            return None
         store = build(
+            ctx,
             int(r2t.req_to_token.shape[0]),
             int(pool.layer_num),
             int(layer_mod.tp_q_head_num),

@@ -40,8 +40,9 @@ from typing import Any
 import torch
 
 from sgl_kvevict import kernels
-from sgl_kvevict.cache import capture, demote, runtime, slotstats
+from sgl_kvevict.cache import demote, slotstats
 from sgl_kvevict.cache import state as st
+from sgl_kvevict.cache.context import KvEvictContext
 from sgl_kvevict.cache.nodes import is_compressed
 from sgl_kvevict.policies import LayerView, Policy, ragged
 from sgl_kvevict.policies.base import MERGED_STAT, Phase
@@ -129,10 +130,10 @@ def _plan_layer(p: Pending, v: LayerView, stage: bool) -> None:
     """Step 1 (and the staging of step 2) for one layer: nothing in the pool or the row is written.
     Only missing per-slot norms the policy computed are stored: they describe values that stay as they
     are whether or not the plan commits, so storing them early is safe and saves computing them again."""
-    s, slots, rt = p.job.s, p.slots, runtime.RT
+    s, slots, rt = p.job.s, p.slots, p.job.s.ctx.rt
     kp = s.policy.select(v, p.job.budget)
-    if v.vo is not None and slotstats.STATS is not None:  # norms the policy filled in: computed once
-        slotstats.write_back(slotstats.STATS, v.layer, slots, v.vo)
+    if v.vo is not None and s.ctx.stats is not None:  # norms the policy filled in: computed once
+        slotstats.write_back(s.ctx.stats, v.layer, slots, v.vo)
     n = int(slots.numel())
     lay = v.layer
     if p.keeps and int(kp.shape[1]) != int(p.keeps[0].shape[1]):
@@ -158,7 +159,7 @@ def _plan_layer(p: Pending, v: LayerView, stage: bool) -> None:
         kernels.compact([dk], [dv], idx, keep.unsqueeze(0))
         p.dense_k.append(dk[:k])
         p.dense_v.append(dv[:k])
-        if slotstats.STATS is not None:  # the rows whose value the merge changed: their statistic is stale
+        if s.ctx.stats is not None:  # the rows whose value the merge changed: their statistic is stale
             heads = torch.arange(keep.shape[0], device=slots.device).unsqueeze(-1)
             before = rt.v_buffer(lay)[slots[keep], heads]  # [Hkv, k, D]
             p.stale.append((dv[:k].transpose(0, 1) != before).any(-1))
@@ -182,9 +183,8 @@ def _plan(p: Pending) -> Plan | None:
     return plan
 
 
-def agree(ok: bool) -> bool:
+def agree(rt: Any, ok: bool) -> bool:
     """Every tensor-parallel rank commits only if every rank's plan succeeded (one host sync, TP only)."""
-    rt = runtime.RT
     if rt is None or rt.tp_size <= 1:
         return ok
     from sglang.srt.distributed import get_tp_group
@@ -194,10 +194,9 @@ def agree(ok: bool) -> bool:
     return int(flag.item()) == 0
 
 
-def _exclusive_tree_nodes(req: Any, anchor: Any) -> list[Any]:
+def _exclusive_tree_nodes(rt: Any, req: Any, anchor: Any) -> list[Any]:
     """Nodes between the request's lock and its anchor, from the bottom, that only this request holds
     and that have no other child: the request may take their slots back without touching anyone."""
-    rt = runtime.RT
     out = []
     node = req.lock.node if req.lock is not None else None
     child = None
@@ -214,17 +213,17 @@ def _target_slots(req: Any, s: st.ReqState, plan: Plan, own_start: int) -> torch
     """At least `k` slots the request owns for the kept K/V of a region that starts in the tree, or None
     with nothing changed. Its own tail slots first, then fresh ones; only when the pool cannot give
     those, the tree nodes it alone holds are taken back (as eviction would take them)."""
-    rt = runtime.RT
+    rt = s.ctx.rt
     a, n, k = s.anchor_kv, plan.n, plan.k
     row = rt.req_to_token[req.kv.req_pool_idx]
     own = row[own_start : a + n].to(torch.int64)
     if own.numel() >= k:
         return own
-    pool = free_slots()
+    pool = free_slots(rt)
     if own.numel() + pool >= k:
-        return torch.cat([own, alloc_slots(k - own.numel())])
+        return torch.cat([own, alloc_slots(rt, k - own.numel())])
     anchor = s.anchor if s.anchor is not None else rt.tree.root_node
-    nodes = _exclusive_tree_nodes(req, anchor)
+    nodes = _exclusive_tree_nodes(rt, req, anchor)
     taken = sum(len(x.value) for x in nodes)
     if own.numel() + taken + pool < k:
         return None
@@ -234,29 +233,27 @@ def _target_slots(req: Any, s: st.ReqState, plan: Plan, own_start: int) -> torch
     rt.tree.take_leaves(nodes)  # ...that we take out of the tree, bottom-up, keeping their slots
     got = torch.cat(parts)
     if got.numel() < k:
-        got = torch.cat([got, alloc_slots(k - got.numel())])
+        got = torch.cat([got, alloc_slots(rt, k - got.numel())])
     return got
 
 
-def _in_free_group() -> bool:
-    return getattr(runtime.RT.allocator, "free_group", None) is not None
+def _in_free_group(rt: Any) -> bool:
+    return getattr(rt.allocator, "free_group", None) is not None
 
 
-def free_slots() -> int:
+def free_slots(rt: Any) -> int:
     """Slots the pool can give now: free ones, and the tree's evictable cache. Inside SGLang's free group
     (a finishing batch's releases, where the last compression of a turn runs), slots that eviction frees
     come back only when the group ends: only the free slots count then."""
-    rt = runtime.RT
-    return rt.allocator.available_size() + (0 if _in_free_group() else rt.tree.evictable_size())
+    return rt.allocator.available_size() + (0 if _in_free_group(rt) else rt.tree.evictable_size())
 
 
-def alloc_slots(count: int) -> torch.Tensor:
+def alloc_slots(rt: Any, count: int) -> torch.Tensor:
     """`count` fresh slots (evicting unlocked tree cache as SGLang would); the caller checked
     `free_slots`."""
     from sglang.srt.mem_cache.allocation import alloc_token_slots
 
-    rt = runtime.RT
-    out = rt.allocator.alloc(count) if _in_free_group() else alloc_token_slots(rt.tree, count)
+    out = rt.allocator.alloc(count) if _in_free_group(rt) else alloc_token_slots(rt.tree, count)
     return out.to(torch.int64)
 
 
@@ -278,18 +275,18 @@ def _commit(req: Any, s: st.ReqState, plan: Plan, own_start: int) -> bool:
 
 def _write(req: Any, s: st.ReqState, plan: Plan, own_start: int, dem: list) -> bool:
     """`_commit`'s writes; the demotion (if any) is appended to `dem` right before the first one."""
-    rt = runtime.RT
+    rt = s.ctx.rt
     kv, a, k = req.kv, s.anchor_kv, plan.k
     row = rt.req_to_token[kv.req_pool_idx]
     end = kv.kv_committed_len  # past the region: tokens decoded while a split plan was pending
     after = row[a + plan.n : end].clone()
     k_bufs = [rt.k_buffer(layer) for layer in range(rt.n_layers)]
     v_bufs = [rt.v_buffer(layer) for layer in range(rt.n_layers)]
-    stats = slotstats.STATS
+    stats = s.ctx.stats
     if own_start <= a:  # the whole region is the request's own: compact in place
         dem.append(demote.plan_demote(s, a, plan.slots, plan.keep))
         if plan.dense_k is None:  # the batched step's commit, for a batch of one
-            compact_own(plan.slots.view(1, -1), plan.keep.unsqueeze(0), [k], [plan.n])
+            compact_own(s.ctx, plan.slots.view(1, -1), plan.keep.unsqueeze(0), [k], [plan.n])
         else:
             if stats is not None:
                 slotstats.write(stats, plan.slots[:k], _staged_stats(stats, plan))
@@ -319,7 +316,9 @@ def _write(req: Any, s: st.ReqState, plan: Plan, own_start: int, dem: list) -> b
     return True
 
 
-def compact_own(slots: torch.Tensor, keep: torch.Tensor, ks: list[int], ns: list[int]) -> None:
+def compact_own(
+    ctx: KvEvictContext, slots: torch.Tensor, keep: torch.Tensor, ks: list[int], ns: list[int]
+) -> None:
     """The commit of regions the requests own, for one request or a batch: each request's kept entries
     move into the first `k` slots of its region (one gather, then one write, per layer and buffer for
     all requests: sources and destinations may overlap), the per-slot statistic moves with its rows,
@@ -328,7 +327,7 @@ def compact_own(slots: torch.Tensor, keep: torch.Tensor, ks: list[int], ns: list
     `slots`: `[R, Nmax]` int64 region slots (padding repeats a real slot); `keep`: `[R, L, Hkv, Kmax]`
     sorted kept region indices, each request's first `ks[r]` real; `ns`: the region lengths. Every
     index is built from these host counts: no read back from the device."""
-    rt = runtime.RT
+    rt = ctx.rt
     dev = slots.device
     R, L, H, kmax = keep.shape  # noqa: N806
     nmax = slots.shape[1]
@@ -343,8 +342,8 @@ def compact_own(slots: torch.Tensor, keep: torch.Tensor, ks: list[int], ns: list
         for buf in (rt.k_buffer(layer), rt.v_buffer(layer)):
             flat = buf.view(-1, buf.shape[-1])
             flat.index_copy_(0, dst_rows, flat.index_select(0, src_rows[layer]))  # gather, then write
-    if slotstats.STATS is not None:  # the per-slot statistic moves with its row, all layers in one op
-        slotstats.move_rows(slotstats.STATS, src_rows, dst_rows)
+    if ctx.stats is not None:  # the per-slot statistic moves with its row, all layers in one op
+        slotstats.move_rows(ctx.stats, src_rows, dst_rows)
     drop = [n - k for k, n in zip(ks, ns, strict=True)]
     tail = ragged.aranges([r * nmax + k for r, k in enumerate(ks)], drop).to(dev, non_blocking=True)
     rt.allocator.free(slots.reshape(-1).index_select(0, tail))
@@ -364,7 +363,7 @@ def own_region(req: Any, s: st.ReqState, upto: int | None = None) -> bool:
 
     `upto`: copy only the row's first `upto` slots (the tree part, before a prefill's forward has written
     the slots allocated for its new tokens; those stay where they are)."""
-    rt, kv, a = runtime.RT, req.kv, s.anchor_kv
+    rt, kv, a = s.ctx.rt, req.kv, s.anchor_kv
     if kv.cache_protected_len <= a:
         return True
     if kv.kv_allocated_len != kv.kv_committed_len or s.pending is not None:
@@ -400,7 +399,7 @@ def _branch_point_moved(req: Any, s: st.ReqState) -> None:
     (a fork sibling admitted after this request matched), or inside the declared `shared_prefix` (on a
     first turn nothing was matched yet, so the match could not place it). The region starts below the
     deepest such node; a node the declared prefix cuts is split there."""
-    rt = runtime.RT
+    rt = s.ctx.rt
     if req.lock is None or req.kv.cache_protected_len <= s.anchor_kv:
         return
     chain, node = [], req.lock.node
@@ -448,8 +447,7 @@ class Job:
 def prepare(req: Any, phase: Phase) -> Job | None:
     """The host-side half of a step: None when the policy's trigger does not fire. No tensor is read."""
     s = st.get(req)
-    rt = runtime.RT
-    if s is None or not s.active or rt is None:
+    if s is None or not s.active or s.ctx.rt is None:
         return None
     kv = req.kv
     cfg = s.policy.config
@@ -492,7 +490,7 @@ def due(req: Any) -> bool:
     The overlap scheduler processes a step's results before preparing the next one when this holds
     (see `hooks.get_next_batch_to_run`)."""
     s = st.get(req)
-    if s is None or not s.active or runtime.RT is None:
+    if s is None or not s.active or s.ctx.rt is None:
         return False
     return s.after_extend or s.pending is not None or _trigger(req, s, "decode") is not None
 
@@ -508,7 +506,7 @@ def run(job: Job) -> int:
 
     With `job.layers` below the layer count the plan advances by that many layers and the commit
     waits for a later step (see `Pending`); the request's pending compression, if any, continues."""
-    s, rt = job.s, runtime.RT
+    s, rt = job.s, job.s.ctx.rt
     rt.order_after_forward()
     p = s.pending if s.pending is not None and s.pending.job is job else _begin(job)
     s.pending = None
@@ -522,7 +520,7 @@ def run(job: Job) -> int:
     except Exception as e:  # policy code: degrade this request, after the ranks agree
         error = e
     p.seconds += time.perf_counter() - t0
-    if not agree(error is None):
+    if not agree(rt, error is None):
         raise (
             error if error is not None else RuntimeError("compression failed on another tensor-parallel rank")
         )
@@ -556,22 +554,23 @@ def run(job: Job) -> int:
 def _begin(job: Job) -> Pending:
     """A new plan over the job's region. When it will span several steps, the window queries are frozen
     now: later queries attend to tokens past the region, which its causal mask does not cover."""
-    s, rt, req = job.s, runtime.RT, job.req
+    s, rt, req = job.s, job.s.ctx.rt, job.req
     row = rt.req_to_token[req.kv.req_pool_idx]
     slots = row[job.a : job.a + job.n].to(torch.int64)
     if not s.layer_state:
         s.layer_state = [{} for _ in range(rt.n_layers)]
     queries = None
-    if "attn" in s.policy.needs and capture.STORE is not None and job.layers < rt.n_layers:
+    store = s.ctx.capture
+    if "attn" in s.policy.needs and store is not None and job.layers < rt.n_layers:
         length = s.tokens_for(job.a + job.n)
-        queries = [capture.STORE.get(req.kv.req_pool_idx, layer, length) for layer in range(rt.n_layers)]
+        queries = [store.get(req.kv.req_pool_idx, layer, length) for layer in range(rt.n_layers)]
     states = [dict(d) for d in s.layer_state]
     return Pending(job=job, slots=slots, states=states, queries=queries, comp_slots=s.comp_slots)
 
 
 def _view(p: Pending, layer: int) -> LayerView:
     """What the policy sees of one layer: the region's slots, the pools, the window's attention."""
-    job, rt = p.job, runtime.RT
+    job, rt = p.job, p.job.s.ctx.rt
     s, a = job.s, job.a
     needs = s.policy.needs
     attn = None
@@ -579,7 +578,7 @@ def _view(p: Pending, layer: int) -> LayerView:
         if p.queries is not None:
             q = p.queries[layer]
         else:
-            store = capture.STORE
+            store = s.ctx.capture
             length = s.tokens_for(a + job.n)
             q = store.get(job.req.kv.req_pool_idx, layer, length) if store is not None else None
         if q is not None and q.shape[1] > 0:
@@ -596,8 +595,8 @@ def _view(p: Pending, layer: int) -> LayerView:
         n_compacted=s.comp_slots,
         attn=attn,
         o_proj=rt.o_proj(layer) if "o_proj" in needs else None,
-        vo=slotstats.read(slotstats.STATS, layer, p.slots)
-        if "o_proj" in needs and slotstats.STATS is not None
+        vo=slotstats.read(s.ctx.stats, layer, p.slots)
+        if "o_proj" in needs and s.ctx.stats is not None
         else None,
         state=p.states[layer],
     )
@@ -606,7 +605,7 @@ def _view(p: Pending, layer: int) -> LayerView:
 def account(job: Job, k: int, tail: int, keep: torch.Tensor | None, dt: float, after: int = 0) -> int:
     """Host bookkeeping after a commit (counts, totals, the debug timeline); returns the new offset.
     `after`: tokens that follow the region in the row (decoded while the plan was pending)."""
-    s, a, n, rt = job.s, job.a, job.n, runtime.RT
+    s, a, n, rt = job.s, job.a, job.n, job.s.ctx.rt
     if st.DEBUG and keep is not None:
         before = s.debug_positions(a + n + after)
         region = before[..., a : a + n].gather(-1, keep)
@@ -665,8 +664,8 @@ def degrade(req: Any) -> None:
     s = st.get(req)
     if s is not None and not s.failed:
         s.failed = True
-        if runtime.RT is not None:
-            runtime.RT.totals.policy_failures += 1
+        if s.ctx.rt is not None:
+            s.ctx.rt.totals.policy_failures += 1
         logger.exception(
             "kvevict: policy %r failed for request %s; it continues uncompressed", s.cfg.policy, req.rid
         )

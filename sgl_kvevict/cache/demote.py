@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_kvevict.cache import host, runtime
+from sgl_kvevict.cache import host
 from sgl_kvevict.cache import state as st
 
 logger = logging.getLogger("sgl_kvevict")
@@ -41,9 +41,9 @@ def take(s: st.ReqState) -> None:
     src = s.host_src
     s.host_src = None
     got = getattr(src, "kvevict_host", None) if src is not None else None
-    if got is None or got.count == 0 or host.POOL is None:
+    pool = s.ctx.host
+    if got is None or got.count == 0 or pool is None:
         return
-    pool = host.POOL
     mine = pool.copy(got)
     if mine is None:
         src.kvevict_host = None
@@ -72,7 +72,7 @@ def plan_demote(s: st.ReqState, a: int, slots: torch.Tensor, keep: torch.Tensor)
     if not enabled(s):
         return None
     try:
-        pool, rt = host.POOL, runtime.RT
+        pool, rt = s.ctx.host, s.ctx.rt
         n, k = int(slots.numel()), int(keep.shape[-1])
         if k >= n:
             return None
@@ -100,24 +100,25 @@ def plan_demote(s: st.ReqState, a: int, slots: torch.Tensor, keep: torch.Tensor)
 
 def positions(s: st.ReqState, kv_len: int) -> torch.Tensor:
     """Debug: `[L, H, kv_len]` logical positions of the row's first slots."""
-    rt = runtime.RT
+    rt = s.ctx.rt
     pos = s.debug_positions(kv_len)
     return pos.view(1, 1, -1).expand(rt.n_layers, rt.n_kv_heads, -1) if pos.dim() == 1 else pos
 
 
 def commit_demote(s: st.ReqState, d: Demotion | None, committed: bool) -> None:
-    if d is None or host.POOL is None:
+    pool = s.ctx.host
+    if d is None or pool is None:
         return
     if not committed or s.host is None:
-        host.POOL.give_back(d.cols)
+        pool.give_back(d.cols)
         return
-    host.POOL.append(s.host, d.cols, d.positions)
-    host.POOL.totals.demoted += int(d.cols.numel())
+    pool.append(s.host, d.cols, d.positions)
+    pool.totals.demoted += int(d.cols.numel())
     s.host_peak = max(s.host_peak, s.host.count)
 
 
 def fail(s: st.ReqState, what: str) -> None:
     s.recall = 0
-    if host.POOL is not None:
-        host.POOL.totals.recall_failures += 1
+    if s.ctx.host is not None:
+        s.ctx.host.totals.recall_failures += 1
     logger.exception("kvevict: %s failed; the request continues without recall", what)

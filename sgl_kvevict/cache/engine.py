@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from sgl_kvevict.cache import capture, compressor, demote, runtime
+from sgl_kvevict.cache import capture, compressor, demote
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.compressor import Job
 from sgl_kvevict.policies.base import BatchView, Phase
@@ -48,7 +48,7 @@ def _policy_key(job: Job) -> str | None:
         return None  # (a `BatchView` carries window attention, not W_O)
     if "attn" in pol.needs:
         w = pol.config.window
-        if w > job.a + job.n or capture.count(job.req.kv.req_pool_idx, _length(job)) < w:
+        if w > job.a + job.n or capture.count(job.s.ctx, job.req.kv.req_pool_idx, _length(job)) < w:
             return None
     cls = type(pol)
     return f"{cls.__module__}.{cls.__qualname__}" + json.dumps(
@@ -67,8 +67,6 @@ def compress_batch(items: list[tuple[Any, Phase]], cap: int | None = None) -> li
     A policy failure degrades only its request (as `compressor.safe_compress` does one at a time).
     `cap`: region tokens this step may compress (`--kv-compress-step-tokens`); see `_defer`."""
     freed = [0] * len(items)
-    if runtime.RT is None:
-        return freed
     jobs: list[tuple[int, Job]] = []
     for i, (req, phase) in enumerate(items):
         try:
@@ -92,7 +90,7 @@ def compress_batch(items: list[tuple[Any, Phase]], cap: int | None = None) -> li
             done = _run_group([j for _, j in members])
         except Exception as e:
             error = e
-        if not compressor.agree(error is None) or done is None:
+        if not compressor.agree(members[0][1].s.ctx.rt, error is None) or done is None:
             logger.warning("kvevict: batched compression failed (%s); per request instead", error)
             single.extend(members)
             continue
@@ -108,7 +106,7 @@ def _split(job: Job, cap: int | None) -> bool:
     cap (about `cap` region tokens' worth of layers run per step), or it is already under way."""
     if cap is None or (job.n <= cap and job.s.pending is None):
         return job.s.pending is not None
-    job.layers = max(1, cap * runtime.RT.n_layers // max(1, job.n))
+    job.layers = max(1, cap * job.s.ctx.rt.n_layers // max(1, job.n))
     return True
 
 
@@ -117,14 +115,13 @@ def _defer(jobs: list[tuple[int, Job]], cap: int) -> list[tuple[int, Job]]:
     soonest), then those that waited longest, until their regions cover `cap` tokens (at least one
     runs, so every step progresses). The rest wait; a job deferred right after prefill keeps its phase
     for the step that runs it."""
-    rt = runtime.RT
     order = sorted(jobs, key=lambda ij: (ij[1].s.pending is None, -ij[1].s.deferred))
     run, spent = [], 0
     for i, job in order:
         if run and spent >= cap:
             job.s.deferred += 1
             job.s.after_extend = job.phase == "prefill"
-            rt.totals.compressions_deferred += 1
+            job.s.ctx.rt.totals.compressions_deferred += 1
             continue
         job.s.deferred = 0
         spent += min(job.n, cap)  # a larger job plans only part of its layers (`_split`)
@@ -139,7 +136,7 @@ def _col(values: list[int], device: torch.device) -> torch.Tensor:
 def _run_group(jobs: list[Job]) -> list[int]:
     """Plan (select) for the group's requests at once, then commit: compaction and frees for all."""
     t0 = time.perf_counter()
-    rt = runtime.RT
+    rt = jobs[0].s.ctx.rt
     rt.order_after_forward()
     pol = jobs[0].s.policy
     # kept counts and raw tails, host-only (a policy may refuse a request here: the group goes per request)
@@ -157,7 +154,7 @@ def _run_group(jobs: list[Job]) -> list[int]:
 def _batch_view(jobs: list[Job], counts: list) -> BatchView:
     """The group's regions as the policy's batched selection sees them (window attention included when
     the policy needs it): slots padded to the longest region, padding reading the row's first slot."""
-    rt = runtime.RT
+    rt = jobs[0].s.ctx.rt
     dev = rt.req_to_token.device
     L = rt.n_layers  # noqa: N806
     ns = [j.n for j in jobs]
@@ -191,14 +188,14 @@ def _commit_group(jobs: list[Job], slots_pad: torch.Tensor, keep: torch.Tensor, 
         demote.plan_demote(j.s, j.a, slots_pad[r, : j.n], keep[r, :, :, :k]) if demote.enabled(j.s) else None
         for r, (j, k) in enumerate(zip(jobs, ks, strict=True))
     ]
-    compressor.compact_own(slots_pad, keep, ks, [j.n for j in jobs])
+    compressor.compact_own(jobs[0].s.ctx, slots_pad, keep, ks, [j.n for j in jobs])
     for j, d in zip(jobs, dems, strict=True):
         demote.commit_demote(j.s, d, True)
 
 
 def _bookkeeping(jobs: list[Job], batch: BatchView, keep: torch.Tensor, counts: list, t0: float) -> None:
     """Host bookkeeping per request; the tensor state (carried scores, row offsets) in one op each."""
-    rt = runtime.RT
+    rt = jobs[0].s.ctx.rt
     L, nmax = rt.n_layers, batch.slots.shape[1]  # noqa: N806
     ks = [c.k for c in counts]
     for j in jobs:
@@ -230,7 +227,7 @@ def _window_attention(jobs: list[Job], reg: torch.Tensor, valid: torch.Tensor) -
     region: `[R, L, Hkv, Nmax]`, zeros in the padding. Keys are each request's whole row (prefix +
     region), padded; the causal mask and the padding come from host-known lengths. `reg`, `valid`: the
     group's padded region positions in each row and which of them are real."""
-    rt = runtime.RT
+    rt = jobs[0].s.ctx.rt
     dev = rt.req_to_token.device
     R, L, H, Hq, D = len(jobs), rt.n_layers, rt.n_kv_heads, rt.n_q_heads, rt.head_dim  # noqa: N806
     g = Hq // H
@@ -245,7 +242,7 @@ def _window_attention(jobs: list[Job], reg: torch.Tensor, valid: torch.Tensor) -
     limit = (all_col - w).view(R, 1, 1, 1) + torch.arange(w).view(1, 1, w, 1)  # [R, 1, W, 1]
     masked = (torch.arange(amax).view(1, 1, 1, amax) > limit).to(dev)  # [R, 1(G), W, A]
     # every request's last w queries, oldest first, in one gather out of the capture store
-    q_all = capture.STORE.stacked([j.req.kv.req_pool_idx for j in jobs], [_length(j) for j in jobs], w)
+    q_all = jobs[0].s.ctx.capture.stacked([j.req.kv.req_pool_idx for j in jobs], [_length(j) for j in jobs], w)
     nmax = reg.shape[1]  # `reg`: the region part of each row, a padded [R, Nmax] gather out of [R, A]
     out = torch.zeros(R, L, H, nmax, dtype=torch.float32, device=dev)
     step = max(1, MAX_LOGITS // max(1, H * g * w * amax))

@@ -202,26 +202,23 @@ class HostPool:
         return d
 
 
-POOL: HostPool | None = None
-
-
 def build(
     layers: int, heads: int, dim: int, columns: int, dtype: torch.dtype, device: torch.device
 ) -> HostPool:
-    """The process's host pool (pinned when the KV pool is on a GPU, for asynchronous copies)."""
-    global POOL
-    POOL = HostPool(layers, heads, dim, columns, dtype, pin=device.type == "cuda")
+    """A server's host pool (pinned when the KV pool is on a GPU, for asynchronous copies); its context
+    keeps it (`KvEvictContext.host`)."""
+    pool = HostPool(layers, heads, dim, columns, dtype, pin=device.type == "cuda")
     logger.info(
         "sgl-kvevict: host tier: %d columns x %d layers x %d KV heads x %d (%.1f MiB reserved, committed as used)",
         columns,
         layers,
         heads,
         dim,
-        columns * POOL.column_bytes / (1 << 20),
+        columns * pool.column_bytes / (1 << 20),
     )
-    return POOL
+    return pool
 
 
-def release(e: HostEntries | None) -> None:
-    if POOL is not None and e is not None:
-        POOL.release(e)
+def release(pool: HostPool | None, e: HostEntries | None) -> None:
+    if pool is not None and e is not None:
+        pool.release(e)

@@ -50,14 +50,16 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from sgl_kvevict import kernels as K
-from sgl_kvevict.cache import capture, compressor, demote, host, runtime, slotstats
+from sgl_kvevict.cache import capture, compressor, context, demote, host
 from sgl_kvevict.cache import state as st
-from sgl_kvevict.config import server_settings
+
+if TYPE_CHECKING:
+    from sgl_kvevict.cache.context import KvEvictContext
 
 logger = logging.getLogger("sgl_kvevict")
 # A prefill's recall scores with at most this many of the turn's newest tokens' queries (bounds its cost).
@@ -74,7 +76,7 @@ def tick(req: Any) -> None:
     s = st.get(req)
     if s is None or not s.recall:
         return
-    every = server_settings().recall.every
+    every = s.ctx.settings.recall.every
     if not every:
         return
     s.recall_steps += 1
@@ -88,7 +90,7 @@ def due_next_step(req: Any) -> bool:
     s = st.get(req)
     if s is None or not s.recall or s.host is None and s.host_src is None:
         return False
-    every = server_settings().recall.every
+    every = s.ctx.settings.recall.every
     return bool(every) and s.recall_steps + 1 >= every
 
 
@@ -163,17 +165,17 @@ def recall(req: Any, s: st.ReqState) -> int:
     # a turn's start scores with its own tokens' window queries; a decode-time recall with the queries of
     # the steps since the last recall only (the answer forming now, not the prompt the start already used)
     fresh, s.recall_steps = s.recall_steps, 0
-    w = min(capture.count(kv.req_pool_idx, length), kv_len - hi, fresh or own(s, length))
+    w = min(capture.count(s.ctx, kv.req_pool_idx, length), kv_len - hi, fresh or own(s, length))
     r = min(s.recall, hi - lo, s.host.count)
     if fresh:  # during decode: at most one page per step since the last recall (bounds a step's bytes)
-        r = min(r, fresh * server_settings().recall.page)
+        r = min(r, fresh * s.ctx.settings.recall.page)
     if r <= 0 or w <= 0:
         s.recall_skipped += 1
         return 0
     one = Recall.start(req, s, kv_len, length, lo, hi, r)
     try:
-        for layer in range(runtime.RT.n_layers):
-            q = capture.STORE.get(kv.req_pool_idx, layer, length)[:, -w:]  # [Hq, w, D], the row's last w
+        for layer in range(s.ctx.rt.n_layers):
+            q = s.ctx.capture.get(kv.req_pool_idx, layer, length)[:, -w:]  # [Hq, w, D], the row's last w
             one.layer(layer, q, causal=True)
     except Exception:
         one.rollback("recall")
@@ -199,7 +201,7 @@ def append(req: Any, s: st.ReqState) -> int:
     evictable: SGLang's next memory check must not retract for it). Returns `a` (0: nothing appended;
     the turn's other recalls are unchanged)."""
     demote.take(s)
-    kv, rt = req.kv, runtime.RT
+    kv, rt = req.kv, s.ctx.rt
     if s.host is None or s.host.count == 0 or s.pending is not None or s.comp_slots == 0:
         return 0
     if kv.kv_allocated_len != kv.kv_committed_len or not compressor.own_region(req, s):
@@ -207,23 +209,23 @@ def append(req: Any, s: st.ReqState) -> int:
     kv_len = int(kv.kv_committed_len)
     lo, hi = _displaceable(s)
     length = s.tokens_for(kv_len)
-    w = min(capture.count(kv.req_pool_idx, length), kv_len - hi, own(s, length))
+    w = min(capture.count(s.ctx, kv.req_pool_idx, length), kv_len - hi, own(s, length))
     a = min(s.recall, s.own_evicted, s.host.count, int(rt.req_to_token.shape[1]) - kv_len)
     paged = None, 0
     while a > 0:  # a paged append picks from the fetched pages: at least (n - 1) * page + 1 real columns
-        paged = _paged(s.host, a)
+        paged = _paged(s.ctx, s.host, a)
         sums, n_sel = paged
         room = a if sums is None else min(a, (n_sel - 1) * sums.page + 1)
         if room == a:
             break
         a = room
-    if a <= 0 or w <= 0 or compressor.free_slots() < 2 * a:
+    if a <= 0 or w <= 0 or compressor.free_slots(rt) < 2 * a:
         return 0
     one = Recall.start(req, s, kv_len, length, lo, hi, a, paged=paged)
-    one.new = compressor.alloc_slots(a)
+    one.new = compressor.alloc_slots(rt, a)
     try:
         for layer in range(rt.n_layers):
-            q = capture.STORE.get(kv.req_pool_idx, layer, length)[:, -w:]
+            q = s.ctx.capture.get(kv.req_pool_idx, layer, length)[:, -w:]
             one.layer(layer, q, causal=True)
     except Exception:
         one.rollback("recall (append)")
@@ -279,7 +281,7 @@ def exchange(
     candidates `cand` `[l, H, c]` (indices into the branch's columns, whole pages in a row). Each swap is
     appended to `log` as it is written (a swap is its own inverse: `Recall.rollback` replays the log
     backwards). Returns the `[l, H]` swapped counts (on the device: no host sync)."""
-    rt, pool, cfg = runtime.RT, host.POOL, server_settings()
+    rt, pool, cfg = s.ctx.rt, s.ctx.host, s.ctx.settings
     hs, hidx = best_entries(host_sc, cfg.recall.page, r)  # [l, H, r], best first
     if cand is not None:
         hidx = cand.gather(-1, hidx)
@@ -298,18 +300,19 @@ def exchange(
     K.host_swap(*args)
     if log is not None:
         log.append(args)
-    if slotstats.STATS is not None:  # a recalled slot's ||v W_O|| is another value's: stale
+    stats = s.ctx.stats
+    if stats is not None:  # a recalled slot's ||v W_O|| is another value's: stale
         heads = torch.arange(rt.n_kv_heads, device=dev_slots.device).unsqueeze(-1)
         for i, li in enumerate(layers):
-            old = slotstats.STATS[li][dev_slots[i], heads]
-            slotstats.STATS[li][dev_slots[i], heads] = torch.where(swap[i], float("nan"), old)
+            old = stats[li][dev_slots[i], heads]
+            stats[li][dev_slots[i], heads] = torch.where(swap[i], float("nan"), old)
     return counts
 
 
 def _account(s: st.ReqState, swapped: int, one_way: bool = False) -> None:
     """Counters of one recall (a turn's, or a decode-time one): entries in, bytes both ways (an append
     moves them one way)."""
-    rt, pool = runtime.RT, host.POOL
+    rt, pool = s.ctx.rt, s.ctx.host
     s.recalled_into_history = s.recalled_into_history or swapped > 0
     moved = swapped * 2 * rt.head_dim * rt.k_buffer(0).element_size() * (1 if one_way else 2)
     s.recalled += swapped
@@ -323,12 +326,12 @@ def _account(s: st.ReqState, swapped: int, one_way: bool = False) -> None:
 
 
 # ---- page summaries: score pages, fetch only the chosen pages' columns ----------------------------
-def summaries(e: host.HostEntries, page: int, mode: str) -> host.PageSummaries:
+def summaries(ctx: KvEvictContext, e: host.HostEntries, page: int, mode: str) -> host.PageSummaries:
     """The branch's page summaries (`mode`'s only, in the KV dtype), brought up to its column count.
     Columns demoted since the last recall are read from the host once, and merged into the partial last
     page (`page_summaries_append`); a swap refreshes the pages it wrote (`Recall.layer`), so summaries
     always describe the columns."""
-    pool, rt = host.POOL, runtime.RT
+    pool, rt = ctx.host, ctx.rt
     kb = rt.k_buffer(0)
     lh = rt.n_layers * pool.heads
     sm = e.summaries
@@ -352,16 +355,16 @@ def summaries(e: host.HostEntries, page: int, mode: str) -> host.PageSummaries:
     return sm
 
 
-def _paged(e: host.HostEntries, r: int) -> tuple[host.PageSummaries | None, int]:
+def _paged(ctx: KvEvictContext, e: host.HostEntries, r: int) -> tuple[host.PageSummaries | None, int]:
     """`(summaries, pages to fetch per head)` when a recall of `r` entries scores pages, `(None, 0)` when
     it scores every host key (summaries off, or the branch has no more pages than a paged recall would
     fetch anyway: then it is exact and costs no more)."""
-    cfg = server_settings()
+    cfg = ctx.settings
     page = cfg.recall.page
     n_sel = max(-(-FETCH * r // page), cfg.recall.fetch_pages)
     if cfg.recall.summary == "off" or K.n_pages(e.count, page) <= n_sel:
         return None, 0
-    return summaries(e, page, cfg.recall.summary), n_sel
+    return summaries(ctx, e, page, cfg.recall.summary), n_sel
 
 
 # ---- one recall, layer by layer (inside a forward, or after a compression) ------------------------
@@ -402,10 +405,10 @@ class Recall:
         paged: tuple[host.PageSummaries | None, int] | None = None,
     ) -> Recall:
         """`paged`: `_paged(s.host, r)` when the caller has it already."""
-        pool = host.POOL
+        pool = s.ctx.host
         pool.touch(s.host)
-        sums, n_sel = paged if paged is not None else _paged(s.host, r)
-        row_slots = runtime.RT.req_to_token[req.kv.req_pool_idx, :m].to(torch.int64)
+        sums, n_sel = paged if paged is not None else _paged(s.ctx, s.host, r)
+        row_slots = s.ctx.rt.req_to_token[req.kv.req_pool_idx, :m].to(torch.int64)
         dbg = _DebugSwap(s, m) if st.DEBUG and s.host.positions is not None else None
         cols = s.host.cols.to(pool.k.device)
         return cls(req, s, m, tokens, lo, hi, r, row_slots, cols, sums, n_sel, dbg, decode)
@@ -413,7 +416,7 @@ class Recall:
     def layer(self, layer: int, q: torch.Tensor, causal: bool) -> None:
         """Score and exchange (or append) at `layer` with queries `q` `[Hq, w, D]` (causal: they are the
         row's last `w` entries; else every key precedes them)."""
-        rt, pool = runtime.RT, host.POOL
+        rt, pool = self.s.ctx.rt, self.s.ctx.host
         dev = self.row_slots.device
         heads = torch.arange(pool.heads, device=pool.k.device).unsqueeze(-1)
         cand = valid = page_ids = None
@@ -425,7 +428,7 @@ class Recall:
             sc = K.page_scores(q.transpose(0, 1), *sm.at(layer), mode, rt.scale, "sum")
             page_ids = K.select_pages(sc, self.n_sel)  # [H, n]
             cand, valid = K.gather_columns(page_ids, sm.page, int(self.cols.numel()))  # [H, c]
-            hk = _host_keys(layer, self.cols[cand.to(pool.k.device)], heads).to(dev)  # [c, H, D]
+            hk = _host_keys(pool, layer, self.cols[cand.to(pool.k.device)], heads).to(dev)  # [c, H, D]
         e = int(hk.shape[0])
         pool.totals.keys_read += hk.numel() * hk.element_size() * (1 if cand is None else 2)  # + refresh
         keys = torch.cat([hk, rt.k_buffer(layer).index_select(0, self.row_slots)])
@@ -449,7 +452,7 @@ class Recall:
         )
         self.swapped = counts.sum() if self.swapped is None else self.swapped + counts.sum()
         if cand is not None:  # the swap wrote displaced entries into the fetched pages: re-summarise them
-            now = _host_keys(layer, self.cols[cand.to(pool.k.device)], heads).to(dev).transpose(0, 1)
+            now = _host_keys(pool, layer, self.cols[cand.to(pool.k.device)], heads).to(dev).transpose(0, 1)
             K.refresh_pages(*self.sums.at(layer), page_ids, now, valid)
         elif self.s.host.summaries is not None:  # scored flat: the swapped columns' summaries are stale
             self.s.host.summaries = None
@@ -458,13 +461,13 @@ class Recall:
         """Append mode at `layer`: each KV head's best `a` host entries go to the fresh slots `new` (no
         entry is displaced), and the branch's last `a` columns of that head fill the holes they leave, so
         the branch ends `a` columns shorter (`finish` gives those back) and its pages stay dense."""
-        pool, s = host.POOL, self.s
+        pool, s = self.s.ctx.host, self.s
         a = int(self.new.numel())
-        _, idx = best_entries(host_sc[None], server_settings().recall.page, a)
+        _, idx = best_entries(host_sc[None], s.ctx.settings.recall.page, a)
         hidx = idx[0] if cand is None else cand.gather(-1, idx[0])  # [H, a] branch column indices
         hidx = hidx.to(pool.k.device)
         heads = torch.arange(pool.heads, device=pool.k.device).unsqueeze(-1)
-        rt = runtime.RT
+        rt = s.ctx.rt
         slots = self.new.unsqueeze(0).expand(pool.heads, -1)  # [H, a]: every head's entry to the same slot
         args = ([rt.k_buffer(layer)], [rt.v_buffer(layer)], slots[None], pool.k[layer : layer + 1])
         K.host_fetch(*args, pool.v[layer : layer + 1], self.cols[hidx][None])
@@ -481,7 +484,7 @@ class Recall:
             page_ids = (dst // sm.page).to(self.row_slots.device)
             c2 = int(self.cols.numel()) - a
             cols, ok = K.gather_columns(page_ids, sm.page, c2)
-            now = _host_keys(layer, self.cols[cols.to(pool.k.device)], heads).to(self.row_slots.device)
+            now = _host_keys(pool, layer, self.cols[cols.to(pool.k.device)], heads).to(self.row_slots.device)
             K.refresh_pages(*sm.at(layer), page_ids, now.transpose(0, 1), ok)
         elif s.host.summaries is not None:
             s.host.summaries = None
@@ -507,7 +510,7 @@ class Recall:
     def _undo_append(self, layer: int, hidx: torch.Tensor) -> None:
         """The entries `append_layer` fetched into the fresh slots `new` back to each KV head's branch
         columns `hidx` `[H, a]` (the holes were refilled since: the columns must be written again)."""
-        rt, pool = runtime.RT, host.POOL
+        rt, pool = self.s.ctx.rt, self.s.ctx.host
         heads = torch.arange(pool.heads, device=pool.k.device).unsqueeze(-1)
         dev_heads = torch.arange(pool.heads, device=self.new.device).unsqueeze(-1)
         at, slots = self.cols[hidx], self.new.unsqueeze(0)
@@ -529,7 +532,8 @@ class Recall:
         right), the request's counts say so (`ReqState.unevicted`), and the branch gives back its last
         `a` columns, whose entries now fill the holes."""
         self.done.clear()
-        rt, pool, s, kv = runtime.RT, host.POOL, self.s, self.req.kv
+        s, kv = self.s, self.req.kv
+        rt, pool = s.ctx.rt, s.ctx.host
         a, hi = int(self.new.numel()), self.hi
         row = rt.req_to_token[kv.req_pool_idx]
         end = int(kv.kv_committed_len)
@@ -538,9 +542,9 @@ class Recall:
         row[hi + a : end + a] = tail
         kv.kv_committed_len = kv.kv_allocated_len = end + a
         s.unevicted(a)
-        if slotstats.STATS is not None:  # fresh slots: no statistic yet
+        if s.ctx.stats is not None:  # fresh slots: no statistic yet
             for li in range(rt.n_layers):
-                slotstats.STATS[li][self.new] = float("nan")
+                s.ctx.stats[li][self.new] = float("nan")
         rt.tree.offsets[kv.req_pool_idx] = s.offset
         e = s.host
         c2 = e.count - a
@@ -576,41 +580,34 @@ def holes_filled(hidx: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor
     return stay, torch.where(real, holes, stay)
 
 
-def _host_keys(layer: int, cols: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+def _host_keys(pool: host.HostPool, layer: int, cols: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
     """`[c, H, D]` host keys of `layer`, head h's from its own columns `cols[h]` (`cols` `[H, c]`)."""
-    return host.POOL.k[layer][cols, heads].transpose(0, 1)
+    return pool.k[layer][cols, heads].transpose(0, 1)
 
 
 # ---- recall inside a forward (a prefill or a decode step) -----------------------------------------
-ARMED: dict[int, Recall] = {}  # request row -> its recall inside the next forward
-# Set once a decode forward ran without the hook (a CUDA graph replay runs no Python): decode-time
-# recalls then run after the step's compression instead, with the queries the capture kept.
-GRAPHED = False
-
-
 def after_compress(req: Any, decode: bool) -> int:
     """Called per request once a scheduler step's compressions committed: after a prefill, recalled
     columns are appended (`safe_append`, with `--kv-recall-config` `append`); a due decode-time recall is armed
     for the step's forward (its own queries, layer by layer), else runs now (`safe_recall`). Returns
     the slots the request's row grew by (the batch's lengths grow with it)."""
-    global GRAPHED
     s = st.get(req)
     if s is None:
         return 0
     grown = 0 if decode else safe_append(req)
     if grown:
         s.recall_due = False  # the append brought back the turn's best entries
-    stale = disarm(req.kv.req_pool_idx) if req.kv.req_pool_idx is not None else None
+    stale = disarm(s.ctx, req.kv.req_pool_idx) if req.kv.req_pool_idx is not None else None
     if stale is not None and stale.s is s:  # armed for a forward that ran without the hook
         s.recall_due = True
         if stale.decode:
-            GRAPHED = True
+            s.ctx.graphed = True
             s.recall_steps = max(s.recall_steps, 1)
     if decode:
         tick(req)
     if not due(req):
         return grown
-    if decode and not GRAPHED and arm(req, s, decode=True):
+    if decode and not s.ctx.graphed and arm(req, s, decode=True):
         return grown
     safe_recall(req)
     return grown
@@ -626,7 +623,7 @@ def arm(req: Any, s: st.ReqState, decode: bool = False) -> bool:
     query recalls for the token it is about to write, at most one page per step since the last recall.
     A failure here turns recall off for the request (logged, counted); nothing else changes."""
     row = req.kv.req_pool_idx
-    disarm(row)
+    disarm(s.ctx, row)
     try:
         one = _plan_arm(req, s, decode)
     except Exception:
@@ -635,16 +632,16 @@ def arm(req: Any, s: st.ReqState, decode: bool = False) -> bool:
     if one is None:
         return False
     s.recall_due = False
-    ARMED[row] = one
-    host.POOL.in_use[row] = s.host  # the LRU must not take what the forward will read and write
+    s.ctx.armed[row] = one
+    s.ctx.host.in_use[row] = s.host  # the LRU must not take what the forward will read and write
     return True
 
 
-def disarm(row: int) -> Recall | None:
+def disarm(ctx: KvEvictContext, row: int) -> Recall | None:
     """Drop the recall armed for a request row (if any), and its hold on the branch's host entries."""
-    if host.POOL is not None:
-        host.POOL.in_use.pop(row, None)
-    return ARMED.pop(row, None)
+    if ctx.host is not None:
+        ctx.host.in_use.pop(row, None)
+    return ctx.armed.pop(row, None)
 
 
 def _plan_arm(req: Any, s: st.ReqState, decode: bool) -> Recall | None:
@@ -663,7 +660,7 @@ def _plan_arm(req: Any, s: st.ReqState, decode: bool) -> Recall | None:
         m = int(kv.kv_committed_len)
         tokens = s.tokens_for(m)
         fresh, s.recall_steps = max(1, s.recall_steps), 0
-        cap = fresh * server_settings().recall.page
+        cap = fresh * s.ctx.settings.recall.page
     else:
         m = s.slots_for(int(req.prefix_len))
         tokens = int(req.prefix_len)
@@ -679,29 +676,32 @@ def _plan_arm(req: Any, s: st.ReqState, decode: bool) -> Recall | None:
 
 def before_attention(layer_mod, q, k, v, forward_batch, *args, **kwargs):
     """BEFORE hook on RadixAttention.forward: armed requests recall at this layer, before its attention."""
-    if not ARMED or q is None:
+    if q is None:
+        return None
+    ctx = context.of_forward(forward_batch)
+    if ctx is None or not ctx.armed:
         return None
     mode = forward_batch.forward_mode
     if not (mode.is_extend() or mode.is_decode()):
         return None
-    rt = runtime.RT
+    rt = ctx.rt
     layer = layer_mod.layer_id - rt.start_layer
     last = layer == rt.n_layers - 1
     for row, start, n in _batch_rows(forward_batch):
-        one = ARMED.get(row)
+        one = ctx.armed.get(row)
         if one is None:
             continue
         if one.req.kv.req_pool_idx != row or st.get(one.req) is not one.s or one.req.finished():
-            disarm(row)  # armed for a request that is gone
+            disarm(ctx, row)  # armed for a request that is gone
             continue
         try:
             qv = q[start : start + n].reshape(n, rt.n_q_heads, rt.head_dim)[-PREFILL_QUERIES:]
             one.layer(layer, qv.transpose(0, 1), causal=False)
             if last:
-                disarm(row)
+                disarm(ctx, row)
                 one.finish()
         except Exception:  # this request's recall only: its earlier layers are swapped back
-            disarm(row)
+            disarm(ctx, row)
             one.rollback("recall")
     return None
 

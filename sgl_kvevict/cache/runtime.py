@@ -134,9 +134,6 @@ class Runtime:
         return self._o_proj[layer]
 
 
-RT: Runtime | None = None
-
-
 def trim_heap() -> float:
     """Give the C heap's free memory back to the OS (glibc `malloc_trim`); returns the MiB the process's
     RSS fell by, 0 where unavailable.
@@ -215,48 +212,48 @@ def heap_stats() -> dict[str, float]:
 
 
 def attach(cache: Any, ctx: Any) -> Runtime:
-    """Build the scheduler's `Runtime` over the tree `cache`, with the buffers compression needs (the
-    window-query capture, the per-slot statistic). The serving side checks the model and its hooks
-    before calling this."""
-    global RT
+    """Build the scheduler's `Runtime` over the tree `cache` (SGLang's factory context `ctx`), with the
+    buffers compression needs (the window-query capture, the per-slot statistic), all kept in the
+    cache's own context (`cache.ctx`). The serving side checks the model and its hooks before calling
+    this."""
     from sgl_kvevict.cache import capture, slotstats
-    from sgl_kvevict.config import server_config, server_settings
 
-    RT = Runtime(cache, ctx)
+    kv = cache.ctx
+    rt = kv.rt = Runtime(cache, ctx)
     capture.build(
-        int(RT.req_to_token.shape[0]),
-        RT.n_layers,
-        RT.n_q_heads,
-        RT.head_dim,
+        kv,
+        int(rt.req_to_token.shape[0]),
+        rt.n_layers,
+        rt.n_q_heads,
+        rt.head_dim,
         ctx.tp_worker.model_runner.dtype,
-        RT.req_to_token.device,
-        RT.start_layer,
+        rt.req_to_token.device,
+        rt.start_layer,
     )
-    cfg = server_config()
-    settings = server_settings()
+    cfg, settings = kv.server, kv.settings
     if settings.recall_tokens > 0 and cfg.active:
         from sgl_kvevict.cache import host
 
-        k0 = RT.k_buffer(0)
-        need = settings.host_tokens * 2 * RT.n_layers * RT.n_kv_heads * RT.head_dim * k0.element_size()
+        k0 = rt.k_buffer(0)
+        need = settings.host_tokens * 2 * rt.n_layers * rt.n_kv_heads * rt.head_dim * k0.element_size()
         total = _host_ram_bytes()
         if total is not None and need > total // 2:  # reserved lazily: pages are committed as used
             raise RuntimeError(
                 f"sgl-kvevict: --kv-host-tokens {settings.host_tokens} needs {need / 2**30:.1f} GiB of host "
                 f"memory, more than half of this machine's {total / 2**30:.1f} GiB: lower it"
             )
-        host.build(RT.n_layers, RT.n_kv_heads, RT.head_dim, settings.host_tokens, k0.dtype, k0.device)
-    slotstats.reset()
-    if slotstats.needed(cfg, settings):
-        slotstats.setup(RT)
+        kv.host = host.build(
+            rt.n_layers, rt.n_kv_heads, rt.head_dim, settings.host_tokens, k0.dtype, k0.device
+        )
+    kv.slot_stats = slotstats.setup(rt) if slotstats.needed(cfg, settings) else None
     logger.info(
         "sgl-kvevict: KV policy %r active (budget %s, config %s); compressing radix cache on %d layers x %d KV heads; "
         "attention scale %.6g",
         cfg.policy,
         cfg.budget,
         cfg.config,
-        RT.n_layers,
-        RT.n_kv_heads,
-        RT.scale,
+        rt.n_layers,
+        rt.n_kv_heads,
+        rt.scale,
     )
-    return RT
+    return rt

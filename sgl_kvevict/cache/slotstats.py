@@ -3,8 +3,8 @@
 Why: CriticalKV's stage 2 needs, per token and KV head, the group mean of ||v W_O[h]||_1. Recomputing it at
 a compression is O(n x Hq x D x hidden) per layer (16.6 decode steps of CPU at 8K tokens for a first
 compression). A token's value never changes while it sits in its slot, so the forward pass computes the
-norm once, when it writes the value, and stores it beside the KV pool in `STATS` `[layers, pool slots,
-KV heads]` float32, indexed by slot. A compression then reads O(n) numbers.
+norm once, when it writes the value, and stores it beside the KV pool (`SlotStats.buf`, the server context's `stats`) `[layers,
+pool slots, KV heads]` float32, indexed by slot. A compression then reads O(n) numbers.
 
 The statistic follows its row. Every place that moves K/V between slots moves it too: the batched
 compaction (`engine._run_group`), the per-request compaction and the staged writes (`compressor._commit`,
@@ -25,18 +25,25 @@ head_dim 64).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from sgl_kvevict import kernels
+from sgl_kvevict.cache import context
 
 logger = logging.getLogger("sgl_kvevict")
 
-STATS: torch.Tensor | None = None  # [layers, pool slots, KV heads] float32; NaN = not written or stale
-_W: list[torch.Tensor] = []  # per layer: the o_proj slices the hook multiplies by (fp32 on CPU)
-_START = 0  # the KV pool's first layer id (layer_id - _START indexes STATS)
-_DTYPE: torch.dtype | None = None  # the pool's value dtype: norms are of the row as stored
+
+@dataclass(eq=False)
+class SlotStats:
+    """The statistic of one server (its context's `slot_stats`) and what the forward hook needs to write it."""
+
+    buf: torch.Tensor  # [layers, pool slots, KV heads] float32; NaN = not written or stale
+    w: list[torch.Tensor]  # per layer: the o_proj slices the hook multiplies by (fp32 on CPU)
+    start: int  # the KV pool's first layer id (layer_id - start indexes buf)
+    dtype: torch.dtype  # the pool's value dtype: norms are of the row as stored
 
 
 def needed(cfg: Any, settings: Any) -> bool:
@@ -62,31 +69,23 @@ def needed(cfg: Any, settings: Any) -> bool:
     return False
 
 
-def setup(rt: Any) -> torch.Tensor:
+def setup(rt: Any) -> SlotStats:
     """Allocate the buffer for `rt`'s pool (once, at start) and cache the o_proj slices the hook uses."""
-    global STATS, _W, _START, _DTYPE
     v0 = rt.v_buffer(0)
-    STATS = torch.full((rt.n_layers, v0.shape[0], rt.n_kv_heads), float("nan"), device=v0.device)
+    buf = torch.full((rt.n_layers, v0.shape[0], rt.n_kv_heads), float("nan"), device=v0.device)
     # the torch reference casts W_O to fp32 at every call: do it once here (the Triton kernel reads it as is)
-    _W = [
+    w = [
         rt.o_proj(layer) if kernels.use_triton(v0) else rt.o_proj(layer).float()
         for layer in range(rt.n_layers)
     ]
-    _START, _DTYPE = rt.start_layer, v0.dtype
     logger.info(
         "sgl-kvevict: per-slot ||v W_O||_1 statistic on (%d layers x %d slots x %d KV heads, %.1f MiB)",
         rt.n_layers,
         v0.shape[0],
         rt.n_kv_heads,
-        STATS.numel() * 4 / 2**20,
+        buf.numel() * 4 / 2**20,
     )
-    return STATS
-
-
-def reset() -> None:
-    """No buffer: the hook does nothing and compressions recompute norms (tests, benchmarks)."""
-    global STATS, _W
-    STATS, _W = None, []
+    return SlotStats(buf, w, rt.start_layer, v0.dtype)
 
 
 def record(stats: torch.Tensor, layer: int, v: torch.Tensor, loc: torch.Tensor, o_proj: torch.Tensor) -> None:
@@ -101,22 +100,26 @@ def before_attention(layer_mod, q, k, v, forward_batch, *args, **kwargs):
 
     Values are cast to the pool's dtype first, so the norm is the one of the stored row (what a
     compression would recompute). `v` None (a layer that reuses another layer's KV) writes nothing."""
-    if STATS is None or v is None:
+    if v is None:
+        return None
+    ctx = context.of_forward(forward_batch)
+    ss = None if ctx is None else ctx.slot_stats
+    if ss is None:
         return None
     try:
         mode = forward_batch.forward_mode
         if not (mode.is_decode() or mode.is_extend()):
             return None
-        layer = layer_mod.layer_id - _START
-        rows = v.reshape(v.shape[0], STATS.shape[2], -1)
-        if _DTYPE is not None and rows.dtype != _DTYPE:
-            rows = rows.to(_DTYPE)
-        record(STATS, layer, rows, forward_batch.out_cache_loc, _W[layer])
+        layer = layer_mod.layer_id - ss.start
+        rows = v.reshape(v.shape[0], ss.buf.shape[2], -1)
+        if rows.dtype != ss.dtype:
+            rows = rows.to(ss.dtype)
+        record(ss.buf, layer, rows, forward_batch.out_cache_loc, ss.w[layer])
     except Exception:
         # a missed write would leave the slot's previous occupant's norm: turn the statistic off instead
         # (CriticalKV then computes its norms at compression time, as without this module)
         logger.exception("kvevict: per-slot ||v W_O||_1 write failed; statistic switched off")
-        reset()
+        ctx.slot_stats = None
     return None
 
 

@@ -25,15 +25,18 @@ import logging
 import os
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from sgl_kvevict.cache import host as host_tier
 from sgl_kvevict.cache.counts import LazyCount
 from sgl_kvevict.cache.nodes import is_compressed
-from sgl_kvevict.config import KvConfig, request_override, server_config, server_settings
+from sgl_kvevict.config import KvConfig, request_override
 from sgl_kvevict.policies import Policy
+
+if TYPE_CHECKING:
+    from sgl_kvevict.cache.context import KvEvictContext
 
 logger = logging.getLogger("sgl_kvevict")
 ATTR = "_kvevict"
@@ -58,6 +61,7 @@ def fingerprint(cfg: KvConfig, policy: Policy, recall: int = 0) -> str | None:
 class ReqState:
     cfg: KvConfig
     policy: Policy
+    ctx: KvEvictContext  # the server this request runs on (pools, host tier, capture, settings)
     fp: str | None = None
     anchor: Any = None  # TreeNode at the end of the matched prefix
     anchor_tokens: int = 0
@@ -111,7 +115,7 @@ class ReqState:
 
     def drop_host(self) -> None:
         """Give the request's host entries back to the pool: no stored history took them."""
-        host_tier.release(self.host)
+        host_tier.release(self.ctx.host, self.host)
         self.host = None
 
     @property
@@ -183,7 +187,7 @@ class ReqState:
     def recall_on(self) -> bool:
         """The request's config recalls (a commit request's included: the tree then keeps a branch's
         stored history the branch's own, `tree.last_shared`); `demote.enabled` adds `active`."""
-        return self.recall > 0 and host_tier.POOL is not None
+        return self.recall > 0 and self.ctx.host is not None
 
     # -- debug timeline -----------------------------------------------------------------------------
     def debug_positions(self, kv_len: int) -> torch.Tensor:
@@ -205,46 +209,39 @@ class ReqState:
         self.timeline.append({"tokens": tokens, "positions": pos.sort(dim=-1).values.tolist()})
 
 
-_SERVER: KvConfig | None = None
 # Every live ReqState, weakly: a soak checks that none outlives its request (a leak would grow the RSS).
 LIVE: weakref.WeakValueDictionary[int, ReqState] = weakref.WeakValueDictionary()
-
-
-def server() -> KvConfig:
-    global _SERVER
-    if _SERVER is None:
-        _SERVER = server_config()
-    return _SERVER
 
 
 def get(req: Any) -> ReqState | None:
     return getattr(req, ATTR, None)
 
 
-def ensure(req: Any) -> ReqState:
-    """The request's state, created from its override (or the server config) on first sight."""
+def ensure(req: Any, ctx: KvEvictContext) -> ReqState:
+    """The request's state on the server of `ctx`, created from its override (or the server config) on
+    first sight."""
     s = get(req)
     if s is None:
-        base = server()
+        base = ctx.server
         try:
-            cfg = request_override(req.sampling_params.custom_params, base) or base
+            cfg = request_override(req.sampling_params.custom_params, base, ctx.settings) or base
         except ValueError as e:  # validated at the HTTP layer already; be safe anyway
             logger.warning("request %s: %s; using the server policy", req.rid, e)
             cfg = base
         policy = cfg.build()
-        recall = recall_tokens(cfg) if cfg.active else 0
-        s = ReqState(cfg=cfg, policy=policy, fp=fingerprint(cfg, policy, recall), recall=recall)
+        recall = recall_tokens(cfg, ctx) if cfg.active else 0
+        s = ReqState(cfg=cfg, policy=policy, ctx=ctx, fp=fingerprint(cfg, policy, recall), recall=recall)
         LIVE[id(s)] = s
         s.commit = getattr(req.sampling_params, "max_new_tokens", None) == 0
         setattr(req, ATTR, s)
     return s
 
 
-def recall_tokens(cfg: KvConfig) -> int:
+def recall_tokens(cfg: KvConfig, ctx: KvEvictContext) -> int:
     """Entries per layer and KV head a turn may recall: the request's own setting, else the server's."""
     if cfg.recall_tokens is not None:
         return cfg.recall_tokens
-    return server_settings().recall_tokens
+    return ctx.settings.recall_tokens
 
 
 def copy_layer_state(layers: list[dict], slots: int | None = None) -> list[dict]:
@@ -259,13 +256,13 @@ def copy_layer_state(layers: list[dict], slots: int | None = None) -> list[dict]
     return [{k: cp(k, v) for k, v in d.items()} for d in layers]
 
 
-def on_match(req: Any, region: Any, prefix_pos: torch.Tensor | None = None) -> ReqState:
+def on_match(req: Any, ctx: KvEvictContext, region: Any, prefix_pos: torch.Tensor | None = None) -> ReqState:
     """Called by the tree at every admission match (new request, or a retracted one coming back).
 
     The request's own region starts after `region.anchor`. When it starts with a compressed node (the
     branch's history, re-compressed with the new tokens under one budget), the node's compacted slots
     and evicted tokens become the request's own, and so does the policy state stored with it."""
-    s = ensure(req)
+    s = ensure(req, ctx)
     s.anchor, s.anchor_tokens, s.anchor_kv = region.anchor, region.anchor_tokens, region.anchor_kv
     s.own_evicted = s.inherited_evicted = s.comp_slots = s.comp_tokens = 0
     s.recalled_into_history = False

@@ -33,7 +33,7 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
-from sgl_kvevict.cache import events, host
+from sgl_kvevict.cache import context, events, host
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.nodes import is_compressed
 
@@ -74,58 +74,60 @@ class KvEvictRadixCache(RadixCache):
     def __init__(self, params: Any, rows: int) -> None:
         super().__init__(params)
         self.kv_events = events.KvEvictEventRecorder.replacing(self.kv_events)  # + compressed nodes
+        # This server's state beyond the tree (runtime, host tier, capture, statistic, settings): the
+        # one registered for its request-row pool, which a warm-up forward may have created already.
+        self.ctx = context.for_pool(params.req_to_token_pool)
         # Logical-position offset of each request row (evicted tokens before its next token).
         self.offsets = torch.zeros(rows, dtype=torch.int64, device=self.device)
         # Called with each released request before its state is dropped: the serving side reports the
         # request's numbers there (a callback, so the cache never imports the serving side).
-        self.release_report: Callable[[Req], None] | None = None
+        self.release_report: Callable[[context.KvEvictContext, Req], None] | None = None
 
     def reset(self) -> None:
         """`/flush_cache`: the tree empties, and the C heap's free memory goes back to the OS."""
         stack = list(self.root_node.children.values()) if hasattr(self, "root_node") else []
         while stack:  # every compressed node's host entries go back to the host pool
             node = stack.pop()
-            host.release(getattr(node, "kvevict_host", None))
+            host.release(self.ctx.host, getattr(node, "kvevict_host", None))
             node.kvevict_host = None
             stack.extend(node.children.values())
         super().reset()
-        from sgl_kvevict.cache import runtime
+        if hasattr(self, "ctx") and self.ctx.rt is not None:  # SGLang's __init__ calls reset() first
+            from sgl_kvevict.cache import runtime
 
-        if runtime.RT is not None and runtime.RT.tree is self:
-            runtime.RT.totals.heap_mib_trimmed += runtime.trim_heap()
+            self.ctx.rt.totals.heap_mib_trimmed += runtime.trim_heap()
 
     # ---- sizes count slots ------------------------------------------------------------------------
+    # SGLang's own lock methods move a node between evictable and protected as `len(node.key)` tokens;
+    # here sizes are slots (`len(node.value)`, fewer than tokens in a compressed node), which is what
+    # SGLang's idle memory check compares with the allocator. Its methods run as they are, and the
+    # difference is corrected for the nodes whose lock they flip.
     def inc_lock_ref(self, node: TreeNode):
-        from sglang.srt.mem_cache.base_prefix_cache import IncLockRefResult
-
-        if self.disable:
-            return IncLockRefResult(delta=0)
-        delta = 0
-        while node != self.root_node:
-            if node.lock_ref == 0:
-                self.evictable_size_ -= len(node.value)
-                self.protected_size_ += len(node.value)
-                delta -= len(node.value)
-            node.lock_ref += 1
-            self._update_leaf_status(node)
-            node = node.parent
-        return IncLockRefResult(delta=delta)
+        extra = self._slots_over_tokens(node, lock_ref=0)
+        return self._in_slots(super().inc_lock_ref(node), extra, protect=True)
 
     def dec_lock_ref(self, node: TreeNode, params: Any = None):
-        from sglang.srt.mem_cache.base_prefix_cache import DecLockRefResult
+        extra = self._slots_over_tokens(node, lock_ref=1)
+        return self._in_slots(super().dec_lock_ref(node, params), extra, protect=False)
 
-        if self.disable:
-            return DecLockRefResult(delta=0)
-        delta = 0
-        while node != self.root_node:
-            if node.lock_ref == 1:
-                self.evictable_size_ += len(node.value)
-                self.protected_size_ -= len(node.value)
-                delta += len(node.value)
-            node.lock_ref -= 1
-            self._update_leaf_status(node)
+    def _slots_over_tokens(self, node: TreeNode, lock_ref: int) -> int:
+        """Slots minus tokens over the nodes from `node` up whose lock count is `lock_ref` (those a lock
+        change moves between evictable and protected); 0 where every node holds a slot per token."""
+        extra = 0
+        while not self.disable and node != self.root_node:
+            if node.lock_ref == lock_ref:
+                extra += len(node.value) - len(node.key)
             node = node.parent
-        return DecLockRefResult(delta=delta)
+        return extra
+
+    def _in_slots(self, result: Any, extra: int, protect: bool) -> Any:
+        """SGLang's lock result and sizes, with `extra` (slots minus tokens of the flipped nodes) added."""
+        if extra:
+            moved = extra if protect else -extra
+            self.evictable_size_ -= moved
+            self.protected_size_ += moved
+            result.delta -= moved
+        return result
 
     def _delete_leaf(self, node: TreeNode) -> None:
         key = (MARK, node.id) if is_compressed(node) else node.key.child_key(self.page_size)
@@ -134,7 +136,7 @@ class KvEvictRadixCache(RadixCache):
         self.evictable_size_ -= len(node.value)
         self.evictable_leaves.discard(node)
         self._update_leaf_status(node.parent)
-        host.release(getattr(node, "kvevict_host", None))  # its host entries go with it
+        host.release(self.ctx.host, getattr(node, "kvevict_host", None))  # its host entries go with it
         node.kvevict_host = None
 
     def take_leaves(self, nodes: list[TreeNode]) -> None:
@@ -213,7 +215,7 @@ class KvEvictRadixCache(RadixCache):
         return path, node, tokens
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
-        s = st.ensure(params.req) if params.req is not None else None
+        s = st.ensure(params.req, self.ctx) if params.req is not None else None
         return self.match(params.key, s.fp if s is not None else None, params.req)
 
     def match(self, key: RadixKey, fp: str | None, req: Req | None = None) -> MatchResult:
@@ -229,6 +231,7 @@ class KvEvictRadixCache(RadixCache):
             anchor = path[cut - 1] if cut > 0 else self.root_node
             st.on_match(
                 req,
+                self.ctx,
                 Region(
                     anchor=anchor,
                     anchor_tokens=sum(len(n.key) for n in path[:cut]),
@@ -348,9 +351,7 @@ class KvEvictRadixCache(RadixCache):
 
     def _path_positions(self, path: list[TreeNode]) -> torch.Tensor | None:
         """Debug: `[L, H, slots]` logical positions held along a matched path (for the test oracle)."""
-        from sgl_kvevict.cache import runtime
-
-        rt = runtime.RT
+        rt = self.ctx.rt
         if rt is None:
             return None
         parts, t = [], 0
@@ -368,10 +369,8 @@ class KvEvictRadixCache(RadixCache):
         """SHA-1 of the K/V rows of `slots` in every layer (debug: proves a shared prefix is untouched)."""
         import hashlib
 
-        from sgl_kvevict.cache import runtime
-
         h = hashlib.sha1()
-        rt = runtime.RT
+        rt = self.ctx.rt
         if rt is None or slots.numel() == 0:
             return ""
         for layer in range(rt.n_layers):
@@ -496,11 +495,11 @@ class KvEvictRadixCache(RadixCache):
             return
         held = getattr(cnode, "kvevict_host", None)
         if held is not None and held is not mine and held.count:
-            host.release(mine)
+            host.release(s.ctx.host, mine)
             return
         cnode.kvevict_host = mine
-        if host.POOL is not None:
-            host.POOL.touch(mine)
+        if s.ctx.host is not None:
+            s.ctx.host.touch(mine)
 
     def _mark_shared(self, node: TreeNode) -> None:
         """A committed prefix (a request that generates nothing, as SGLang's frontend sends before `fork`)
@@ -546,9 +545,9 @@ class KvEvictRadixCache(RadixCache):
         row = req.kv.req_pool_idx
         if row is not None:
             self.offsets[row] = 0
-            if host.POOL is not None:
-                host.POOL.in_use.pop(row, None)
-            capture.drop(row)
+            if self.ctx.host is not None:
+                self.ctx.host.in_use.pop(row, None)
+            capture.drop(self.ctx, row)
         s = st.get(req)
         if s is not None:
             s.pending = None  # a plan over slots the request gives up is never committed
@@ -562,7 +561,7 @@ class KvEvictRadixCache(RadixCache):
             )
         if self.release_report is not None:
             try:
-                self.release_report(req)
+                self.release_report(self.ctx, req)
             except Exception:
                 logger.exception("kvevict: could not report stats for request %s", req.rid)
         if s is not None:  # host entries no stored history took

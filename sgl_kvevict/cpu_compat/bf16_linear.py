@@ -35,18 +35,39 @@ import torch.nn.functional as F
 
 logger = logging.getLogger("sgl_kvevict")
 TARGET = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply"
-_logged = False
 CACHE_BYTES = 2 << 30  # fp64 weight copies kept per process, at most
-# id(weight) -> (the weight, weakly; its version when converted; the fp64 copy)
-_wide: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
-_kept_bytes = 0  # the bytes of the copies in `_wide`, counted as they come and go
 
 
-def _drop(key: int) -> None:
-    global _kept_bytes
-    hit = _wide.pop(key, None)
-    if hit is not None:
-        _kept_bytes -= hit[2].nbytes
+class WideWeights:
+    """The process's fp64 copies of bf16 weights, keyed by weight (weakly: a dead weight's copy goes)."""
+
+    def __init__(self) -> None:
+        # id(weight) -> (the weight, weakly; its version when converted; the fp64 copy)
+        self.copies: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
+        self.kept_bytes = 0  # the bytes of the copies, counted as they come and go
+        self.logged = False  # the one log line saying the products are formed in fp64
+
+    def drop(self, key: int) -> None:
+        hit = self.copies.pop(key, None)
+        if hit is not None:
+            self.kept_bytes -= hit[2].nbytes
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor:
+        """The fp64 copy of `weight`, kept while the copies fit `CACHE_BYTES`."""
+        key = id(weight)
+        hit = self.copies.get(key)
+        if hit is not None and hit[0]() is weight and hit[1] == weight._version:
+            return hit[2]
+        self.drop(key)
+        w64 = weight.double()
+        if self.kept_bytes + w64.nbytes <= CACHE_BYTES:
+            self.copies[key] = (weakref.ref(weight, lambda _, key=key: self.drop(key)), weight._version, w64)
+            self.kept_bytes += w64.nbytes
+        return w64
+
+
+# Registry (a cache keyed by weight): weights are the process's, so one per process, whatever the servers.
+WIDE = WideWeights()
 
 
 ENV = "KVEVICT_BF16_LINEAR"
@@ -69,18 +90,8 @@ def native_bf16() -> bool:
 
 
 def wide(weight: torch.Tensor) -> torch.Tensor:
-    """The fp64 copy of `weight`, kept while the copies fit `CACHE_BYTES`."""
-    key = id(weight)
-    hit = _wide.get(key)
-    if hit is not None and hit[0]() is weight and hit[1] == weight._version:
-        return hit[2]
-    _drop(key)
-    w64 = weight.double()
-    global _kept_bytes
-    if _kept_bytes + w64.nbytes <= CACHE_BYTES:
-        _wide[key] = (weakref.ref(weight, lambda _, key=key: _drop(key)), weight._version, w64)
-        _kept_bytes += w64.nbytes
-    return w64
+    """The fp64 copy of `weight`, kept while the copies fit `CACHE_BYTES` (`WIDE`)."""
+    return WIDE.get(weight)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -101,8 +112,7 @@ def apply(original: Any, method: Any, layer: Any, x: torch.Tensor, bias: Any = N
         or w.dtype != torch.bfloat16
     ):
         return original(method, layer, x, bias, *args, **kwargs)
-    global _logged
-    if not _logged:
-        _logged = True
+    if not WIDE.logged:
+        WIDE.logged = True
         logger.info("bf16 linear layers compute in fp64 on this CPU (no AVX512-BF16 or AMX)")
     return linear(x, w, bias)

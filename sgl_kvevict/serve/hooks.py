@@ -35,14 +35,21 @@ import torch
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sgl_kvevict.cache import capture, compressor, engine, host, recall, runtime, slotstats
+from sgl_kvevict.cache import capture, compressor, context, engine, recall, runtime, slotstats
 from sgl_kvevict.cache import state as st
-from sgl_kvevict.config import KvConfig, server_settings
+from sgl_kvevict.cache.context import KvEvictContext
+from sgl_kvevict.cache.tree import KvEvictRadixCache
+from sgl_kvevict.config import KvConfig
 
 logger = logging.getLogger("sgl_kvevict")
 META_KEY = "kvevict"
 STREAM_KEY = "kvevict_stream"  # streamed responses: per-token list, the stats in the last entry
 _SB = "sglang.srt.managers.schedule_batch"
+
+
+def _context(tree_cache: Any) -> KvEvictContext | None:
+    """The context of a scheduler's tree (`tree.ctx`), None when that tree is not a compressing one."""
+    return tree_cache.ctx if isinstance(tree_cache, KvEvictRadixCache) else None
 
 
 def _offset(req: Any) -> int:
@@ -66,15 +73,15 @@ def alloc_for_extend(original, batch, *args, **kwargs):
         for r, d in zip(reqs, offs, strict=True):
             r.prefix_len += d
         try:
-            _after_extend_alloc(reqs, offs)
+            _after_extend_alloc(_context(batch.tree_cache), reqs, offs)
         except Exception:
             logger.exception("kvevict: bookkeeping after extend allocation failed")
 
 
-def _after_extend_alloc(reqs: list, offs: list[int]) -> None:
-    rt = runtime.RT
-    if rt is None:
+def _after_extend_alloc(ctx: KvEvictContext | None, reqs: list, offs: list[int]) -> None:
+    if ctx is None or ctx.rt is None:
         return
+    rt = ctx.rt
     for r, d in zip(reqs, offs, strict=True):
         row = r.kv.req_pool_idx
         if row is None:
@@ -90,10 +97,10 @@ def _after_extend_alloc(reqs: list, offs: list[int]) -> None:
             continue
         s.after_extend = True
         s.recall_due = s.recall > 0
-        s.append_due = s.recall > 0 and server_settings().recall.append == "on"
+        s.append_due = s.recall > 0 and ctx.settings.recall.append == "on"
         s.recall_steps = 0
         needs_window = "attn" in s.policy.needs or s.recall > 0
-        if needs_window and not capture.ensure(row, s.policy.config.window, r.prefix_len):
+        if needs_window and not capture.ensure(ctx, row, s.policy.config.window, r.prefix_len):
             if "attn" not in s.policy.needs:  # only recall needed the queries: compress without it
                 s.recall = 0
                 s.recall_due = False
@@ -104,7 +111,7 @@ def _after_extend_alloc(reqs: list, offs: list[int]) -> None:
                 "kvevict: request %s runs uncompressed: no window-query capture slot (all %d in use, or window "
                 "%d above the buffer's); raise --max-running-requests / --kv-overrides max_window",
                 r.rid,
-                capture.STORE.slots if capture.STORE is not None else 0,
+                ctx.capture.slots if ctx.capture is not None else 0,
                 s.policy.config.window,
             )
             continue
@@ -121,16 +128,16 @@ def prepare_for_extend(result, batch, *args, **kwargs):
     return result
 
 
-def _compress_batch(batch) -> None:
+def _compress_batch(batch, ctx: KvEvictContext | None = None) -> None:
     """Compress the requests whose trigger fires; shrink the batch's carried lengths.
 
     With `--kv-compress-step-tokens C`, once this step's compressions cover C region tokens the other
     requests wait for later steps (`engine.compress_batch`), so several large first compressions after a
     batched prefill are spread over steps instead of stalling the whole batch in one. The cap is lifted
     when the pool is nearly full: deferring then would make SGLang retract instead."""
-    reqs = batch.reqs
-    rt = runtime.RT
-    cap = server_settings().step_tokens
+    ctx = ctx if ctx is not None else _context(batch.tree_cache)
+    reqs, rt = batch.reqs, ctx.rt
+    cap = ctx.settings.step_tokens
     if cap is not None and rt.allocator.available_size() + rt.tree.evictable_size() < 2 * len(reqs):
         cap = None
     items = []
@@ -166,27 +173,30 @@ _DONE = "_kvevict_compressed_this_step"
 def check_decode_mem(batch, selected_indices=None, *args, **kwargs):
     """Compress before SGLang checks whether the next decode step fits: a request about to give slots
     back is not retracted for memory it would have freed in the same step."""
-    if runtime.RT is None or selected_indices is not None:
+    ctx = _context(batch.tree_cache)
+    if ctx is None or ctx.rt is None or selected_indices is not None:
         return None
-    _compress_batch(batch)
+    _compress_batch(batch, ctx)
     setattr(batch, _DONE, True)
     return None
 
 
 def prepare_for_decode(batch, *args, **kwargs):
     """Compression runs here only when the scheduler skipped its memory check this step."""
-    if runtime.RT is None:
+    ctx = _context(batch.tree_cache)
+    if ctx is None or ctx.rt is None:
         return None
     if getattr(batch, _DONE, False):
         setattr(batch, _DONE, False)
         return None
-    _compress_batch(batch)
+    _compress_batch(batch, ctx)
     return None
 
 
 def init_new(result, cls, batch, model_runner, *args, **kwargs):
     """Logical positions: every token of a compressed request moves by its offset."""
-    rt = runtime.RT
+    ctx = context.find(model_runner.req_to_token_pool)
+    rt = None if ctx is None else ctx.rt
     if rt is None or result.positions is None:
         return result
     # No `offs.any()` shortcut: reading it back would stall the host on every forward; adding zeros
@@ -221,8 +231,8 @@ def release_kv_cache(req, tree_cache, *args, **kwargs):
             _drop_in_flight_token(req, s)
             t0 = time.perf_counter()
             compressor.safe_compress(req, "finish")
-            if runtime.RT is not None:
-                tot = runtime.RT.totals
+            if s.ctx.rt is not None:
+                tot = s.ctx.rt.totals
                 tot.step_seconds_max = max(tot.step_seconds_max, time.perf_counter() - t0)
         return None
     if s.offset > 0 and not kwargs.get("checkpoint", True) and not req.skip_radix_cache_insert:
@@ -236,8 +246,7 @@ def _drop_in_flight_token(req: Any, s: st.ReqState) -> None:
     it already holds a slot for its last output token (whose K/V that step computes). Without overlap
     that slot never exists. Give it back before the last compression, so the compressed history, and
     what a next turn reuses, are the same with overlap on or off."""
-    rt = runtime.RT
-    kv = req.kv
+    rt, kv = s.ctx.rt, req.kv
     if rt is None or not req.output_ids or kv.kv_allocated_len != kv.kv_committed_len:
         return
     keep = s.slots_for(len(req.origin_input_ids) + len(req.output_ids) - 1)
@@ -272,7 +281,8 @@ def get_next_batch_to_run(original, scheduler, *args, **kwargs):
     (finished ones gone) and the same tree (a prefill's prompt inserted, so a shared prefix stays
     uncompressed and reusable) as without overlap; every other step keeps overlapping."""
     q = getattr(scheduler, "result_queue", None)
-    if q and runtime.RT is not None and q[0][0] is not DRAINED:
+    ctx = _context(getattr(scheduler, "tree_cache", None))
+    if q and ctx is not None and ctx.rt is not None and q[0][0] is not DRAINED:
         try:
             drain = any(compressor.due(r) or recall.due_next_step(r) for r in q[0][0].reqs)
         except Exception:
@@ -282,7 +292,7 @@ def get_next_batch_to_run(original, scheduler, *args, **kwargs):
             batch, result = q.popleft()
             scheduler.process_batch_result(batch, result)
             q.appendleft((DRAINED, None))
-            runtime.RT.totals.overlap_drained_steps += 1
+            ctx.rt.totals.overlap_drained_steps += 1
     return original(scheduler, *args, **kwargs)
 
 
@@ -308,9 +318,9 @@ def release_overallocated(original, req, start_p, end_p, tree_cache, *args, **kw
     return None
 
 
-def on_release_report(req) -> None:
-    if runtime.RT is not None:
-        runtime.RT.publish_metrics()
+def on_release_report(ctx: KvEvictContext, req: Any) -> None:
+    if ctx.rt is not None:
+        ctx.rt.publish_metrics()
     stats = compressor.stats(req)
     if stats is None:
         return
@@ -329,7 +339,9 @@ def request_level_key(original, self, key, *args, **kwargs):
 
 
 def internal_state(result, *args, **kwargs):
-    rt = runtime.RT
+    scheduler = getattr(args[0], "scheduler", None) if args else None
+    ctx = _context(getattr(scheduler, "tree_cache", None))
+    rt = None if ctx is None else ctx.rt
     if rt is not None and getattr(result, "internal_state", None) is not None:
         pool = {
             "max_total_tokens": int(rt.allocator.size),
@@ -338,20 +350,20 @@ def internal_state(result, *args, **kwargs):
             "protected_tokens": int(rt.tree.protected_size()),
         }
         result.internal_state[META_KEY] = {
-            "policy": st.server().policy,
+            "policy": ctx.server.policy,
             **rt.totals.as_dict(),
             **pool,
             **rt.compressed_kv(),
             # per-request objects alive now: with no request running they must be 0 (see bench_soak)
             "live_request_states": len(st.LIVE),
-            "capture_rings": capture.live(),
-            **({"host": host.POOL.stats()} if host.POOL is not None else {}),
+            "capture_rings": capture.live(ctx),
+            **({"host": ctx.host.stats()} if ctx.host is not None else {}),
             **runtime.heap_stats(),  # where the scheduler's RSS is (bench_soak_rss.py samples it)
         }
         if st.DEBUG or os.environ.get("KVEVICT_COUNT_OBJECTS") == "1":  # a soak's leak check (~0.1 s)
             result.internal_state[META_KEY]["python_objects"] = len(gc.get_objects())
         if st.DEBUG and args:  # the tests' watchdog reads it when a request runs past its expected time
-            result.internal_state[META_KEY]["queues"] = queues(getattr(args[0], "scheduler", None))
+            result.internal_state[META_KEY]["queues"] = queues(scheduler)
         rt.publish_metrics()
     return result
 
@@ -450,9 +462,6 @@ HOOKS: list[tuple[str, Any, HookType]] = [
 
 
 def install(cfg: KvConfig) -> None:
-    settings = server_settings()
-    if settings.capture_window is not None:
-        capture.CONF = (settings.capture_window, settings.capture_slots)
     for target, fn, kind in HOOKS:
         HookRegistry.register(target, _guard(fn, kind), kind)
 
@@ -465,7 +474,6 @@ def verify_installed() -> list[str]:
 def build_tree_cache(ctx: Any) -> Any:
     """Factory registered as `--radix-cache-backend kvevict` (chosen automatically by `--kv-policy`): the
     compressing tree and its runtime, once the model and the hooks are known to fit."""
-    from sgl_kvevict.cache.tree import KvEvictRadixCache
     from sgl_kvevict.serve import modelcheck
 
     params = ctx.params

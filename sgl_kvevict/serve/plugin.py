@@ -77,14 +77,13 @@ def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
     return result
 
 
-_in_engine = False  # set while validating an offline Engine's keyword arguments: errors raise instead
+class FlagError(ValueError):
+    """A value the plugin refuses: exit 2 on the command line (`from_cli_args`), this ValueError from
+    `sgl.Engine(...)` (`server_args_init`)."""
 
 
 def _fail(msg: str) -> None:
-    if _in_engine:
-        raise ValueError(msg)
-    print(f"sglang launch_server: error: {msg}", file=sys.stderr)
-    sys.exit(2)
+    raise FlagError(msg)
 
 
 def _given(ns: argparse.Namespace, flag: str):
@@ -121,9 +120,21 @@ def _kv_config(ns: argparse.Namespace, policy: str) -> KvConfig:
 
 
 def from_cli_args(cls, ns: argparse.Namespace, *args, **kwargs):
-    """BEFORE ServerArgs.from_cli_args: validate, publish to child processes, pick our radix cache."""
+    """BEFORE ServerArgs.from_cli_args: validate, publish to child processes, pick our radix cache. A
+    refused value ends the launch with argparse's exit 2 and the reason."""
     if not hasattr(ns, "kv_policy"):  # a parser without our flags
         return None
+    try:
+        _apply(ns)
+    except FlagError as e:
+        print(f"sglang launch_server: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    return None
+
+
+def _apply(ns: argparse.Namespace) -> None:
+    """Validate our flags in `ns`, publish the config and settings to child processes (environment),
+    pick our radix cache. Raises FlagError naming what is refused."""
     policy = ns.kv_policy or FLAG["--kv-policy"].default
     cfg = _kv_config(ns, policy)
     os.environ[ENV_VAR] = cfg.to_env()
@@ -142,7 +153,6 @@ def from_cli_args(cls, ns: argparse.Namespace, *args, **kwargs):
             _fail(f"--kv-policy {policy} needs the radix cache: drop --disable-radix-cache")
         ns.radix_cache_backend = BACKEND_NAME
         _restrict_features(ns, cfg, settings, model_cfg)
-    return None
 
 
 def _model_config(ns: argparse.Namespace) -> dict | None:
@@ -283,15 +293,10 @@ def server_args_init(*args, **kwargs):
     and apply what `from_cli_args` would set. A bad value is a ValueError naming the field.
     Returns (args, kwargs) to build ServerArgs with, or None when no key of ours is given.
     """
-    global _in_engine
     if not any(k in kwargs for k in ENGINE_KEYS):
         return None
     ns = engine_namespace(kwargs)
-    _in_engine = True
-    try:
-        from_cli_args(None, ns)
-    finally:
-        _in_engine = False
+    _apply(ns)  # a refused value raises FlagError (a ValueError), as a bad keyword does
     return args, {k: v for k, v in vars(ns).items() if k not in ENGINE_KEYS}
 
 

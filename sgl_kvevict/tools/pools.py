@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sgl_kvevict.cache import capture, runtime
+from sgl_kvevict.cache import capture
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.runtime import Runtime, Totals
 
@@ -95,7 +95,7 @@ def runtime_for(tree: Any, alloc: Any, kv: Any, q_heads: int, o_proj: dict[int, 
 
 
 class Pools:
-    """One rank's real pools and tree, installed as `runtime.RT`, sized for `max_reqs` rows of `max_len`."""
+    """One rank's real pools and tree, its runtime in the tree's context (`tree.ctx`), sized for `max_reqs` rows of `max_len`."""
 
     def __init__(
         self,
@@ -132,6 +132,8 @@ class Pools:
         self.gen = g
         # every row may capture, with a window of up to 64 queries (the tests' and benchmarks' largest)
         self.store = capture.Store(max_reqs + 1, layers, 64, self.q_heads, head_dim, max_reqs, dtype, "cpu")
+        self.ctx = self.tree.ctx
+        self.ctx.rt = self.rt
 
     def batch(self, n_reqs: int, n_tokens: int, policy: str, budget: Any, config: dict | None = None) -> Any:
         """A fresh decode batch of `n_reqs` requests, each holding an own region of `n_tokens` slots (the
@@ -139,11 +141,11 @@ class Pools:
         `ScheduleBatch` fields the compression hook reads (`reqs`, `seq_lens`, `seq_lens_cpu`)."""
         from sgl_kvevict.cache.tree import Region
 
-        runtime.RT = self.rt
+        self.ctx.rt = self.rt
         self.alloc.clear()
         self.r2t.req_to_token.zero_()
         self.store.clear()
-        capture.STORE, capture.CONF = self.store, (self.store.window, self.store.slots)
+        self.ctx.capture, self.ctx.capture_conf = self.store, (self.store.window, self.store.slots)
         self.tree.offsets.zero_()
         slots = self.alloc.alloc(n_reqs * n_tokens).view(n_reqs, n_tokens)
         reqs = []
@@ -167,19 +169,23 @@ class Pools:
             req.kv.req_pool_idx = i
             self.r2t.req_to_token[i, :n_tokens] = slots[i].to(torch.int32)
             req.kv.kv_committed_len = req.kv.kv_allocated_len = n_tokens
-            s = st.ensure(req)
-            st.on_match(req, Region(self.tree.root_node, 0, 0, None))
+            s = st.ensure(req, self.ctx)
+            st.on_match(req, self.ctx, Region(self.tree.root_node, 0, 0, None))
             if "attn" in s.policy.needs:
                 w = s.policy.config.window
-                assert capture.ensure(i, w, 0)
+                assert capture.ensure(self.ctx, i, w, 0)
                 q = torch.randn(self.layers, w, self.q_heads, self.head_dim, generator=self.gen)
                 pos = torch.arange(n_tokens - w, n_tokens)
                 for layer in range(self.layers):
-                    capture.STORE.put(i, layer, q[layer], pos)
+                    self.store.put(i, layer, q[layer], pos)
             reqs.append(req)
         lens = torch.full((n_reqs,), n_tokens, dtype=torch.int64)
         return SimpleNamespace(
-            reqs=reqs, seq_lens=lens.clone(), seq_lens_cpu=lens.clone(), orig_seq_lens=None
+            reqs=reqs,
+            seq_lens=lens.clone(),
+            seq_lens_cpu=lens.clone(),
+            orig_seq_lens=None,
+            tree_cache=self.tree,
         )
 
 
