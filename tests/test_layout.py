@@ -412,6 +412,9 @@ def test_policy_name_check_catches_a_planted_use(source: str, expected: int):
     assert len(policy_name_uses(ast.parse(source), policy_names())) == expected
 
 
+@pytest.mark.parametrize(
+    "source, expected",
+    [
         ("X = None\n\ndef f():\n    global X\n    X = 1\n", 1),  # a global
         ("SEEN = {}\n\ndef f(k):\n    SEEN[k] = 1\n", 1),  # a dict filled at run time
         ("LOG = []\n\ndef f(x):\n    LOG.append(x)\n", 1),

@@ -242,7 +242,9 @@ def _window_attention(jobs: list[Job], reg: torch.Tensor, valid: torch.Tensor) -
     limit = (all_col - w).view(R, 1, 1, 1) + torch.arange(w).view(1, 1, w, 1)  # [R, 1, W, 1]
     masked = (torch.arange(amax).view(1, 1, 1, amax) > limit).to(dev)  # [R, 1(G), W, A]
     # every request's last w queries, oldest first, in one gather out of the capture store
-    q_all = jobs[0].s.ctx.capture.stacked([j.req.kv.req_pool_idx for j in jobs], [_length(j) for j in jobs], w)
+    q_all = jobs[0].s.ctx.capture.stacked(
+        [j.req.kv.req_pool_idx for j in jobs], [_length(j) for j in jobs], w
+    )
     nmax = reg.shape[1]  # `reg`: the region part of each row, a padded [R, Nmax] gather out of [R, A]
     out = torch.zeros(R, L, H, nmax, dtype=torch.float32, device=dev)
     step = max(1, MAX_LOGITS // max(1, H * g * w * amax))
