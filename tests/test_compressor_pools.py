@@ -249,6 +249,7 @@ def _finish_and_check_no_leak(rank: Rank, req: SimpleNamespace, hog: torch.Tenso
     rank.alloc.free(hog)
     rank.tree.evict(EvictParams(num_tokens=10**6))
     assert rank.alloc.available_size() == POOL
+    assert not rank.tree.shared and rank.tree.shared_leaks() == []
 
 
 def test_declared_shared_prefix_is_kept_on_a_first_turn() -> None:

@@ -8,6 +8,7 @@ tools may use anything; nothing below imports what sits above it.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -426,3 +427,52 @@ def test_policy_name_check_catches_a_planted_use(source: str, expected: int):
 def test_state_check_catches_a_planted_global(source: str, expected: int):
     tree = ast.parse(source)
     assert len(state_problems("sgl_kvevict.cache.planted", tree, mutated_names(tree)[1])) == expected
+
+
+# `grep -rn 'getattr([^)]*kvevict_'` over the package, per line as grep reads: a plugin field read by name off
+# an object that lacks it unless the plugin stuck it there (a compressed tree node's fields were once).
+STUCK_ON = re.compile(r"getattr\([^)\n]*kvevict_")
+
+
+def stuck_on_reads(source: str) -> list[int]:
+    """Lines of `source` that read a `kvevict_` attribute through `getattr`: the grep's, and the calls
+    `ast` finds whose attribute name is a literal holding `kvevict_` (`getattr(f(), "kvevict_x")`, which
+    the grep's `[^)]*` stops short of)."""
+    lines = {i for i, line in enumerate(source.splitlines(), 1) if STUCK_ON.search(line)}
+    for n in ast.walk(ast.parse(source)):
+        if (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Name)
+            and n.func.id == "getattr"
+            and len(n.args) > 1
+            and isinstance(n.args[1], ast.Constant)
+            and "kvevict_" in str(n.args[1].value)
+        ):
+            lines.add(n.lineno)
+    return sorted(lines)
+
+
+def test_no_plugin_attribute_is_read_by_name():
+    """Plugin data lives in typed fields (`CompressedNode`, `KvEvictContext`, ...), not in attributes set
+    on another's object and read back with `getattr(..., "kvevict_...", default)`."""
+    hits = [
+        f"{f.relative_to(ROOT)}:{line}"
+        for f in sorted(MODULES.values())
+        for line in stuck_on_reads(f.read_text())
+    ]
+    assert not hits, "attributes read by name (give them a typed home):\n" + "\n".join(hits)
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ('host.release(pool, getattr(node, "kvevict_host", None))\n', 1),
+        ("if getattr(n, '_kvevict_rows', None) is None:\n    pass\n", 1),
+        ('x = getattr(object(), "kvevict_x", None)\n', 1),
+        ('x = getattr(\n    node,\n    "kvevict_fp",\n)\n', 1),
+        ("rows = ctx.forward_rows\nhost.release(pool, node.host_entries)\n", 0),
+        ('print("kvevict_compressions_total", getattr(m, "count"))\n', 0),
+    ],
+)
+def test_attribute_check_catches_a_planted_getattr(source: str, expected: int):
+    assert len(stuck_on_reads(source)) == expected

@@ -10,8 +10,9 @@ from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
+from sgl_kvevict.cache.nodes import CompressedNode
 from sgl_kvevict.cache.tree import KvEvictRadixCache, is_compressed
 
 POOL = 512
@@ -84,6 +85,34 @@ def test_sizes_count_slots_and_eviction_frees_everything(tree):
     assert tree.evictable_size() == 23
     tree.evict(EvictParams(num_tokens=1000))
     assert tree.evictable_size() == 0 and alloc.available_size() == POOL
+
+
+def test_the_shared_mark_follows_splits_deletions_and_reset(tree):
+    """`_mark_shared` marks any node (SGLang's plain ones too) in a set the tree owns: a split's new top
+    part is marked as its node was, a deleted node leaves the set, and nothing stays behind."""
+    p_node, c_node, tail, _ = build_history(tree)
+    tree._mark_shared(tail)
+    assert tree.shared == {p_node, c_node, tail}
+    top = tree.match(key(range(4)), None).last_device_node  # ends inside the prefix: splits it
+    assert top is not p_node and top.parent is tree.root_node and top in tree.shared
+    assert tree.shared_leaks() == []
+    tree.evict(EvictParams(num_tokens=1000))
+    assert not tree.shared and tree.shared_leaks() == []
+    build_history(tree)
+    tree._mark_shared(tree.match(key(range(10)), None).last_device_node)
+    tree.shared.add(TreeNode())  # a planted entry for a node not in the tree: the check sees it
+    assert len(tree.shared_leaks()) == 1
+    tree.reset()
+    assert not tree.shared
+
+
+def test_a_compressed_node_is_its_own_type_and_never_split(tree):
+    """Its fields live on its own type (`CompressedNode`), which SGLang's split would not carry over."""
+    p_node, c_node, _, _ = build_history(tree)
+    assert isinstance(c_node, CompressedNode) and c_node.fp == FP and c_node.host_entries is None
+    assert not is_compressed(p_node) and type(p_node) is TreeNode
+    with pytest.raises(AssertionError, match="never split"):
+        tree._split_node(c_node.key, c_node, 3)
 
 
 def test_compressed_and_uncompressed_copies_coexist(tree):
@@ -218,14 +247,14 @@ def test_branch_region_adopts_the_branch_compressed_history(tree):
     tree.insert(InsertParams(key=key(range(10)), value=alloc.alloc(10).to(torch.int64)))
     p_node = tree.match(key(range(10)), None).last_device_node
     c_node, _ = tree._insert_compressed(p_node, key(range(10, 30)), alloc.alloc(8).to(torch.int64), 0, s.fp)
-    c_node.kvevict_state = [{"carried": torch.ones(3, 8), "tau": torch.zeros(3)}]
+    c_node.layer_state = [{"carried": torch.ones(3, 8), "tau": torch.zeros(3)}]
     tree._insert_helper(c_node, key(range(30, 35)), alloc.alloc(5).to(torch.int64), 0, 0)
     tree.match(key([*range(35), 1]), s.fp, req)
     # the compressed node is the region's first node: its slots and evictions become the request's own
     assert s.anchor is p_node and s.anchor_tokens == 10
     assert (s.comp_slots, s.comp_tokens, s.own_evicted, s.offset) == (8, 20, 12, 12)
     assert torch.equal(s.layer_state[0]["carried"], torch.ones(3, 8))
-    assert s.layer_state[0]["carried"] is not c_node.kvevict_state[0]["carried"]  # a copy
+    assert s.layer_state[0]["carried"] is not c_node.layer_state[0]["carried"]  # a copy
     assert s.reused_evicted == 12 and s.inherited_evicted == 12
 
 

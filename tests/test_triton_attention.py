@@ -66,7 +66,8 @@ def test_interpreter_dot_fix_is_armed_only_under_the_interpreter(
     KVEVICT_NO_INTERP_FIX=1), else never."""
     code = (
         "import triton.runtime.interpreter as i;"
-        "print(getattr(i.InterpreterBuilder.create_dot, '_sgl_kvevict_bf16', False))"
+        "from sgl_kvevict.cpu_compat.triton_interp import is_patched;"
+        "print(is_patched(i))"
     )
     env = dict(os.environ, TRITON_INTERPRET=interpret, KVEVICT_NO_INTERP_FIX=no_fix)
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

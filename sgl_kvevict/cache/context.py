@@ -43,6 +43,9 @@ class KvEvictContext:
     # Set once a decode forward ran without the recall hook (a CUDA graph replay runs no Python):
     # decode-time recalls then run after the step's compression instead.
     graphed: bool = False
+    # The forward batch the recall hook last ran in (weakly held) and its requests' `(row, first token,
+    # tokens)`, so that they are computed once per forward (`recall._batch_rows`).
+    forward_rows: tuple[weakref.ref, list[tuple[int, int, int]]] | None = None
 
     def __post_init__(self) -> None:
         s = self.settings

@@ -40,13 +40,13 @@ def take(s: st.ReqState) -> None:
     history: `HostPool.copy`)."""
     src = s.host_src
     s.host_src = None
-    got = getattr(src, "kvevict_host", None) if src is not None else None
+    got = src.host_entries if src is not None else None
     pool = s.ctx.host
     if got is None or got.count == 0 or pool is None:
         return
     mine = pool.copy(got)
     if mine is None:
-        src.kvevict_host = None
+        src.host_entries = None
         mine = got
     else:
         pool.drop_first(got)

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -687,7 +688,7 @@ def before_attention(layer_mod, q, k, v, forward_batch, *args, **kwargs):
     rt = ctx.rt
     layer = layer_mod.layer_id - rt.start_layer
     last = layer == rt.n_layers - 1
-    for row, start, n in _batch_rows(forward_batch):
+    for row, start, n in _batch_rows(ctx, forward_batch):
         one = ctx.armed.get(row)
         if one is None:
             continue
@@ -706,15 +707,17 @@ def before_attention(layer_mod, q, k, v, forward_batch, *args, **kwargs):
     return None
 
 
-def _batch_rows(forward_batch: Any) -> list[tuple[int, int, int]]:
-    """`(row, first token, tokens)` per request of the batch, computed once per forward."""
-    rows = getattr(forward_batch, "_kvevict_rows", None)
-    if rows is None:
-        if forward_batch.forward_mode.is_decode():
-            lens = [1] * int(forward_batch.req_pool_indices.shape[0])
-        else:
-            lens = forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist()
-        starts = [0, *itertools.accumulate(lens)][: len(lens)]
-        rows = list(zip(forward_batch.req_pool_indices.tolist(), starts, lens, strict=True))
-        forward_batch._kvevict_rows = rows
+def _batch_rows(ctx: context.KvEvictContext, forward_batch: Any) -> list[tuple[int, int, int]]:
+    """`(row, first token, tokens)` per request of the batch, computed once per forward (at its first
+    layer with a recall armed; its later layers find them in the context)."""
+    held = ctx.forward_rows
+    if held is not None and held[0]() is forward_batch:
+        return held[1]
+    if forward_batch.forward_mode.is_decode():
+        lens = [1] * int(forward_batch.req_pool_indices.shape[0])
+    else:
+        lens = forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist()
+    starts = [0, *itertools.accumulate(lens)][: len(lens)]
+    rows = list(zip(forward_batch.req_pool_indices.tolist(), starts, lens, strict=True))
+    ctx.forward_rows = (weakref.ref(forward_batch), rows)
     return rows

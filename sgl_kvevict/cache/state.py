@@ -31,7 +31,7 @@ import torch
 
 from sgl_kvevict.cache import host as host_tier
 from sgl_kvevict.cache.counts import LazyCount
-from sgl_kvevict.cache.nodes import is_compressed
+from sgl_kvevict.cache.nodes import CompressedNode, is_compressed
 from sgl_kvevict.config import KvConfig, request_override
 from sgl_kvevict.policies import Policy
 
@@ -99,7 +99,7 @@ class ReqState:
     append_due: bool = False  # a prefill ran: append recalled columns once its compression committed
     appended: int = 0  # columns recall appended this turn: the turn's decode budget grows by them
     host: host_tier.HostEntries | None = None  # the host entries this request owns
-    host_src: Any = None  # the adopted compressed node whose entries it takes at its first commit
+    host_src: CompressedNode | None = None  # the adopted history, whose entries move at first commit
     host_peak: int = 0
     kv_peak: int = 0  # the most slots the row held at a decode step's start (appended columns included)
     recalled: int = 0
@@ -278,7 +278,7 @@ def on_match(req: Any, ctx: KvEvictContext, region: Any, prefix_pos: torch.Tenso
         s.host_src = first  # its host entries, if any, move to the request at its first commit
         s.comp_slots, s.comp_tokens = len(first.value), len(first.key)
         s.own_evicted = s.inherited_evicted = s.comp_tokens - s.comp_slots
-        s.layer_state = copy_layer_state(getattr(first, "kvevict_state", []))
+        s.layer_state = copy_layer_state(first.layer_state)
     if prefix_pos is not None:
         if not s.ran:  # a waiting request is matched again at every scheduling pass: keep the last
             s.timeline = []

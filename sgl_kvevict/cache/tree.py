@@ -35,7 +35,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sgl_kvevict.cache import context, events, host
 from sgl_kvevict.cache import state as st
-from sgl_kvevict.cache.nodes import is_compressed
+from sgl_kvevict.cache.nodes import CompressedNode, is_compressed
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -72,6 +72,9 @@ class KvEvictRadixCache(RadixCache):
     """RadixCache that also stores and matches compressed request histories."""
 
     def __init__(self, params: Any, rows: int) -> None:
+        # Nodes of a committed prefix (see `_mark_shared`): any node, SGLang's plain ones included, so a
+        # set the tree owns rather than a field; it follows splits and deletions (`shared_leaks`).
+        self.shared: set[TreeNode] = set()
         super().__init__(params)
         self.kv_events = events.KvEvictEventRecorder.replacing(self.kv_events)  # + compressed nodes
         # This server's state beyond the tree (runtime, host tier, capture, statistic, settings): the
@@ -88,9 +91,11 @@ class KvEvictRadixCache(RadixCache):
         stack = list(self.root_node.children.values()) if hasattr(self, "root_node") else []
         while stack:  # every compressed node's host entries go back to the host pool
             node = stack.pop()
-            host.release(self.ctx.host, getattr(node, "kvevict_host", None))
-            node.kvevict_host = None
+            if is_compressed(node):
+                host.release(self.ctx.host, node.host_entries)
+                node.host_entries = None
             stack.extend(node.children.values())
+        self.shared.clear()
         super().reset()
         if hasattr(self, "ctx") and self.ctx.rt is not None:  # SGLang's __init__ calls reset() first
             from sgl_kvevict.cache import runtime
@@ -136,8 +141,10 @@ class KvEvictRadixCache(RadixCache):
         self.evictable_size_ -= len(node.value)
         self.evictable_leaves.discard(node)
         self._update_leaf_status(node.parent)
-        host.release(self.ctx.host, getattr(node, "kvevict_host", None))  # its host entries go with it
-        node.kvevict_host = None
+        self.shared.discard(node)
+        if is_compressed(node):  # its host entries go with it
+            host.release(self.ctx.host, node.host_entries)
+            node.host_entries = None
 
     def take_leaves(self, nodes: list[TreeNode]) -> None:
         """Take `nodes` out of the tree, bottom-up (each a leaf once those below it are gone), keeping
@@ -165,7 +172,7 @@ class KvEvictRadixCache(RadixCache):
                 out.append((normal, m))
         if fp is not None:
             for c in self._compressed_children(node, ck):
-                if c.kvevict_fp == fp and len(c.key) <= len(key) and c.key.match(key) == len(c.key):
+                if c.fp == fp and len(c.key) <= len(key) and c.key.match(key) == len(c.key):
                     out.append((c, len(c.key)))
         return out
 
@@ -328,7 +335,7 @@ class KvEvictRadixCache(RadixCache):
                     not own
                     and branches
                     and (
-                        getattr(n, "kvevict_shared", False)
+                        n in self.shared
                         or any(
                             c is not nxt and (len(c.key) >= BRANCH_MIN or c.children)
                             for c in n.children.values()
@@ -356,7 +363,7 @@ class KvEvictRadixCache(RadixCache):
             return None
         parts, t = [], 0
         for n in path:
-            pos = getattr(n, "kvevict_pos", None)
+            pos = n.positions if is_compressed(n) else None
             if pos is None:
                 pos = torch.arange(t, t + len(n.value)).view(1, 1, -1).expand(rt.n_layers, rt.n_kv_heads, -1)
             parts.append(pos)
@@ -387,7 +394,7 @@ class KvEvictRadixCache(RadixCache):
     def _stored_history(self, parent: TreeNode, key: RadixKey, fp: str) -> TreeNode | None:
         """The compressed child of `parent` with exactly these tokens and this fingerprint, if stored."""
         for c in self._compressed_children(parent, key.child_key(self.page_size)):
-            if c.kvevict_fp == fp and len(c.key) == len(key) and c.key.match(key) == len(key):
+            if c.fp == fp and len(c.key) == len(key) and c.key.match(key) == len(key):
                 return c
         return None
 
@@ -405,11 +412,8 @@ class KvEvictRadixCache(RadixCache):
         c = self._stored_history(parent, key, fp)
         if c is not None:
             return (c, True) if len(c.value) == len(value) else None
-        node = TreeNode(priority=priority)
-        node.kvevict_compressed = True
-        node.kvevict_fp = fp
-        if positions is not None:  # debug only: the logical positions each (layer, head) slot holds
-            node.kvevict_pos = positions.clone()
+        # debug only: the logical positions each (layer, head) slot holds
+        node = CompressedNode(priority, fp, positions.clone() if positions is not None else None)
         node.parent = parent
         node.key = key
         node.value = value.clone()
@@ -461,7 +465,7 @@ class KvEvictRadixCache(RadixCache):
                 return
             cnode, dup = res
             if not dup:  # the policy's per-head state continues in the branch's next turn
-                cnode.kvevict_state = st.copy_layer_state(s.layer_state, s.comp_slots)
+                cnode.layer_state = st.copy_layer_state(s.layer_state, s.comp_slots)
             if req.finished() or s.releasing:
                 self._hand_over_host(s, cnode)
             if dup:  # free our copy, never slots the tree owns (an adopted branch history is the node itself)
@@ -486,18 +490,18 @@ class KvEvictRadixCache(RadixCache):
         self.relock(req, node, kv_end)
 
     @staticmethod
-    def _hand_over_host(s: st.ReqState, cnode: TreeNode) -> None:
+    def _hand_over_host(s: st.ReqState, cnode: CompressedNode) -> None:
         """A stored history owns the host entries of the request that produced it (they move). A
         duplicate node keeps its own; the request's go back to the pool."""
         mine = s.host
         s.host = None
         if mine is None:
             return
-        held = getattr(cnode, "kvevict_host", None)
+        held = cnode.host_entries
         if held is not None and held is not mine and held.count:
             host.release(s.ctx.host, mine)
             return
-        cnode.kvevict_host = mine
+        cnode.host_entries = mine
         if s.ctx.host is not None:
             s.ctx.host.touch(mine)
 
@@ -505,7 +509,7 @@ class KvEvictRadixCache(RadixCache):
         """A committed prefix (a request that generates nothing, as SGLang's frontend sends before `fork`)
         is declared shared: branch scope never compresses it."""
         while node is not None and node is not self.root_node:
-            node.kvevict_shared = True
+            self.shared.add(node)
             node = node.parent
 
     def _print_helper(self, node: TreeNode, indent: int) -> None:
@@ -519,10 +523,21 @@ class KvEvictRadixCache(RadixCache):
             stack.extend((child, ind + 2) for child in cur.children.values())
 
     def _split_node(self, key: RadixKey, child: TreeNode, split_len: int) -> TreeNode:
+        assert not is_compressed(child), "a compressed node is matched whole, never split"
         new = super()._split_node(key, child, split_len)
-        if getattr(child, "kvevict_shared", False):
-            new.kvevict_shared = True
+        if child in self.shared:  # the new top part is as shared as the node it came from
+            self.shared.add(new)
         return new
+
+    def shared_leaks(self) -> list[TreeNode]:
+        """Nodes `shared` still holds that are no longer in the tree (none: it follows every split,
+        deletion and reset)."""
+        live, stack = set(), [self.root_node]
+        while stack:
+            node = stack.pop()
+            live.add(node)
+            stack.extend(node.children.values())
+        return [n for n in self.shared if n not in live]
 
     def _path_between(self, top: TreeNode, bottom: TreeNode) -> torch.Tensor:
         vals = []

@@ -26,7 +26,7 @@ def patch_bf16_dot(interp) -> bool:
     import triton.language as tl
 
     builder = interp.InterpreterBuilder
-    if getattr(builder.create_dot, "_sgl_kvevict_bf16", False):
+    if is_patched(interp):
         return True
     orig = builder.create_dot
 
@@ -38,9 +38,13 @@ def patch_bf16_dot(interp) -> bool:
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         return orig(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
-    create_dot._sgl_kvevict_bf16 = True
     builder.create_dot = create_dot
     return True
+
+
+def is_patched(interp) -> bool:
+    """Whether the interpreter's `create_dot` is the wrapper `patch_bf16_dot` defined here."""
+    return interp.InterpreterBuilder.create_dot.__module__ == __name__
 
 
 class _PatchingLoader(importlib.abc.Loader):

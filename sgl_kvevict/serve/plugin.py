@@ -310,8 +310,8 @@ def _patch_engine() -> None:
     """
     mod = sys.modules.get("sglang.srt.entrypoints.engine")
     engine = getattr(mod, "Engine", None)
-    if engine is None or getattr(engine, "_kvevict_args", False):
-        return
+    if engine is None or engine.server_args_class.__module__ == __name__:
+        return  # no Engine imported, or its factory is the wrapper below already
     base = engine.server_args_class
 
     class KvEvictServerArgs:
@@ -324,7 +324,6 @@ def _patch_engine() -> None:
             return base(*args, **kwargs)
 
     engine.server_args_class = KvEvictServerArgs
-    engine._kvevict_args = True
 
 
 def verify_request(result, sampling_params, *args, **kwargs):
