@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,15 +28,11 @@ PORT_TAKEN = "address already in use"
 
 
 def port_is_taken(port: int) -> bool:
-    """Whether another process holds the port now: checked before a start, so a taken port costs a
-    bind, not the minute SGLang spends loading before it binds its HTTP port."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed server's TIME_WAIT is free
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return True
-    return False
+    """Whether another process holds the port now, by SGLang's own check: done before a start, so a
+    taken port costs a bind, not the minute SGLang spends loading before it binds its HTTP port."""
+    from sglang.srt.utils.network import is_port_available  # heavy: only when a server starts
+
+    return not is_port_available(port)
 
 
 def stop_child(proc: subprocess.Popen, grace: float) -> None:
