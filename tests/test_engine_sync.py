@@ -364,6 +364,7 @@ def test_batched_lagkv_has_no_host_sync(key: str) -> None:
     assert sc.counts == {}, f"host syncs in the batched lagkv step: {sc.counts}"
 
 
+@pytest.mark.long  # under the Triton interpreter: 106-142 s in the runs of docs/tests.md; `make test-long`
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="this is the subprocess")
 def test_batched_lagkv_equals_per_request_on_triton() -> None:
     """The GPU path of the batched scores (the Triton kernel over the gathered, strided blocks) against the
