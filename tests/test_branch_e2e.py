@@ -6,7 +6,6 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import sglang as sgl
 
 from sgl_kvevict.serve.serverproc import Server
 
@@ -15,7 +14,8 @@ from .helpers import CHECKED_ENV, START_TIMEOUT, chat_ids, long_text, tokenizer
 pytestmark = pytest.mark.server
 
 SINKS, RECENT, BUDGET, LAG = 4, 32, 128, 16
-BRANCH = ["--kv-policy-config", '{"scope": "branch"}']  # the servers' default; overrides say it too
+BRANCH = ["--kv-policy-config", '{"scope": "branch"}']  # the small-pool server's default
+BRANCH_KV = {"policy": "snapkv", "budget": BUDGET, "config": {"scope": "branch"}}
 POLICIES = {
     "streaming": {},
     "knorm": {},
@@ -27,15 +27,11 @@ POLICIES = {
 
 
 @pytest.fixture(scope="module")
-def branch_server():
-    srv = Server(
-        ["--max-total-tokens", "30000", "--kv-policy", "snapkv", "--kv-budget", str(BUDGET), *BRANCH],
-        env=CHECKED_ENV,
-        timeout=START_TIMEOUT,
-    )
-    with srv:
-        yield srv
-        assert srv.alive(), srv.tail()
+def branch_server(kv_server: Server) -> Server:
+    """The compressing server of `test_compression_e2e.py` (`conftest.kv_server`): branch scope is a
+    per-request setting, so every request here names its policy, budget and scope (`BRANCH_KV`), and
+    reads only its own `meta_info`, never the server's counters."""
+    return kv_server
 
 
 def info(out: dict) -> dict:
@@ -112,25 +108,29 @@ def test_identical_sessions_after_evictions_get_identical_tokens(branch_server: 
 
 
 def test_fork_branches_compress_only_after_the_fork_point(branch_server: Server):
+    """What an SGLang frontend program's `fork(4)` sends (`test_compression_e2e.py` runs one through the
+    frontend): the shared prefix committed by a request with no new tokens, then the four branches at once,
+    each its prefix plus its own question. The frontend cannot set `custom_params`, so here the requests
+    carry the branch-scope override themselves."""
     context = long_text(600, seed=31)
+    prefix = (
+        "<|im_start|>system\nAnswer in a few words.<|im_end|>\n"
+        f"<|im_start|>user\n{context}<|im_end|>\n"
+        "<|im_start|>assistant\nI have read the log.<|im_end|>\n"
+    )
+    branch_server.generate(prefix, max_new_tokens=0, kv=BRANCH_KV)  # commits the shared prefix
 
-    @sgl.function
-    def branches(s, ctx):
-        s += sgl.system("Answer in a few words.")
-        s += sgl.user(ctx)
-        s += sgl.assistant("I have read the log.")
-        s.text()  # commits the shared prefix before forking
-        forks = s.fork(4)
-        for i, f in enumerate(forks):
-            f += sgl.user(long_text(300, seed=40 + i) + f"\nQuestion {i}: name one worker.")
-            f += sgl.assistant(sgl.gen("answer", max_tokens=8, temperature=0))
-        return [f.get_meta_info("answer") for f in forks]
+    def branch(i: int) -> dict:
+        question = long_text(300, seed=40 + i) + f"\nQuestion {i}: name one worker."
+        text = f"{prefix}<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+        return branch_server.generate(text, max_new_tokens=8, kv=BRANCH_KV)
 
-    backend = sgl.RuntimeEndpoint(branch_server.url, chat_template_name="chatml")
-    metas = branches.run(ctx=context, backend=backend).ret_value
+    with ThreadPoolExecutor(4) as ex:
+        outs = list(ex.map(branch, range(4)))
     n_ctx = len(tokenizer().encode(context))
-    for m in metas:
-        kv = m["kvevict"][0]
+    for out in outs:
+        kv = info(out)
+        assert kv["scope"] == "branch", kv
         assert kv["prefix_kv_tokens"] >= n_ctx, kv  # the branch point is after the shared context
         assert kv["evicted"] > 0, kv  # and the branch compressed its own part
         assert kv["prefix_digest"] and kv["prefix_digest"] == kv["prefix_digest_end"]
