@@ -3,7 +3,9 @@
 Triton reads `TRITON_INTERPRET` when it is imported and the kernels' dispatch reads `KVEVICT_TRITON`,
 so on a machine without CUDA the comparisons of Triton kernels with their torch references need a
 process of their own with both set. The parent deselects those cases (`conftest.py`); the subprocess
-runs every one of them (no `-x`: every failure is reported) and must pass exactly as many as it collected."""
+runs every one of them that `marks` selects (no `-x`: every failure is reported) and must pass exactly as
+many as it selected. `make test` runs the cases without the `long` marker (a representative grid), `make
+test-long` the `long` ones (the rest of each grid): between them, every case."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import sys
 from pathlib import Path
 
 
-def run_triton_tests(test_file: str) -> None:
+def run_triton_tests(test_file: str, marks: str = "triton and not long") -> int:
     env = dict(os.environ, TRITON_INTERPRET="1", KVEVICT_TRITON="1")
     cmd = [
         sys.executable,
@@ -24,7 +26,7 @@ def run_triton_tests(test_file: str) -> None:
         "no:cacheprovider",
         test_file,
         "-m",
-        "triton",
+        marks,
     ]
     res = subprocess.run(
         cmd, env=env, cwd=Path(test_file).parent, capture_output=True, text=True, timeout=900

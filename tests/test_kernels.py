@@ -31,6 +31,10 @@ DEVICE = "cuda" if CUDA else "cpu"
 triton_only = pytest.mark.triton  # without CUDA: deselected here, run by `test_interpreter_subprocess`
 
 SIZES = [1, 7, 129, 300]
+# The same sizes where n = 300 costs most of the interpreter's time and adds no branch 129 does not (the
+# kernels' blocks are 32 or 64 rows: 129 already spans several and ends on a partial one): the n = 300
+# cases run in `make test-long` (`test_interpreter_subprocess_long`), the rest in `make test`.
+SIZES_300_LONG = [1, 7, 129, pytest.param(300, marks=pytest.mark.long)]
 GQA = [(9, 3), (4, 4)]
 DTYPES = [torch.bfloat16, torch.float32]
 
@@ -407,8 +411,16 @@ def _tol(dtype: torch.dtype) -> dict[str, float]:
 
 @pytest.mark.skipif(TRITON_READY, reason="Triton tests already run in this process")
 def test_interpreter_subprocess():
-    """Run the `test_triton_*` tests below in a subprocess with TRITON_INTERPRET=1 and KVEVICT_TRITON=1."""
-    run_triton_tests(__file__)
+    """Run the `test_triton_*` tests below in a subprocess with TRITON_INTERPRET=1 and KVEVICT_TRITON=1: the
+    cases without the `long` marker, every kernel and a representative part of each grid (`make test`)."""
+    run_triton_tests(__file__, "triton and not long")
+
+
+@pytest.mark.long
+@pytest.mark.skipif(TRITON_READY, reason="Triton tests already run in this process")
+def test_interpreter_subprocess_long():
+    """The rest of each grid, the `triton` cases with the `long` marker (`make test-long`)."""
+    run_triton_tests(__file__, "triton and long")
 
 
 _FLOAT_ARGS = {"scale", "inv_count", "eps", "norm_eps", "euler", "inv_g"}
@@ -559,7 +571,7 @@ def test_triton_lag_scores(lag, p, h, dtype):
 @triton_only
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hkv", [3, 4])
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("n", SIZES_300_LONG)
 @pytest.mark.parametrize("pattern", ["random", "tail", "identity"])
 def test_triton_compact_overlapping(n, hkv, dtype, pattern):
     layers, d = 2, 40
@@ -584,7 +596,7 @@ def test_triton_compact_overlapping(n, hkv, dtype, pattern):
 @triton_only
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hkv", [3, 4])
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("n", SIZES_300_LONG)
 @pytest.mark.parametrize("init,mostly_kept", [(True, False), (False, False), (False, True)])
 def test_triton_d2o_merge(n, hkv, dtype, init, mostly_kept):
     d = 8  # small head dim: similarities spread out, so a fair share of tokens merge
@@ -609,7 +621,7 @@ def test_triton_d2o_merge(n, hkv, dtype, init, mostly_kept):
 @triton_only
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv", GQA)
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("n", SIZES_300_LONG)
 def test_triton_vo_norms(n, hq, hkv, dtype):
     d, hidden = 40, 100  # neither a block multiple: exercises the masks
     vb, slots = _pool(n, hkv, d, dtype, seed=400 + n)
@@ -621,7 +633,7 @@ def test_triton_vo_norms(n, hq, hkv, dtype):
 
 @triton_only
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("n", SIZES_300_LONG)
 def test_triton_vo_norms_rows(n, dtype):
     """The forward's rows through the Triton kernel (what the hook runs on a GPU) vs the pool's norms."""
     vb, slots = _pool(n, 3, 40, dtype, seed=500 + n)
