@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,31 +16,57 @@ from sgl_kvevict.launch import CPU_FLAGS
 MISSING_MODEL = "/nonexistent/model-that-would-fail-to-load"
 
 
-def launch(*args: str, model: str = MISSING_MODEL) -> subprocess.CompletedProcess:
+def start(*args: str, model: str = MISSING_MODEL) -> subprocess.Popen:
+    """The real launcher in a process of its own."""
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, *args]
     for flag, val in CPU_FLAGS.items():
         cmd += [flag] if val is None else [flag, val]
-    return subprocess.run(
+    return subprocess.Popen(
         cmd,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=300,
         env={"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
     )
 
 
-@pytest.mark.parametrize(
-    ("args", "needles"),
-    [
-        # one case per layer that can refuse: argparse's choices, the plugin's start hook, SGLang's own
-        # features; the rest of the refusals run in process (test_bad_flags_refused_by_the_hook)
-        (["--kv-policy", "bogus"], ["--kv-policy", "invalid choice", "lagkv", "d2o"]),
-        (["--kv-policy", "lagkv", "--kv-budget", "1.5"], ["--kv-budget", "out of range"]),
-        (["--kv-policy", "lagkv", "--enable-hierarchical-cache"], ["--enable-hierarchical-cache"]),
-    ],
-)
-def test_bad_flags_exit_before_model_load(args, needles):
-    res = launch(*args)
+def finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    # a hang guard, not a timed check: the launches run together, and on a loaded machine four niced
+    # imports of SGLang sharing two cores took over 300 s each
+    out, err = proc.communicate(timeout=1200)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+# one case per layer that can refuse: argparse's choices, the plugin's start hook, SGLang's own
+# features; the rest of the refusals run in process (test_bad_flags_refused_by_the_hook)
+BAD_LAUNCHES = [
+    (["--kv-policy", "bogus"], ["--kv-policy", "invalid choice", "lagkv", "d2o"]),
+    (["--kv-policy", "lagkv", "--kv-budget", "1.5"], ["--kv-budget", "out of range"]),
+    (["--kv-policy", "lagkv", "--enable-hierarchical-cache"], ["--enable-hierarchical-cache"]),
+]
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """Every launch of this file, started together when the first test asks: each is a fresh interpreter
+    importing SGLang (tens of seconds, nearly all of it before the flags are read), so they share the
+    cores instead of waiting in turn. Keyed by the flags; "mla" is `test_unsupported_model_exits_2_before_load`'s."""
+    mla = tmp_path_factory.mktemp("mla")
+    (mla / "config.json").write_text(
+        json.dumps({**LLAMA, "architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 512})
+    )
+    procs = {tuple(args): start(*args) for args, _ in BAD_LAUNCHES}
+    procs["mla"] = start("--kv-policy", "lagkv", model=str(mla))
+    yield procs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.mark.parametrize(("args", "needles"), BAD_LAUNCHES)
+def test_bad_flags_exit_before_model_load(launches: dict, args, needles):
+    res = finish(launches[tuple(args)])
     assert res.returncode == 2
     assert len(res.stderr.strip().splitlines()[-1]) > 20  # the reason, on the last line
     err = res.stderr
@@ -246,12 +273,10 @@ def test_unsupported_models_are_refused(monkeypatch, capsys, tmp_path: Path, ext
     assert code == 0, err
 
 
-def test_unsupported_model_exits_2_before_load(tmp_path: Path):
-    """Through the real launcher: exit code 2 and the reason on the last line, no weight loaded."""
-    (tmp_path / "config.json").write_text(
-        json.dumps({**LLAMA, "architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 512})
-    )
-    res = launch("--kv-policy", "lagkv", model=str(tmp_path))
+def test_unsupported_model_exits_2_before_load(launches: dict):
+    """Through the real launcher (a DeepseekV3 config.json, `launches`): exit code 2 and the reason on the
+    last line, no weight loaded."""
+    res = finish(launches["mla"])
     assert res.returncode == 2, res.stderr[-2000:]
     last = res.stderr.strip().splitlines()[-1]
     assert "MLA" in last and "--kv-policy lagkv" in last, last
@@ -474,13 +499,21 @@ def test_a_plain_server_process_never_imports_the_test_policies() -> None:
     )
     from tests.helpers import CHECKED_ENV
 
-    got = {}
-    for name, extra in (("plain", {}), ("tests", {"KVEVICT_LOAD": CHECKED_ENV["KVEVICT_LOAD"]})):
-        env = {k: v for k, v in os.environ.items() if k != "KVEVICT_LOAD"}
-        res = subprocess.run(
-            [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env={**env, **extra}
+    env = {k: v for k, v in os.environ.items() if k != "KVEVICT_LOAD"}
+    procs = {  # both at once: each is a fresh interpreter importing SGLang
+        name: subprocess.Popen(
+            [sys.executable, "-c", script],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**env, **extra},
         )
-        (line,) = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT")]
+        for name, extra in (("plain", {}), ("tests", {"KVEVICT_LOAD": CHECKED_ENV["KVEVICT_LOAD"]}))
+    }
+    got = {}
+    for name, proc in procs.items():
+        out, _ = proc.communicate(timeout=1200)  # a hang guard (see `finish`)
+        (line,) = [ln for ln in out.splitlines() if ln.startswith("RESULT")]
         got[name] = line
     assert got["plain"] == "RESULT [] False", got
     assert got["tests"] == "RESULT ['test_fault_staged', 'test_raise', 'test_recall_fault'] True", got
