@@ -16,7 +16,7 @@ import pytest
 import torch
 from pydantic import Field
 
-from sgl_kvevict.cache import compressor, engine
+from sgl_kvevict.cache import compressor, engine, report, trigger
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.policies import REGISTRY, LayerView, Policy, PolicyConfig
 from sgl_kvevict.policies.base import BatchView
@@ -130,7 +130,7 @@ def _compare(name: str, config: dict, ties: int | None, caplog: pytest.LogCaptur
             r.kv.kv_committed_len = r.kv.kv_allocated_len = TOKENS - 9 * i
         for _ in range(2):
             if batched:
-                jobs = [j for j in (compressor.prepare(r, "decode") for r in b.reqs) if j is not None]
+                jobs = [j for j in (trigger.prepare(r, "decode") for r in b.reqs) if j is not None]
                 assert jobs and all(engine._policy_key(j) is not None for j in jobs), "batched path"
                 hooks._compress_batch(b)
                 assert FALLBACK not in caplog.text  # the batched step ran, no per-request fallback
@@ -167,7 +167,7 @@ def test_batched_step_has_no_host_sync(key: str, caplog: pytest.LogCaptureFixtur
     pools = Pools(layers=LAYERS, max_reqs=8, max_len=TOKENS + 8)
     b = pools.batch(8, TOKENS, _name(key), 48, CONFIGS[key])
     b.reqs[0].kv.kv_committed_len = b.reqs[0].kv.kv_allocated_len = TOKENS - 20  # ragged
-    assert all(engine._policy_key(compressor.prepare(r, "decode")) is not None for r in b.reqs)
+    assert all(engine._policy_key(trigger.prepare(r, "decode")) is not None for r in b.reqs)
     with SyncCounter() as sc:
         freed = engine.compress_batch([(r, "decode") for r in b.reqs])
     assert FALLBACK not in caplog.text, "the batched step fell back to the per-request path"
@@ -190,7 +190,7 @@ def test_d2o_step_has_no_host_sync(key: str) -> None:
     pools = Pools(layers=LAYERS, max_reqs=4, max_len=TOKENS + 48)
     b = pools.batch(4, TOKENS, "d2o", 48, D2O_CONFIGS[key])
     b.reqs[0].kv.kv_committed_len = b.reqs[0].kv.kv_allocated_len = TOKENS - 20  # ragged
-    assert all(engine._policy_key(compressor.prepare(r, "decode")) is None for r in b.reqs)
+    assert all(engine._policy_key(trigger.prepare(r, "decode")) is None for r in b.reqs)
     for step in range(2):
         with SyncCounter() as sc:
             freed = engine.compress_batch([(r, "decode") for r in b.reqs])
@@ -204,9 +204,9 @@ def test_d2o_step_has_no_host_sync(key: str) -> None:
     for r in b.reqs:
         s = st.get(r)
         assert s.compressions == 2 and all("tau" in d for d in s.layer_state)
-        report = compressor.stats(r)
-        assert report["merged"] == s.merged > 0
-        assert len(report["layer_d2o_sigma2"]) == LAYERS and all(x > 0 for x in report["layer_d2o_sigma2"])
+        rep = report.stats(r)
+        assert rep["merged"] == s.merged > 0
+        assert len(rep["layer_d2o_sigma2"]) == LAYERS and all(x > 0 for x in rep["layer_d2o_sigma2"])
     assert pools.rt.totals.tokens_merged == sum(st.get(r).merged for r in b.reqs)
 
 
@@ -215,7 +215,7 @@ def test_still_syncing_policies_are_listed(name: str) -> None:
     """The list above stays honest: a policy named there really takes the per-request path."""
     pools = Pools(layers=LAYERS, max_reqs=2, max_len=TOKENS + 8)
     b = pools.batch(2, TOKENS, name, 48, {"window": 8})
-    jobs = [compressor.prepare(r, "decode") for r in b.reqs]
+    jobs = [trigger.prepare(r, "decode") for r in b.reqs]
     assert all(j is not None for j in jobs)
     assert all(engine._policy_key(j) is None for j in jobs)
 
@@ -309,7 +309,7 @@ def test_batched_lagkv_layer_chunks(key: str, caplog: pytest.LogCaptureFixture, 
     _compare_lag(key, caplog)
 
 
-def _lag_counts(job: compressor.Job):
+def _lag_counts(job: trigger.Job):
     """The host counts of LagKV's batched selection for one job."""
     return job.s.policy.batch_counts(job.n, job.n_sink, job.n_recent, job.s.comp_slots, job.budget)
 
@@ -323,7 +323,7 @@ def _compare_lag(key: str, caplog: pytest.LogCaptureFixture) -> None:
         steps = []
         for step in range(2):
             if batched:
-                jobs = [j for j in (compressor.prepare(r, "decode") for r in b.reqs) if j is not None]
+                jobs = [j for j in (trigger.prepare(r, "decode") for r in b.reqs) if j is not None]
                 assert all(engine._policy_key(j) is not None for j in jobs)
                 if step == 0:
                     assert LAG_COVERS[key]([_lag_counts(j) for j in jobs])
@@ -357,7 +357,7 @@ def test_batched_lagkv_has_no_host_sync(key: str) -> None:
     pools = Pools(layers=LAYERS, max_reqs=6, max_len=600)
     b = _lag_batch(pools, key)
     items = [(r, "decode") for r in b.reqs]
-    want = [compressor.prepare(r, "decode") is not None for r in b.reqs]
+    want = [trigger.prepare(r, "decode") is not None for r in b.reqs]
     with SyncCounter() as sc:
         freed = engine.compress_batch(items)
     assert [f > 0 for f in freed] == want and any(want)
