@@ -51,7 +51,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from sgl_kvevict import kernels, policies
 from sgl_kvevict.cache import slotstats
-from sgl_kvevict.cache.compressor import THREADS, select_layers
+from sgl_kvevict.cache.compressor import select_layers
+from sgl_kvevict.cache.threads import THREADS
 from sgl_kvevict.config import KvConfig
 from sgl_kvevict.model import default_model_path
 from sgl_kvevict.policies import LayerView, Policy

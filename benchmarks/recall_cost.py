@@ -36,7 +36,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sgl_kvevict.cache import capture, compressor, host, recall  # noqa: E402
+from sgl_kvevict.cache import capture, compressor, host, recall, threads  # noqa: E402
 from sgl_kvevict.cache import state as st  # noqa: E402
 from sgl_kvevict.config import DEFAULT_RECALL_FETCH_PAGES, SETTINGS_ENV_VAR, RecallTuning, ServerSettings  # noqa: E402
 from sgl_kvevict.tools.pools import Pools  # noqa: E402
@@ -74,7 +74,7 @@ def measure(e: int, budget: int, r: int, new_tokens: int, steps: int) -> dict:
     req = batch.reqs[0]
     s = st.get(req)
     s.recall = r
-    with compressor.one_thread():
+    with threads.one_thread():
         compressor.compress(req, "prefill")
     assert s.host is not None and s.host.count >= e - 64, (s.host.count if s.host else 0, e)
     # a new turn's prefill: the row's history is the compacted region, the new tokens follow it

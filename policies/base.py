@@ -82,27 +82,6 @@ class WindowScoreConfig(PolicyConfig):
     carry_decay: float = Field(0.5, ge=0.0, le=1.0, description="weight of the earlier score under 'decay'")
 
 
-def carry_scores(view: LayerView, scores: torch.Tensor, cfg: WindowScoreConfig) -> torch.Tensor:
-    """Combine the window's `[H, N]` scores with those the region's first tokens (the kept ones, in
-    order) carried from earlier compressions, and leave the result in `view.state["scored"]`; the runner
-    keeps the kept tokens' entries as the next compression's carried scores.
-
-    Why: a window of the newest queries forgets what earlier turns needed; re-scoring a whole branch
-    history with it alone loses early facts that per-turn scoring kept."""
-    scores = scores.float()
-    old = view.state.get("carried")
-    if cfg.carry != "none" and old is not None and old.shape[0] == scores.shape[0]:
-        m = min(old.shape[1], scores.shape[1])
-        scores = scores.clone()
-        old = old[:, :m].to(scores.device)
-        if cfg.carry == "max":
-            scores[:, :m] = torch.maximum(scores[:, :m], old)
-        else:
-            scores[:, :m] = scores[:, :m] + cfg.carry_decay * old
-    view.state["scored"] = scores
-    return scores
-
-
 @dataclass
 class LayerView:
     """One request, one layer: the compressible region, read straight from SGLang's paged pool.
@@ -230,6 +209,24 @@ class BatchView:
         """A host `[R, 1]` int64 column of per-request integers."""
         return torch.tensor(values, dtype=torch.int64).view(-1, 1)
 
+    @classmethod
+    def of_layer(cls, view: LayerView, counts: Any = None) -> BatchView:
+        """The batch of one request and one layer that `view` is: no padding, the view's own per-layer
+        state (so carried scores are read from it). `counts` defaults to the view's windows with every
+        token kept (a score needs no budget); a selection passes its own."""
+        n = view.n
+        kept = Kept(n, view.n_sink, view.n_recent, n, view.n_recent) if counts is None else counts
+        return cls(
+            slots=view.slots.view(1, -1),
+            valid=torch.ones(1, n, dtype=torch.bool, device=view.slots.device),
+            k_buffers=[view.k_buffer],
+            v_buffers=[view.v_buffer],
+            counts=[kept],
+            attn=None if view.attn is None else view.attn.float().view(1, 1, *view.attn.shape),
+            states=[[view.state]],
+            stacks=[None],
+        )
+
 
 def pad_sorted(keep: torch.Tensor, ks: list[int], nmax: int) -> torch.Tensor:
     """`keep` `[R, L, H, Kmax]` with the entries past each request's own k set to `nmax` (so they go
@@ -258,9 +255,13 @@ def topk_keep_batch(scores: torch.Tensor, batch: BatchView) -> torch.Tensor:
 
 
 def carry_batch(batch: BatchView, scores: torch.Tensor, cfg: WindowScoreConfig) -> torch.Tensor:
-    """`carry_scores` for a batch: each request's first kept tokens combine their new `[R, L, H, Nmax]`
-    scores with those carried from its last compression ('max' or 'decay'; 'none' ignores them). Leaves
-    the result in `batch.scored`, whose kept entries the runner carries on."""
+    """Combine the window's new `[R, L, H, Nmax]` scores with those each request's first tokens (the kept
+    ones, in order) carried from its last compression: 'max' or 'decay' (`WindowScoreConfig.carry`);
+    'none' ignores them. Leaves the result in `batch.scored`, whose kept entries the runner carries on
+    (the per-request path, a batch of one, in `view.state["scored"]`).
+
+    Why: a window of the newest queries forgets what earlier turns needed; re-scoring a whole branch
+    history with it alone loses early facts that per-turn scoring kept."""
     batch.scored = scores = _carry_batch(batch, scores, cfg)
     return scores
 
@@ -342,8 +343,17 @@ class Policy:
 
     # -- what -------------------------------------------------------------------------------------
     def score(self, view: LayerView) -> torch.Tensor:
-        """`[Hkv, N]` importance per region token, higher = keep."""
-        raise NotImplementedError
+        """`[Hkv, N]` importance per region token, higher = keep. By default `score_batch` over the batch
+        of one request and one layer (`BatchView.of_layer`): a policy writes its score once, and the
+        per-request path runs the same rule as the batched one. The scores it carries to the next
+        compression land in `view.state["scored"]` (`carry_batch`)."""
+        if type(self).score_batch is Policy.score_batch:
+            raise NotImplementedError(f"policy {self.name!r} defines neither score nor score_batch")
+        one = BatchView.of_layer(view)
+        scores = self.score_batch(one)[0, 0]
+        if one.scored is not None:
+            view.state["scored"] = one.scored[0, 0]
+        return scores
 
     def select(self, view: LayerView, budget: int) -> torch.Tensor:
         """`[Hkv, k]` sorted region indices to keep (k equal for every head)."""

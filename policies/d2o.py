@@ -38,7 +38,7 @@ only *reported*:
 region) and `view.stats["d2o_inv_var"]` = 1 / sigma2, the softmax logit; alpha_l is
 L_layers * softmax over layers of `d2o_inv_var`. Like `d2o_merged` (evicted tokens merged), they are
 0-dim device tensors: the step never reads them back (a host sync would stall a GPU scheduler), the
-runner's report does (`compressor.stats`).
+runner's report does (`report.stats`).
 
 Readings chosen where the paper is silent (reconstructed): keys-only cosine similarity; the updated
 threshold is compared; merged tokens keep their own slot's carried score (h2o's `carry`);

@@ -63,7 +63,11 @@ def scorable_bases() -> list[str]:
     for name, cls in REGISTRY.items():
         if issubclass(cls, Refiner):
             continue
-        if hasattr(cls, "select_refined") or cls.score is not Policy.score:
+        if (
+            hasattr(cls, "select_refined")
+            or cls.score is not Policy.score
+            or cls.score_batch is not Policy.score_batch
+        ):
             out.append(name)
     return sorted(out)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import BatchView, LayerView, Need, Policy, WindowScoreConfig, carry_batch, carry_scores
+from .base import BatchView, Need, Policy, WindowScoreConfig, carry_batch
 from .registry import register
 
 
@@ -27,9 +27,6 @@ class H2OPolicy(Policy):
     needs = frozenset[Need]({"attn"})
     attention_scores = True
     batchable = True
-
-    def score(self, view: LayerView) -> torch.Tensor:
-        return carry_scores(view, view.require_attn(self.name).float() * self.config.window, self.config)
 
     def score_batch(self, batch: BatchView) -> torch.Tensor:
         if batch.attn is None:

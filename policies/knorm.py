@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import BatchView, LayerView, Policy, PolicyConfig
+from .base import BatchView, Policy, PolicyConfig
 from .registry import register
 
 
@@ -23,9 +23,6 @@ class KNormPolicy(Policy):
     name = "knorm"
     Config = KNormConfig
     batchable = True
-
-    def score(self, view: LayerView) -> torch.Tensor:
-        return -view.keys().float().norm(dim=-1)
 
     def score_batch(self, batch: BatchView) -> torch.Tensor:
         R, L, H, nmax = batch.shape  # noqa: N806

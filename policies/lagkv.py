@@ -187,14 +187,7 @@ class LagKVPolicy(Policy):
         """`select`, with an optional refinement of the scores inside each partition (GraphKV over
         LagKV): the batched selection over a batch of one request and one layer."""
         c = lag_counts(self, view.n, view.n_sink, view.n_recent, view.n_compacted, budget)
-        one = BatchView(
-            slots=view.slots.view(1, -1),
-            valid=torch.ones(1, view.n, dtype=torch.bool, device=view.slots.device),
-            k_buffers=[view.k_buffer],
-            v_buffers=[view.v_buffer],
-            counts=[c],
-        )
-        return batch_select(self, one, refine)[0, 0]
+        return batch_select(self, BatchView.of_layer(view, c), refine)[0, 0]
 
 
 # Bound on the gathered K (or V) elements scored at once: the layers are scored in chunks below it. On a

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, field_validator
 
-from .base import BatchView, LayerView, Need, Policy, WindowScoreConfig, carry_batch, carry_scores
+from .base import BatchView, Need, Policy, WindowScoreConfig, carry_batch
 from .registry import register
 
 
@@ -55,10 +55,6 @@ class SnapKVPolicy(Policy):
     needs = frozenset[Need]({"attn"})
     attention_scores = True
     batchable = True
-
-    def score(self, view: LayerView) -> torch.Tensor:
-        pooled = pool_scores(view.require_attn(self.name), self.config.kernel_size, self.config.pooling)
-        return carry_scores(view, pooled, self.config)
 
     def score_batch(self, batch: BatchView) -> torch.Tensor:
         if batch.attn is None:

@@ -24,16 +24,19 @@ When the region overlaps tree-owned slots (its prompt was checkpointed into the 
 prefill, so that other requests can share it), shared slots are never written (invariant 1): the kept
 K/V goes to the request's own tail slots first, then to fresh slots, and only under memory pressure does
 the request take back the tree nodes that it alone holds.
+
+This module is the plan and the commit. The rest of a step lives beside it: when a request compresses
+and with which counts (`trigger`), moving a branch-scoped request's branch point below shared nodes
+(`branch_point`), the slots a commit writes to and taking them back from the tree (`slots`), the
+tensor-parallel agreement (`tp`), thread pinning (`threads`) and the `meta_info` report (`report`). The
+batched step over many requests is `engine`; it shares this module's commit (`compact_own`, `account`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +46,10 @@ from sgl_kvevict import kernels
 from sgl_kvevict.cache import demote, slotstats
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.context import KvEvictContext
-from sgl_kvevict.cache.nodes import is_compressed
+from sgl_kvevict.cache.slots import target_slots
+from sgl_kvevict.cache.threads import one_thread
+from sgl_kvevict.cache.tp import agree
+from sgl_kvevict.cache.trigger import Job, prepare
 from sgl_kvevict.policies import LayerView, Policy, ragged
 from sgl_kvevict.policies.base import MERGED_STAT, Phase
 
@@ -183,87 +189,13 @@ def _plan(p: Pending) -> Plan | None:
     return plan
 
 
-def agree(rt: Any, ok: bool) -> bool:
-    """Every tensor-parallel rank commits only if every rank's plan succeeded (one host sync, TP only)."""
-    if rt is None or rt.tp_size <= 1:
-        return ok
-    from sglang.srt.distributed import get_tp_group
-
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().cpu_group)
-    return int(flag.item()) == 0
-
-
-def _exclusive_tree_nodes(rt: Any, req: Any, anchor: Any) -> list[Any]:
-    """Nodes between the request's lock and its anchor, from the bottom, that only this request holds
-    and that have no other child: the request may take their slots back without touching anyone."""
-    out = []
-    node = req.lock.node if req.lock is not None else None
-    child = None
-    while node is not None and node is not anchor and node is not rt.tree.root_node:
-        others = [c for c in node.children.values() if c is not child]
-        if node.lock_ref != 1 or others:
-            break
-        out.append(node)
-        child, node = node, node.parent
-    return out
-
-
-def _target_slots(req: Any, s: st.ReqState, plan: Plan, own_start: int) -> torch.Tensor | None:
-    """At least `k` slots the request owns for the kept K/V of a region that starts in the tree, or None
-    with nothing changed. Its own tail slots first, then fresh ones; only when the pool cannot give
-    those, the tree nodes it alone holds are taken back (as eviction would take them)."""
-    rt = s.ctx.rt
-    a, n, k = s.anchor_kv, plan.n, plan.k
-    row = rt.req_to_token[req.kv.req_pool_idx]
-    own = row[own_start : a + n].to(torch.int64)
-    if own.numel() >= k:
-        return own
-    pool = free_slots(rt)
-    if own.numel() + pool >= k:
-        return torch.cat([own, alloc_slots(rt, k - own.numel())])
-    anchor = s.anchor if s.anchor is not None else rt.tree.root_node
-    nodes = _exclusive_tree_nodes(rt, req, anchor)
-    taken = sum(len(x.value) for x in nodes)
-    if own.numel() + taken + pool < k:
-        return None
-    parts = [own] + [x.value.to(torch.int64) for x in reversed(nodes)]
-    top = nodes[-1].parent
-    rt.tree.relock(req, top, own_start - taken)  # our lock leaves the nodes: now evictable leaves...
-    rt.tree.take_leaves(nodes)  # ...that we take out of the tree, bottom-up, keeping their slots
-    got = torch.cat(parts)
-    if got.numel() < k:
-        got = torch.cat([got, alloc_slots(rt, k - got.numel())])
-    return got
-
-
-def _in_free_group(rt: Any) -> bool:
-    return getattr(rt.allocator, "free_group", None) is not None
-
-
-def free_slots(rt: Any) -> int:
-    """Slots the pool can give now: free ones, and the tree's evictable cache. Inside SGLang's free group
-    (a finishing batch's releases, where the last compression of a turn runs), slots that eviction frees
-    come back only when the group ends: only the free slots count then."""
-    return rt.allocator.available_size() + (0 if _in_free_group(rt) else rt.tree.evictable_size())
-
-
-def alloc_slots(rt: Any, count: int) -> torch.Tensor:
-    """`count` fresh slots (evicting unlocked tree cache as SGLang would); the caller checked
-    `free_slots`."""
-    from sglang.srt.mem_cache.allocation import alloc_token_slots
-
-    out = rt.allocator.alloc(count) if _in_free_group(rt) else alloc_token_slots(rt.tree, count)
-    return out.to(torch.int64)
-
-
 def _commit(req: Any, s: st.ReqState, plan: Plan, own_start: int) -> bool:
     """Write the plan into the pool and the request's row. Returns False when it cannot (nothing changed).
 
     With recall on, the entries the plan evicts are copied to the host tier before any slot is written
     (`demote.plan_demote`) and join the request's host entries only when the commit happens."""
     if demote.enabled(s):
-        demote.take(s)  # before `_target_slots` may take the adopted node out of the tree
+        demote.take(s)  # before `target_slots` may take the adopted node out of the tree
     dem: list = []
     ok = False
     try:
@@ -296,7 +228,7 @@ def _write(req: Any, s: st.ReqState, plan: Plan, own_start: int, dem: list) -> b
             rt.allocator.free(plan.slots[k:])
         new = plan.slots[:k]
     else:
-        target = _target_slots(req, s, plan, own_start)
+        target = target_slots(req, s, plan.n, plan.k, own_start)
         if target is None:
             return False
         dem.append(demote.plan_demote(s, a, plan.slots, plan.keep))
@@ -391,108 +323,6 @@ def _staged_stats(stats: torch.Tensor, plan: Plan) -> torch.Tensor:
     if plan.stale is not None:
         vals = vals.masked_fill(plan.stale.to(vals.device), float("nan"))
     return vals
-
-
-def _branch_point_moved(req: Any, s: st.ReqState) -> None:
-    """Branch scope, before the first compression: the region's tree part (the prompt checkpointed after
-    prefill, the adopted history) may hold nodes that are shared by now: held by another running request
-    (a fork sibling admitted after this request matched), or inside the declared `shared_prefix` (on a
-    first turn nothing was matched yet, so the match could not place it). The region starts below the
-    deepest such node; a node the declared prefix cuts is split there."""
-    rt = s.ctx.rt
-    if req.lock is None or req.kv.cache_protected_len <= s.anchor_kv:
-        return
-    chain, node = [], req.lock.node
-    while node is not None and node is not s.anchor and node is not rt.tree.root_node:
-        chain.append(node)
-        node = node.parent
-    if node is not (s.anchor if s.anchor is not None else rt.tree.root_node):
-        return
-    chain.reverse()  # top-down from the anchor
-    cut = rt.tree.last_shared(
-        chain,
-        s.anchor_tokens,
-        s.policy.config.shared_prefix,
-        req,
-        branches=False,
-        keep_history=s.recall_on,  # `prepare` runs this for active requests only
-    )
-    if cut < 0:
-        return
-    above = chain[: cut + 1]
-    s.move_anchor(
-        chain[cut],
-        sum(len(x.key) for x in above),
-        sum(len(x.value) for x in above),
-        drop_history=any(is_compressed(x) for x in above),
-    )
-
-
-@dataclass
-class Job:
-    """One request whose trigger fired this step: every count the step needs, decided on the host."""
-
-    req: Any
-    s: st.ReqState
-    phase: Phase
-    a: int  # anchor_kv: the region starts here in the row
-    n: int  # region slots
-    n_sink: int
-    n_recent: int
-    budget: int
-    own_start: int  # kv.cache_protected_len: slots from here on are the request's own
-    layers: int = 1 << 30  # layers to plan this step (fewer than all: the plan continues next step)
-
-
-def prepare(req: Any, phase: Phase) -> Job | None:
-    """The host-side half of a step: None when the policy's trigger does not fire. No tensor is read."""
-    s = st.get(req)
-    if s is None or not s.active or s.ctx.rt is None:
-        return None
-    kv = req.kv
-    cfg = s.policy.config
-    if cfg.scope == "branch":
-        _branch_point_moved(req, s)
-    p = s.pending
-    if p is not None:
-        if p.valid_for(req, s):
-            p.job.phase = phase if phase == "finish" else p.job.phase
-            p.job.layers = 1 << 30
-            return p.job  # continues; the caller may limit its layers again
-        s.pending = None
-    if kv.kv_allocated_len != kv.kv_committed_len:
-        return None
-    counts = _trigger(req, s, phase)
-    if counts is None:
-        return None
-    return Job(req, s, phase, s.anchor_kv, *counts, kv.cache_protected_len)
-
-
-def _trigger(req: Any, s: st.ReqState, phase: Phase) -> tuple[int, int, int, int] | None:
-    """`(n, n_sink, n_recent, budget)` of the request's region when its policy's trigger fires, else None."""
-    cfg = s.policy.config
-    n = req.kv.kv_committed_len - s.anchor_kv
-    if n <= 0:
-        return None
-    n_sink = max(0, min(cfg.sinks - s.anchor_tokens, n))
-    n_recent = max(0, min(cfg.recent, n - n_sink))
-    budget = s.cfg.resolve_budget(s.region_tokens(n), n_sink + n_recent)
-    if phase == "decode":  # the columns a recall appended this turn stay until the turn ends
-        budget += s.appended
-    if not s.policy.should_compress(n, n_sink, n_recent, s.comp_slots, budget, phase):
-        return None
-    return n, n_sink, n_recent, budget
-
-
-def due(req: Any) -> bool:
-    """Whether the request's next compression check may compress (host counts only, no side effect):
-    a prefill just ran, a split plan is under way, or the policy's decode trigger fires at its length.
-    The overlap scheduler processes a step's results before preparing the next one when this holds
-    (see `hooks.get_next_batch_to_run`)."""
-    s = st.get(req)
-    if s is None or not s.active or s.ctx.rt is None:
-        return False
-    return s.after_extend or s.pending is not None or _trigger(req, s, "decode") is not None
 
 
 def compress(req: Any, phase: Phase) -> int:
@@ -636,9 +466,6 @@ def account(job: Job, k: int, tail: int, keep: torch.Tensor | None, dt: float, a
     return s.offset
 
 
-THREADS = int(os.environ.get("KVEVICT_COMPRESS_THREADS", "1"))
-
-
 def safe_compress(req: Any, phase: Phase) -> int:
     """A failure inside a policy degrades this request to no compression; the server keeps serving."""
     with one_thread():
@@ -669,66 +496,3 @@ def degrade(req: Any) -> None:
         logger.exception(
             "kvevict: policy %r failed for request %s; it continues uncompressed", s.cfg.policy, req.rid
         )
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Compression is many small tensor ops: on a CPU, one OpenMP thread is much faster than several
-    fighting over cores (measured 0.8 ms vs 150 ms for one LagKV score on a loaded 2-core machine)."""
-    prev = torch.get_num_threads()
-    try:
-        if THREADS and THREADS != prev:
-            torch.set_num_threads(THREADS)
-        yield
-    finally:
-        if torch.get_num_threads() != prev:
-            torch.set_num_threads(prev)
-
-
-def stats(req: Any) -> dict[str, Any] | None:
-    """The per-request numbers reported in `meta_info["kvevict"]`."""
-    s = st.get(req)
-    if s is None:
-        return None
-    out: dict[str, Any] = {
-        "policy": s.cfg.policy,
-        "budget": s.cfg.budget,
-        "scope": s.policy.config.scope,
-        "kv_tokens": int(req.kv.kv_committed_len),
-        "prefix_kv_tokens": s.anchor_kv,
-        "logical_tokens": s.tokens_for(int(req.kv.kv_committed_len)),
-        "evicted": s.own_evicted - s.inherited_evicted,
-        "reused_evicted": s.reused_evicted,
-        "branch_kv_tokens": int(req.kv.kv_committed_len) - s.anchor_kv,
-        "compressions": s.compressions,
-        "merged": s.merged,
-        "seconds": round(s.seconds, 4),
-        "failed": s.failed,
-    }
-    if s.recall > 0 or s.recalled:
-        out.update(
-            recall_tokens=s.recall,
-            recalled=s.recalled,
-            appended=s.recalled_appended,
-            bytes_moved=s.bytes_moved,
-            host_tokens=s.host_peak,
-            peak_kv_tokens=max(s.kv_peak, int(req.kv.kv_committed_len)),
-            recall_skipped=s.recall_skipped,
-        )
-    if st.DEBUG:
-        out["prefix_digest"] = s.prefix_digest
-        out["prefix_digest_end"] = s.prefix_digest_end
-        out["kept_timeline"] = s.timeline
-    for name, vals in s.layer_stats.items():  # device statistics are read here: one read per statistic
-        out[f"layer_{name}"] = [round(x, 5) for x in _host_floats(vals)]
-    return out
-
-
-def _host_floats(vals: list[float | torch.Tensor]) -> list[float]:
-    """Per-layer statistics as floats; the 0-dim device tensors among them copied in one transfer."""
-    if not any(isinstance(x, torch.Tensor) for x in vals):
-        return [float(x) for x in vals]
-    dev = next(x.device for x in vals if isinstance(x, torch.Tensor))
-    return torch.stack(
-        [torch.as_tensor(x, dtype=torch.float32, device=dev).reshape(()) for x in vals]
-    ).tolist()

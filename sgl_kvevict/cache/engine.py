@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from sgl_kvevict.cache import capture, compressor, demote
+from sgl_kvevict.cache import capture, compressor, demote, tp, trigger
 from sgl_kvevict.cache import state as st
-from sgl_kvevict.cache.compressor import Job
+from sgl_kvevict.cache.trigger import Job
 from sgl_kvevict.policies.base import BatchView, Phase
 
 logger = logging.getLogger("sgl_kvevict")
@@ -70,7 +70,7 @@ def compress_batch(items: list[tuple[Any, Phase]], cap: int | None = None) -> li
     jobs: list[tuple[int, Job]] = []
     for i, (req, phase) in enumerate(items):
         try:
-            job = compressor.prepare(req, phase)
+            job = trigger.prepare(req, phase)
         except Exception:
             compressor.degrade(req)
             continue
@@ -90,7 +90,7 @@ def compress_batch(items: list[tuple[Any, Phase]], cap: int | None = None) -> li
             done = _run_group([j for _, j in members])
         except Exception as e:
             error = e
-        if not compressor.agree(members[0][1].s.ctx.rt, error is None) or done is None:
+        if not tp.agree(members[0][1].s.ctx.rt, error is None) or done is None:
             logger.warning("kvevict: batched compression failed (%s); per request instead", error)
             single.extend(members)
             continue

@@ -58,6 +58,7 @@ import torch
 from sgl_kvevict import kernels as K
 from sgl_kvevict.cache import capture, compressor, context, demote, host
 from sgl_kvevict.cache import state as st
+from sgl_kvevict.cache.slots import alloc_slots, free_slots
 
 if TYPE_CHECKING:
     from sgl_kvevict.cache.context import KvEvictContext
@@ -220,10 +221,10 @@ def append(req: Any, s: st.ReqState) -> int:
         if room == a:
             break
         a = room
-    if a <= 0 or w <= 0 or compressor.free_slots(rt) < 2 * a:
+    if a <= 0 or w <= 0 or free_slots(rt) < 2 * a:
         return 0
     one = Recall.start(req, s, kv_len, length, lo, hi, a, paged=paged)
-    one.new = compressor.alloc_slots(rt, a)
+    one.new = alloc_slots(rt, a)
     try:
         for layer in range(rt.n_layers):
             q = s.ctx.capture.get(kv.req_pool_idx, layer, length)[:, -w:]

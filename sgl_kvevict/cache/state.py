@@ -83,7 +83,7 @@ class ReqState:
     seconds: float = 0.0
     layer_state: list[dict] = field(default_factory=list)
     carry_stack: torch.Tensor | None = None  # [L, H, k]: the carried scores the layers' entries view
-    # per layer: floats or 0-dim device tensors (read where reported, `compressor.stats`)
+    # per layer: floats or 0-dim device tensors (read where reported, `report.stats`)
     layer_stats: dict[str, list[float | torch.Tensor]] = field(default_factory=dict)
     prefix_digest: str = ""
     digest_kv: int = 0  # slots the digests cover: the shared prefix at admission

@@ -35,7 +35,18 @@ import torch
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sgl_kvevict.cache import capture, compressor, context, engine, recall, runtime, slotstats
+from sgl_kvevict.cache import (
+    capture,
+    compressor,
+    context,
+    engine,
+    recall,
+    report,
+    runtime,
+    slotstats,
+    threads,
+    trigger,
+)
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.context import KvEvictContext
 from sgl_kvevict.cache.tree import KvEvictRadixCache
@@ -148,7 +159,7 @@ def _compress_batch(batch, ctx: KvEvictContext | None = None) -> None:
             s.after_extend = False
         items.append((r, phase))
     t0 = time.perf_counter()
-    with compressor.one_thread():
+    with threads.one_thread():
         freed = engine.compress_batch(items, cap)
         for i, (r, (_, phase)) in enumerate(zip(reqs, items, strict=True)):  # after the compressions
             freed[i] -= recall.after_compress(r, phase == "decode")  # a recall may append slots
@@ -275,7 +286,7 @@ DRAINED = Drained()
 
 def get_next_batch_to_run(original, scheduler, *args, **kwargs):
     """Overlap off for exactly the steps that compress or recall: when a request of the step whose
-    results are still pending is due to compress (`compressor.due`) or to recall during decode
+    results are still pending is due to compress (`trigger.due`) or to recall during decode
     (`recall.due_next_step`), process those results first, as the
     non-overlapped loop does, then prepare the next step. Its compression then sees the same requests
     (finished ones gone) and the same tree (a prefill's prompt inserted, so a shared prefix stays
@@ -284,7 +295,7 @@ def get_next_batch_to_run(original, scheduler, *args, **kwargs):
     ctx = _context(getattr(scheduler, "tree_cache", None))
     if q and ctx is not None and ctx.rt is not None and q[0][0] is not DRAINED:
         try:
-            drain = any(compressor.due(r) or recall.due_next_step(r) for r in q[0][0].reqs)
+            drain = any(trigger.due(r) or recall.due_next_step(r) for r in q[0][0].reqs)
         except Exception:
             logger.exception("kvevict: compression check before an overlapped step failed")
             drain = False
@@ -321,7 +332,7 @@ def release_overallocated(original, req, start_p, end_p, tree_cache, *args, **kw
 def on_release_report(ctx: KvEvictContext, req: Any) -> None:
     if ctx.rt is not None:
         ctx.rt.publish_metrics()
-    stats = compressor.stats(req)
+    stats = report.stats(req)
     if stats is None:
         return
     if req.customized_info is None:

@@ -1,0 +1,49 @@
+"""Branch scope: moving a request's branch point (its anchor) below the tree nodes that became shared.
+
+The region a branch-scoped request compresses starts at its anchor. Before its first compression the
+tree part of the region may hold nodes another request now holds too, or that lie inside the declared
+`shared_prefix`; the anchor moves below the deepest such node (`move`), so that no shared token is
+ever compressed away.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sgl_kvevict.cache import state as st
+from sgl_kvevict.cache.nodes import is_compressed
+
+
+def move(req: Any, s: st.ReqState) -> None:
+    """Branch scope, before the first compression: the region's tree part (the prompt checkpointed after
+    prefill, the adopted history) may hold nodes that are shared by now: held by another running request
+    (a fork sibling admitted after this request matched), or inside the declared `shared_prefix` (on a
+    first turn nothing was matched yet, so the match could not place it). The region starts below the
+    deepest such node; a node the declared prefix cuts is split there."""
+    rt = s.ctx.rt
+    if req.lock is None or req.kv.cache_protected_len <= s.anchor_kv:
+        return
+    chain, node = [], req.lock.node
+    while node is not None and node is not s.anchor and node is not rt.tree.root_node:
+        chain.append(node)
+        node = node.parent
+    if node is not (s.anchor if s.anchor is not None else rt.tree.root_node):
+        return
+    chain.reverse()  # top-down from the anchor
+    cut = rt.tree.last_shared(
+        chain,
+        s.anchor_tokens,
+        s.policy.config.shared_prefix,
+        req,
+        branches=False,
+        keep_history=s.recall_on,  # `prepare` runs this for active requests only
+    )
+    if cut < 0:
+        return
+    above = chain[: cut + 1]
+    s.move_anchor(
+        chain[cut],
+        sum(len(x.key) for x in above),
+        sum(len(x.value) for x in above),
+        drop_history=any(is_compressed(x) for x in above),
+    )

@@ -1,0 +1,62 @@
+"""The per-request report: the numbers a response carries in `meta_info["kvevict"]`.
+
+Device statistics that the policies record (`ReqState.layer_stats`) stay tensors until here: they are
+read once, when the report is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sgl_kvevict.cache import state as st
+
+
+def stats(req: Any) -> dict[str, Any] | None:
+    """The per-request numbers reported in `meta_info["kvevict"]`."""
+    s = st.get(req)
+    if s is None:
+        return None
+    out: dict[str, Any] = {
+        "policy": s.cfg.policy,
+        "budget": s.cfg.budget,
+        "scope": s.policy.config.scope,
+        "kv_tokens": int(req.kv.kv_committed_len),
+        "prefix_kv_tokens": s.anchor_kv,
+        "logical_tokens": s.tokens_for(int(req.kv.kv_committed_len)),
+        "evicted": s.own_evicted - s.inherited_evicted,
+        "reused_evicted": s.reused_evicted,
+        "branch_kv_tokens": int(req.kv.kv_committed_len) - s.anchor_kv,
+        "compressions": s.compressions,
+        "merged": s.merged,
+        "seconds": round(s.seconds, 4),
+        "failed": s.failed,
+    }
+    if s.recall > 0 or s.recalled:
+        out.update(
+            recall_tokens=s.recall,
+            recalled=s.recalled,
+            appended=s.recalled_appended,
+            bytes_moved=s.bytes_moved,
+            host_tokens=s.host_peak,
+            peak_kv_tokens=max(s.kv_peak, int(req.kv.kv_committed_len)),
+            recall_skipped=s.recall_skipped,
+        )
+    if st.DEBUG:
+        out["prefix_digest"] = s.prefix_digest
+        out["prefix_digest_end"] = s.prefix_digest_end
+        out["kept_timeline"] = s.timeline
+    for name, vals in s.layer_stats.items():  # device statistics are read here: one read per statistic
+        out[f"layer_{name}"] = [round(x, 5) for x in _host_floats(vals)]
+    return out
+
+
+def _host_floats(vals: list[float | torch.Tensor]) -> list[float]:
+    """Per-layer statistics as floats; the 0-dim device tensors among them copied in one transfer."""
+    if not any(isinstance(x, torch.Tensor) for x in vals):
+        return [float(x) for x in vals]
+    dev = next(x.device for x in vals if isinstance(x, torch.Tensor))
+    return torch.stack(
+        [torch.as_tensor(x, dtype=torch.float32, device=dev).reshape(()) for x in vals]
+    ).tolist()
