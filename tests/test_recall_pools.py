@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sgl_kvevict import kernels as K
-from sgl_kvevict.cache import capture, compressor, demote, engine, host, recall
+from sgl_kvevict.cache import capture, compressor, demote, engine, host, recall, trigger
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.config import DEFAULT_RECALL_FETCH_PAGES, RecallTuning, ServerSettings
 from sgl_kvevict.tools.pools import Pools
@@ -478,7 +478,7 @@ def test_append_brings_the_best_entries_into_fresh_slots(
         sm = recall.summaries(s.ctx, s.host, page, summary)  # brought up to the columns again
         assert sm.n == s.host.count
     # the turn's decode budget holds the appended columns: no compression fires for them
-    assert compressor._trigger(req, s, "decode") is None
+    assert trigger.fires(req, s, "decode") is None
     s.drop_host()
     assert p.ctx.host.n_free == p.ctx.host.size
 

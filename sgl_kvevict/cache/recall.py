@@ -198,7 +198,7 @@ def append(req: Any, s: st.ReqState) -> int:
     """After a turn's prefill compression, before its first decode step: the turn's window queries bring
     their best host entries back into `a` fresh slots appended to the compacted history, displacing
     nothing (`--kv-recall-config` `append`). The turn then decodes over its budget plus them; its next compression
-    that is not a decode step's folds them back into the budget (`compressor._trigger`). `a` is at most
+    that is not a decode step's folds them back into the budget (`trigger.fires`). `a` is at most
     R, the entries the branch evicted, and what the slot pool can spare (twice `a` must be free or
     evictable: SGLang's next memory check must not retract for it). Returns `a` (0: nothing appended;
     the turn's other recalls are unchanged)."""
