@@ -266,6 +266,7 @@ def test_fork_branches_of_one_stored_history_each_recall(recall_server: Server):
     assert state["host_used"] == 0 and state["host_branches"] == 0, state
 
 
+@pytest.mark.long  # the LRU on the pools: test_recall_pools.py; under pressure: test_recall_reliability_e2e.py
 def test_host_cap_drops_the_least_recently_used_branch(recall_server: Server):
     """Two sessions that each fill most of the host pool: the first loses its entries to the second, its
     next turn still runs, and after a flush every host column is free again (no leak on either pool)."""
