@@ -275,7 +275,7 @@ def exchange(
     r: int,
     dbg: _DebugSwap | None,
     cand: torch.Tensor | None = None,
-    log: list[tuple] | None = None,
+    log: list[Undo] | None = None,
 ) -> torch.Tensor:
     """Per layer (from `layer`, as many as the scores have) and KV head: the `r` best-ranked host entries
     that beat the lowest-scored kept entries of `[lo, hi)` swap places with them (`kernels.host_swap`).
@@ -301,7 +301,7 @@ def exchange(
     args += (pool.k[sl], pool.v[sl], host_cols, counts)
     K.host_swap(*args)
     if log is not None:
-        log.append(args)
+        log.append(Swapped(args))
     stats = s.ctx.stats
     if stats is not None:  # a recalled slot's ||v W_O|| is another value's: stale
         heads = torch.arange(rt.n_kv_heads, device=dev_slots.device).unsqueeze(-1)
@@ -369,6 +369,25 @@ def _paged(ctx: KvEvictContext, e: host.HostEntries, r: int) -> tuple[host.PageS
     return summaries(ctx, e, page, cfg.recall.summary), n_sel
 
 
+# ---- the undo log of one recall: what `Recall.rollback` replays backwards --------------------------
+@dataclass(frozen=True, eq=False)
+class Swapped:
+    """One `kernels.host_swap` call as written (its arguments): replaying it swaps the pairs back."""
+
+    args: tuple
+
+
+@dataclass(frozen=True, eq=False)
+class Appended:
+    """An append at `layer` took each KV head's branch columns `hidx` `[H, a]` into the fresh slots."""
+
+    layer: int
+    hidx: torch.Tensor
+
+
+Undo = Swapped | Appended
+
+
 # ---- one recall, layer by layer (inside a forward, or after a compression) ------------------------
 @dataclass(eq=False)
 class Recall:
@@ -391,7 +410,12 @@ class Recall:
     new: torch.Tensor | None = None  # appending: the fresh device slots (int64) the columns go to
     appended_pos: list[torch.Tensor] = field(default_factory=list)  # debug: their positions, per layer
     swapped: torch.Tensor | None = None  # on the device, read once at the end
-    done: list[tuple] = field(default_factory=list)  # the swaps written so far (`rollback`)
+    done: list[Undo] = field(default_factory=list)  # what this recall wrote so far, in order (`rollback`)
+
+    @property
+    def appending(self) -> bool:
+        """Append mode (fresh slots `new` take the entries) rather than an exchange with kept ones."""
+        return self.new is not None
 
     @classmethod
     def start(
@@ -436,7 +460,7 @@ class Recall:
         keys = torch.cat([hk, rt.k_buffer(layer).index_select(0, self.row_slots)])
         p = K.window_attention(q, keys, torch.arange(keys.shape[0], device=dev), rt.scale, causal, "max")
         host_sc = p[:, :e] if valid is None else p[:, :e].masked_fill(~valid, float("-inf"))
-        if self.new is not None:
+        if self.appending:
             self.append_layer(layer, host_sc, cand)
             return
         counts = exchange(
@@ -473,7 +497,7 @@ class Recall:
         slots = self.new.unsqueeze(0).expand(pool.heads, -1)  # [H, a]: every head's entry to the same slot
         args = ([rt.k_buffer(layer)], [rt.v_buffer(layer)], slots[None], pool.k[layer : layer + 1])
         K.host_fetch(*args, pool.v[layer : layer + 1], self.cols[hidx][None])
-        self.done.append(("append", layer, hidx))
+        self.done.append(Appended(layer, hidx))
         src, dst = holes_filled(hidx, int(self.cols.numel()))
         for buf in (pool.k, pool.v):
             buf[layer][self.cols[dst], heads] = buf[layer][self.cols[src], heads]
@@ -497,11 +521,11 @@ class Recall:
         recall off for the request (`demote.fail`). The branch's page summaries are dropped (a refresh
         may have seen the swapped columns); the next recall rebuilds them from the columns."""
         try:
-            for args in reversed(self.done):
-                if args[0] == "append":  # the chosen entries back to their columns (holes refilled)
-                    self._undo_append(*args[1:])
-                else:
-                    K.host_swap(*args)
+            for step in reversed(self.done):
+                if isinstance(step, Appended):  # the chosen entries back to their columns (holes refilled)
+                    self._undo_append(step.layer, step.hidx)
+                else:  # a swap is its own inverse
+                    K.host_swap(*step.args)
             self.done.clear()
         except Exception:
             logger.exception("kvevict: undoing a failed recall failed")
@@ -520,7 +544,7 @@ class Recall:
             hst[at, heads] = dev[slots, dev_heads].to(hst.device)
 
     def finish(self) -> int:
-        if self.new is not None:
+        if self.appending:
             return self._finish_append()
         self.done.clear()
         swapped = int(self.swapped) if self.swapped is not None else 0
