@@ -90,7 +90,10 @@ class HostPool:
         self, layers: int, heads: int, dim: int, columns: int, dtype: torch.dtype, pin: bool = False
     ) -> None:
         self.layers, self.heads, self.dim, self.size = layers, heads, dim, columns
-        shape = (layers, columns, heads, dim)
+        # one column more than the free list holds: `scratch`, which a fixed-shape recall's pairs that do
+        # not move name (`decode_recall`); never a branch's
+        shape = (layers, columns + 1, heads, dim)
+        self.scratch = columns
         # empty, not zeros: the OS commits pages only when a column is first written
         self.k = torch.empty(shape, dtype=dtype, pin_memory=pin)
         self.v = torch.empty(shape, dtype=dtype, pin_memory=pin)

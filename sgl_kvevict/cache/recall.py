@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sgl_kvevict import kernels as K
-from sgl_kvevict.cache import capture, compressor, context, demote, host
+from sgl_kvevict.cache import capture, compressor, context, decode_recall, demote, host
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.slots import alloc_slots, free_slots
 
@@ -406,7 +406,6 @@ class Recall:
     sums: host.PageSummaries | None  # None: every host key is scored
     n_sel: int  # pages fetched per head and layer when paged
     dbg: _DebugSwap | None = None
-    decode: bool = False
     new: torch.Tensor | None = None  # appending: the fresh device slots (int64) the columns go to
     appended_pos: list[torch.Tensor] = field(default_factory=list)  # debug: their positions, per layer
     swapped: torch.Tensor | None = None  # on the device, read once at the end
@@ -427,7 +426,6 @@ class Recall:
         lo: int,
         hi: int,
         r: int,
-        decode: bool = False,
         paged: tuple[host.PageSummaries | None, int] | None = None,
     ) -> Recall:
         """`paged`: `_paged(s.host, r)` when the caller has it already."""
@@ -437,7 +435,7 @@ class Recall:
         row_slots = s.ctx.rt.req_to_token[req.kv.req_pool_idx, :m].to(torch.int64)
         dbg = _DebugSwap(s, m) if st.DEBUG and s.host.positions is not None else None
         cols = s.host.cols.to(pool.k.device)
-        return cls(req, s, m, tokens, lo, hi, r, row_slots, cols, sums, n_sel, dbg, decode)
+        return cls(req, s, m, tokens, lo, hi, r, row_slots, cols, sums, n_sel, dbg)
 
     def layer(self, layer: int, q: torch.Tensor, causal: bool) -> None:
         """Score and exchange (or append) at `layer` with queries `q` `[Hq, w, D]` (causal: they are the
@@ -624,11 +622,8 @@ def after_compress(req: Any, decode: bool) -> int:
     if grown:
         s.recall_due = False  # the append brought back the turn's best entries
     stale = disarm(s.ctx, req.kv.req_pool_idx) if req.kv.req_pool_idx is not None else None
-    if stale is not None and stale.s is s:  # armed for a forward that ran without the hook
+    if stale is not None and stale.s is s:  # armed for a forward that did not run it (a retraction)
         s.recall_due = True
-        if stale.decode:
-            s.ctx.graphed = True
-            s.recall_steps = max(s.recall_steps, 1)
     if decode:
         tick(req)
     if not due(req):
@@ -646,58 +641,81 @@ def arm(req: Any, s: st.ReqState, decode: bool = False) -> bool:
     A prefill (`decode` False) is armed once the turn has its slots: its compacted history still sits in
     the tree node it matched (shared), so it is copied into slots the request owns first
     (`compressor.own_region`, up to the new tokens); not for a chunk with more to come. A decode step's
-    query recalls for the token it is about to write, at most one page per step since the last recall.
+    query recalls for the token it is about to write, at most one page per step since the last recall,
+    in fixed shapes for the whole batch (`decode_recall`).
     A failure here turns recall off for the request (logged, counted); nothing else changes."""
     row = req.kv.req_pool_idx
     disarm(s.ctx, row)
     try:
-        one = _plan_arm(req, s, decode)
+        armed = _plan_arm(req, s, decode)
     except Exception:
         demote.fail(s, "arming a recall")
-        one = None
-    if one is None:
+        armed = False
+    if armed:
+        s.recall_due = False
+    return armed
+
+
+def disarm(ctx: KvEvictContext, row: int) -> Recall | decode_recall.DecodeArm | None:
+    """Drop the recall armed for a request row (if any), and its hold on the branch's host entries."""
+    if ctx.host is not None:
+        ctx.host.in_use.pop(row, None)
+    one = ctx.armed.pop(row, None)
+    return ctx.decode_armed.pop(row, None) if one is None else one
+
+
+def _plan_arm(req: Any, s: st.ReqState, decode: bool) -> bool:
+    kv, row = req.kv, req.kv.req_pool_idx
+    if not demote.enabled(s) or s.pending is not None or row is None:
         return False
-    s.recall_due = False
-    s.ctx.armed[row] = one
+    if not decode and req.extend_end is not None:
+        if req.extend_end < len(req.origin_input_ids) + len(req.output_ids):
+            return False  # a chunk with more to come: the last chunk's queries recall
+    demote.take(s)
+    if s.host is None or s.host.count == 0 or s.comp_slots == 0:
+        return False
+    lo, hi = _displaceable(s)
+    if decode:
+        if kv.cache_protected_len > s.anchor_kv:
+            return False  # the history is not the request's own yet (`recall` copies it)
+        fresh, s.recall_steps = max(1, s.recall_steps), 0
+        r = min(s.recall, hi - lo, s.host.count, fresh * s.ctx.settings.recall.page)
+        if r > 0:
+            decode_recall.arm(req, s, lo, hi, r)
+        return r > 0
+    m = s.slots_for(int(req.prefix_len))
+    if not compressor.own_region(req, s, upto=m):
+        return False
+    r = min(s.recall, hi - lo, s.host.count)
+    if r <= 0:
+        return False
+    s.ctx.armed[row] = Recall.start(req, s, m, int(req.prefix_len), lo, hi, r)
     s.ctx.host.in_use[row] = s.host  # the LRU must not take what the forward will read and write
     return True
 
 
-def disarm(ctx: KvEvictContext, row: int) -> Recall | None:
-    """Drop the recall armed for a request row (if any), and its hold on the branch's host entries."""
-    if ctx.host is not None:
-        ctx.host.in_use.pop(row, None)
-    return ctx.armed.pop(row, None)
+def plan_step(ctx: KvEvictContext, reqs: list[Any]) -> None:
+    """The scheduler, last thing before a decode forward: the batch's armed decode recalls as one
+    fixed-shape plan for the forward's layers (`decode_recall.plan`)."""
+    finish_step(ctx)
+    if ctx.decode_armed and ctx.host is not None:
+        ctx.step_plan = decode_recall.plan(ctx, reqs)
 
 
-def _plan_arm(req: Any, s: st.ReqState, decode: bool) -> Recall | None:
-    kv, row = req.kv, req.kv.req_pool_idx
-    if not demote.enabled(s) or s.pending is not None or row is None:
-        return None
-    if not decode and req.extend_end is not None:
-        if req.extend_end < len(req.origin_input_ids) + len(req.output_ids):
-            return None  # a chunk with more to come: the last chunk's queries recall
-    demote.take(s)
-    if s.host is None or s.host.count == 0 or s.comp_slots == 0:
-        return None
-    if decode:
-        if kv.cache_protected_len > s.anchor_kv:
-            return None  # the history is not the request's own yet (`recall` copies it)
-        m = int(kv.kv_committed_len)
-        tokens = s.tokens_for(m)
-        fresh, s.recall_steps = max(1, s.recall_steps), 0
-        cap = fresh * s.ctx.settings.recall.page
-    else:
-        m = s.slots_for(int(req.prefix_len))
-        tokens = int(req.prefix_len)
-        if not compressor.own_region(req, s, upto=m):
-            return None
-        cap = s.recall
-    lo, hi = _displaceable(s)
-    r = min(s.recall, hi - lo, s.host.count, cap)
-    if r <= 0:
-        return None
-    return Recall.start(req, s, m, tokens, lo, hi, r, decode)
+def finish_step(ctx: KvEvictContext) -> None:
+    """The scheduler, after a decode forward: its recall's records become counters (`decode_recall.finish`).
+    A plan no layer ran means the forward ran without the hook (a CUDA graph replay runs no Python):
+    decode-time recalls then run after each step's compression instead (`after_compress`)."""
+    one, ctx.step_plan = ctx.step_plan, None
+    if one is None:
+        return
+    if one.layers_done == 0 and not one.failed:
+        ctx.graphed = True
+        for a in one.arms:
+            if a is not None:
+                a.s.recall_due = True
+                a.s.recall_steps = max(a.s.recall_steps, 1)
+    decode_recall.finish(ctx, one)
 
 
 def before_attention(layer_mod, q, k, v, forward_batch, *args, **kwargs):
@@ -705,13 +723,22 @@ def before_attention(layer_mod, q, k, v, forward_batch, *args, **kwargs):
     if q is None:
         return None
     ctx = context.of_forward(forward_batch)
-    if ctx is None or not ctx.armed:
+    if ctx is None or not (ctx.armed or ctx.step_plan is not None):
         return None
     mode = forward_batch.forward_mode
     if not (mode.is_extend() or mode.is_decode()):
         return None
     rt = ctx.rt
     layer = layer_mod.layer_id - rt.start_layer
+    if mode.is_decode():
+        one = ctx.step_plan
+        if one is not None and not one.failed:
+            try:
+                one.layer(ctx, layer, q.view(-1, rt.n_q_heads, rt.head_dim))
+            except Exception:  # the batch's decode recall only: its earlier layers are swapped back
+                logger.exception("kvevict: a decode step's recall failed")
+                decode_recall.fail(ctx, one)
+        return None
     last = layer == rt.n_layers - 1
     for row, start, n in _batch_rows(ctx, forward_batch):
         one = ctx.armed.get(row)

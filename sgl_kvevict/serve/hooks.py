@@ -193,14 +193,16 @@ def check_decode_mem(batch, selected_indices=None, *args, **kwargs):
 
 
 def prepare_for_decode(batch, *args, **kwargs):
-    """Compression runs here only when the scheduler skipped its memory check this step."""
+    """Compression runs here only when the scheduler skipped its memory check this step. Then, with the
+    batch final (retractions done), its armed decode recalls become the forward's plan."""
     ctx = _context(batch.tree_cache)
     if ctx is None or ctx.rt is None:
         return None
     if getattr(batch, _DONE, False):
         setattr(batch, _DONE, False)
-        return None
-    _compress_batch(batch, ctx)
+    else:
+        _compress_batch(batch, ctx)
+    recall.plan_step(ctx, batch.reqs)
     return None
 
 
@@ -310,6 +312,9 @@ def get_next_batch_to_run(original, scheduler, *args, **kwargs):
 def process_batch_result(original, scheduler, batch, *args, **kwargs):
     if batch is DRAINED:  # processed already, before this step was prepared
         return None
+    ctx = _context(getattr(scheduler, "tree_cache", None))
+    if ctx is not None:  # the step's decode recall, read back before its requests finish
+        recall.finish_step(ctx)
     return original(scheduler, batch, *args, **kwargs)
 
 

@@ -1,0 +1,267 @@
+"""Decode-time recall in fixed shapes: the form a CUDA graph can hold.
+
+A decode step's recall has three parts, and only the middle one runs inside the forward:
+
+1. `arm` and `plan` (the scheduler, before the step): a request due to recall gets a `DecodeArm` (the
+   row range it may displace, how many entries it may swap per layer and KV head, its branch's host
+   columns); `plan` turns the batch's arms into a `StepPlan` of device tensors, one row per request of
+   the batch, padded: a request that does not recall this step has `r = 0`, padded host columns name the
+   host pool's scratch column.
+2. `StepPlan.layer` (inside the forward, before each layer's attention): for the whole batch at once,
+   the step's query scores the branch's host entries and the row's entries in one softmax; per KV head,
+   the best-ranked host pages that beat the lowest-scored displaceable entries (and whose best entry
+   gets at least `min_score` of a query's attention) exchange places with them (`kernels.host_swap`).
+   Every tensor has a shape fixed by the plan (batch B, row width W, host columns C, swaps R): no host
+   sync, no Python branch on a tensor's value, no shape that follows the data
+   (`tests/test_decode_recall.py` checks the op sequence). Pairs that do not move name device slot 0
+   (SGLang's slot for padded tokens, never read) and the scratch column. Each exchange is recorded on
+   the device.
+3. `finish` (the scheduler, after the step): the records become the requests' counters, debug positions
+   and stale page summaries, read once for the whole batch.
+
+The ranking is `recall.exchange`'s (the same `best_entries`, the same floor) over every host entry of
+the branch; the page summaries that a turn's recall uses to fetch fewer keys are not used here.
+On a GPU a graph would be captured per (B, W, C) bucket, as SGLang captures one per batch size; the
+host keys are read through an index on the host store (a pinned-memory gather kernel would make that
+read graph-safe too). Both are written against the interfaces and not exercised on this CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from sgl_kvevict import kernels as K
+from sgl_kvevict.cache import demote
+from sgl_kvevict.cache import state as st
+
+if TYPE_CHECKING:
+    from sgl_kvevict.cache.context import KvEvictContext
+
+logger = logging.getLogger("sgl_kvevict")
+MIN_WIDTH = 64  # the smallest row-width and host-column bucket
+
+
+def bucket(n: int, cap: int | None = None) -> int:
+    """The fixed size a plan rounds `n` up to (powers of two from `MIN_WIDTH`), at most `cap`."""
+    out = max(MIN_WIDTH, 1 << max(0, int(n) - 1).bit_length())
+    return out if cap is None else min(out, cap)
+
+
+@dataclass(eq=False)
+class DecodeArm:
+    """One request's recall in the next decode step: rows `[lo, hi)` may be displaced, at most `r` entries
+    per layer and KV head move, with the branch's host columns `cols` (as they are when armed)."""
+
+    s: st.ReqState
+    lo: int
+    hi: int
+    r: int
+    tokens: int  # logical tokens the row stands for (debug events)
+    cols: torch.Tensor
+
+
+@dataclass(eq=False)
+class StepPlan:
+    """A decode step's recall for a batch, as device tensors of fixed shapes (see the module)."""
+
+    arms: list[DecodeArm | None]  # per batch row (host side, for `finish`)
+    rows: torch.Tensor  # [B] request rows
+    m: torch.Tensor  # [B] row entries before the step's token
+    lo: torch.Tensor  # [B]
+    hi: torch.Tensor  # [B]
+    r: torch.Tensor  # [B] swaps allowed per layer and KV head (0: the row does not recall)
+    cols: torch.Tensor  # [B, C] host columns (scratch past a branch's count)
+    n_cols: torch.Tensor  # [B]
+    width: int  # W
+    swaps: int  # R
+    page: int
+    min_score: float
+    scratch: int
+    # records, per layer: displaced row positions, branch column indices, device slots, host columns,
+    # and whether the pair moved; all [L, B, H, R]
+    pos: torch.Tensor = None
+    hidx: torch.Tensor = None
+    dev_slots: torch.Tensor = None
+    host_cols: torch.Tensor = None
+    moved: torch.Tensor = None
+    layers_done: int = 0
+    failed: bool = False
+    row_ids: list[int] = field(default_factory=list)  # `rows` on the host
+
+    @property
+    def batch(self) -> int:
+        return int(self.rows.shape[0])
+
+    def layer(self, ctx: KvEvictContext, layer: int, q: torch.Tensor) -> None:
+        """Score and exchange at `layer` with the step's queries `q` `[B, Hq, D]`; fixed shapes only."""
+        rt, pool = ctx.rt, ctx.host
+        b, w, c, r = self.batch, self.width, int(self.cols.shape[1]), self.swaps
+        h = pool.heads
+        dev = q.device
+        slots = rt.req_to_token.index_select(0, self.rows)[:, :w].to(torch.int64)  # [B, W]
+        in_row = torch.arange(w, device=dev) < self.m.unsqueeze(-1)
+        in_host = torch.arange(c, device=dev) < self.n_cols.unsqueeze(-1)
+        keys_row = rt.k_buffer(layer)[slots].float()  # [B, W, H, D]
+        keys_host = pool.k[layer][self.cols.to(pool.k.device)].to(dev).float()  # [B, C, H, D]
+        qf = q[:b].float().view(b, h, -1, q.shape[-1])  # [B, H, G, D]: query heads grouped by KV head
+        logits = torch.cat(
+            [
+                torch.einsum("bhgd,bchd->bhgc", qf, keys_host).masked_fill(
+                    ~in_host[:, None, None], -torch.inf
+                ),
+                torch.einsum("bhgd,bwhd->bhgw", qf, keys_row).masked_fill(~in_row[:, None, None], -torch.inf),
+            ],
+            dim=-1,
+        ).mul_(rt.scale)
+        p = torch.softmax(logits, dim=-1).amax(dim=2)  # [B, H, C + W]: an entry's best query head
+        host_sc, row_sc = p[..., :c], p[..., c:]
+        from sgl_kvevict.cache.recall import best_entries
+
+        hs, hidx = best_entries(host_sc, self.page, r)  # [B, H, R], best first
+        cols = torch.arange(w, device=dev)
+        displaceable = (cols >= self.lo.unsqueeze(-1)) & (cols < self.hi.unsqueeze(-1))
+        cs, pos = (-row_sc.masked_fill(~displaceable[:, None], torch.inf)).topk(r, dim=-1)
+        first_r = torch.arange(r, device=dev) < self.r.view(b, 1, 1)
+        moved = (hs > -cs) & (hs >= self.min_score) & first_r  # a prefix of each (row, head)
+        dev_slots = torch.where(moved, slots.unsqueeze(1).expand(b, h, w).gather(-1, pos), 0)
+        host_cols = self.cols.unsqueeze(1).expand(b, h, c).gather(-1, hidx)
+        host_cols = torch.where(moved, host_cols, self.scratch)
+        pairs = (
+            dev_slots.transpose(0, 1).reshape(1, h, b * r),
+            host_cols.transpose(0, 1).reshape(1, h, b * r),
+        )
+        K.host_swap(
+            [rt.k_buffer(layer)],
+            [rt.v_buffer(layer)],
+            pairs[0],
+            pool.k[layer : layer + 1],
+            pool.v[layer : layer + 1],
+            pairs[1],
+        )
+        self._record(rt.n_layers, layer, pos, hidx, dev_slots, host_cols, moved)
+        stats = ctx.stats
+        if stats is not None:  # a recalled slot's ||v W_O|| is another value's: stale
+            heads = torch.arange(h, device=dev).view(1, h, 1)
+            old = stats[layer][dev_slots, heads]
+            stats[layer][dev_slots, heads] = torch.where(moved, torch.nan, old)
+
+    def _record(self, n_layers: int, layer: int, *recs: torch.Tensor) -> None:
+        if self.pos is None:
+            shape = (n_layers, *recs[0].shape)
+            self.pos, self.hidx, self.dev_slots, self.host_cols = (
+                torch.zeros(shape, dtype=torch.int64, device=x.device) for x in recs[:4]
+            )
+            self.moved = torch.zeros(shape, dtype=torch.bool, device=recs[4].device)
+        for buf, x in zip(
+            (self.pos, self.hidx, self.dev_slots, self.host_cols, self.moved), recs, strict=True
+        ):
+            buf[layer].copy_(x)
+        self.layers_done = layer + 1
+
+    def undo(self, ctx: KvEvictContext) -> None:
+        """Swap back what the layers so far exchanged, newest first (a swap is its own inverse)."""
+        rt, pool = ctx.rt, ctx.host
+        h, n = pool.heads, self.batch * self.swaps
+        for layer in reversed(range(self.layers_done)):
+            dev_slots = self.dev_slots[layer].transpose(0, 1).reshape(1, h, n)
+            host_cols = self.host_cols[layer].transpose(0, 1).reshape(1, h, n)
+            args = [rt.k_buffer(layer)], [rt.v_buffer(layer)], dev_slots, pool.k[layer : layer + 1]
+            K.host_swap(*args, pool.v[layer : layer + 1], host_cols)
+        self.layers_done = 0
+
+
+def arm(req: Any, s: st.ReqState, lo: int, hi: int, r: int) -> None:
+    """Arm the request's recall for its next decode step (the scheduler, before the step)."""
+    row = req.kv.req_pool_idx
+    tokens = s.tokens_for(int(req.kv.kv_committed_len))
+    s.ctx.decode_armed[row] = DecodeArm(s, lo, hi, r, tokens, s.host.cols.clone())
+    s.ctx.host.in_use[row] = s.host  # the LRU must not take what the step reads and writes
+
+
+def plan(ctx: KvEvictContext, reqs: list[Any]) -> StepPlan | None:
+    """The batch's `StepPlan` for its next decode forward, from the arms of its requests (in batch
+    order); None when none of them is armed. Consumes the arms."""
+    armed = ctx.decode_armed
+    rows = [r.kv.req_pool_idx for r in reqs]
+    arms = [armed.pop(row, None) if row is not None else None for row in rows]
+    if not any(arms):
+        return None
+    rt, pool, tuning = ctx.rt, ctx.host, ctx.settings.recall
+    dev = rt.req_to_token.device
+    lens = [int(r.kv.kv_committed_len) for r in reqs]
+    live = [a for a in arms if a is not None]
+    width = bucket(max(max(lens), max(a.hi for a in live)), cap=int(rt.req_to_token.shape[1]))
+    n_cols = bucket(max(int(a.cols.numel()) for a in live))
+    swaps = max(a.r for a in live)
+    width = max(width, swaps)
+    cols = torch.full((len(reqs), n_cols), pool.scratch, dtype=torch.int64)
+    for i, a in enumerate(arms):
+        if a is not None:
+            cols[i, : a.cols.numel()] = a.cols
+    ints = [[a.lo if a else 0, a.hi if a else 0, a.r if a else 0, a.cols.numel() if a else 0] for a in arms]
+    t = torch.tensor(ints, dtype=torch.int64).to(dev)
+    return StepPlan(
+        arms=arms,
+        rows=torch.tensor([row if row is not None else 0 for row in rows], dtype=torch.int64).to(dev),
+        m=torch.tensor(lens, dtype=torch.int64).to(dev),
+        lo=t[:, 0],
+        hi=t[:, 1],
+        r=t[:, 2],
+        cols=cols.to(dev),
+        n_cols=t[:, 3],
+        width=width,
+        swaps=swaps,
+        page=tuning.page,
+        min_score=tuning.min_score,
+        scratch=pool.scratch,
+        row_ids=[row if row is not None else -1 for row in rows],
+    )
+
+
+def finish(ctx: KvEvictContext, one: StepPlan) -> int:
+    """After the step: the records become each recalling request's counters (and, with KVEVICT_DEBUG,
+    its position timeline); the branch's page summaries are stale where entries moved. Returns the
+    entries swapped in, over the batch."""
+    from sgl_kvevict.cache.recall import _account, _DebugSwap
+
+    for i, a in enumerate(one.arms):
+        if a is not None:
+            ctx.host.in_use.pop(one.row_ids[i], None)
+    if one.failed or one.layers_done == 0:
+        return 0
+    done = one.layers_done
+    counts = one.moved[:done].sum(dim=(0, 2, 3)).tolist()  # the one host read of the step's recall
+    total = 0
+    for i, a in enumerate(one.arms):
+        if a is None or a.s.host is None:
+            continue
+        n = int(counts[i])
+        total += n
+        if n and a.s.host is not None:
+            a.s.host.summaries = None
+        if st.DEBUG and a.s.host.positions is not None:
+            dbg = _DebugSwap(a.s, int(one.m[i]))
+            for layer in range(done):
+                pick = (one.pos[layer, i][None], one.hidx[layer, i][None], one.moved[layer, i][None])
+                dbg.apply(layer, *(x.cpu() for x in pick))
+            dbg.record(a.s, a.tokens)
+        _account(a.s, n)
+    return total
+
+
+def fail(ctx: KvEvictContext, one: StepPlan) -> None:
+    """A failure inside the step: what it swapped goes back, and its requests' recall turns off."""
+    try:
+        one.undo(ctx)
+    except Exception:
+        logger.exception("kvevict: undoing a failed decode-step recall failed")
+    one.failed = True
+    for a in one.arms:
+        if a is not None:
+            if a.s.host is not None:
+                a.s.host.summaries = None
+            demote.fail(a.s, "recall (decode step)")

@@ -1,0 +1,155 @@
+"""The decode step's recall in fixed shapes (`cache/decode_recall.py`) on SGLang's real pools: it swaps
+exactly what the per-request recall swaps for the same query, its op sequence depends on its shapes
+only (what a CUDA graph needs) with no host sync, and a failure inside it puts everything back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgl_kvevict.cache import compressor, decode_recall, demote, host, recall
+from sgl_kvevict.cache import state as st
+from sgl_kvevict.config import RecallTuning, ServerSettings
+from sgl_kvevict.tools.pools import Pools, SyncCounter
+
+L, H, G, D, N, W, R = 3, 2, 2, 16, 160, 16, 6
+
+
+def _ready(n_reqs: int, page: int, floor: float, seed: int = 0, recalls: tuple[int, ...] = (R, 3)):
+    """`n_reqs` requests, each compressed once (its evictions demoted to the host), and per layer a
+    decode step's queries `[B, Hq, D]`."""
+    p = Pools(
+        layers=L, kv_heads=H, group=G, head_dim=D, max_reqs=4, max_len=256, dtype=torch.float32, seed=seed
+    )
+    p.ctx.settings = ServerSettings(
+        recall_tokens=R, recall=RecallTuning(page=page, summary="off", min_score=floor)
+    )
+    batch = p.batch(n_reqs, N, "snapkv", 48, {"window": W})
+    p.ctx.host = host.HostPool(L, H, D, 1024, torch.float32)
+    with compressor.one_thread():
+        for req, r in zip(batch.reqs, recalls, strict=False):
+            st.get(req).recall = r
+            assert compressor.compress(req, "prefill") > 0
+    q = torch.randn(L, n_reqs, H * G, D, generator=torch.Generator().manual_seed(seed + 7)) * 3
+    return p, batch.reqs, q
+
+
+def _bounds(req) -> tuple[int, int, int]:
+    """`(lo, hi, r)` of a decode step's recall, as `recall.arm` computes them (one step since the last)."""
+    s = st.get(req)
+    lo, hi = recall._displaceable(s)
+    return lo, hi, min(s.recall, hi - lo, s.host.count, s.ctx.settings.recall.page)
+
+
+def _held(p: Pools, reqs) -> list[torch.Tensor]:
+    """Every request's row (K and V) and its branch's host columns, for comparing two runs."""
+    out = []
+    for i, req in enumerate(reqs):
+        slots = p.r2t.req_to_token[i, : req.kv.kv_committed_len].long()
+        cols = st.get(req).host.cols
+        for ly in range(L):
+            out += [p.kv.get_key_buffer(ly)[slots], p.kv.get_value_buffer(ly)[slots]]
+            out += [p.ctx.host.k[ly][cols], p.ctx.host.v[ly][cols]]
+    return out
+
+
+def _step(p: Pools, reqs, q: torch.Tensor) -> decode_recall.StepPlan:
+    for req in reqs:
+        decode_recall.arm(req, st.get(req), *_bounds(req))
+    one = decode_recall.plan(p.ctx, reqs)
+    for ly in range(L):
+        one.layer(p.ctx, ly, q[ly])
+    return one
+
+
+@pytest.mark.parametrize(("n_reqs", "page", "floor"), [(1, 1, 0.0), (2, 4, 0.0), (2, 2, 0.05)])
+def test_a_step_swaps_what_the_per_request_recall_swaps(n_reqs: int, page: int, floor: float):
+    """Two identical pool sets: on one, each request's recall runs alone (`recall.Recall`, the query of
+    the step over its row); on the other, one fixed-shape step for the batch. Rows, host columns and
+    counters end equal, and entries did move (the comparison is not of two no-ops)."""
+    ref, reqs_ref, q = _ready(n_reqs, page, floor)
+    for i, req in enumerate(reqs_ref):
+        s = st.get(req)
+        m = int(req.kv.kv_committed_len)
+        one = recall.Recall.start(req, s, m, s.tokens_for(m), *_bounds(req))
+        for ly in range(L):
+            one.layer(ly, q[ly, i][:, None], causal=False)
+        one.finish()
+    p, reqs, _ = _ready(n_reqs, page, floor)
+    before = [x.clone() for x in _held(p, reqs)]
+    one = _step(p, reqs, q)
+    assert decode_recall.finish(p.ctx, one) == sum(st.get(r).recalled for r in reqs_ref) > 0
+    for a, b in zip(_held(ref, reqs_ref), _held(p, reqs), strict=True):
+        assert torch.equal(a, b)
+    assert any(not torch.equal(a, b) for a, b in zip(before, _held(p, reqs), strict=True))
+    for r_ref, r in zip(reqs_ref, reqs, strict=True):
+        a, b = st.get(r_ref), st.get(r)
+        assert (a.recalled, a.bytes_moved) == (b.recalled, b.bytes_moved)
+    assert not p.ctx.host.in_use  # the step's hold on the branches ends with it
+    if n_reqs == 2:  # the second request's r = 3 bounded its swaps per layer and head
+        assert int(one.moved[:, 1].sum(-1).max()) <= 3
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """The ops a step dispatches, with their tensor arguments' shapes and dtypes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        flat = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+        sig = tuple((tuple(x.shape), x.dtype) for x in flat if isinstance(x, torch.Tensor))
+        self.ops.append((str(func), sig))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_op_sequence_follows_the_shapes_not_the_data():
+    """What a CUDA graph replays is fixed at capture: the step must dispatch the same ops on the same
+    shapes whatever the data decides (here: other keys and queries, so other entries and other counts
+    move, and one request whose r is smaller), and read nothing back on the host."""
+    runs = []
+    for seed, recalls in ((0, (R, R)), (1, (R, 1))):
+        p, reqs, q = _ready(2, 4, 0.0, seed=seed, recalls=recalls)
+        for req in reqs:
+            decode_recall.arm(req, st.get(req), *_bounds(req))
+        one = decode_recall.plan(p.ctx, reqs)
+        ops, syncs = _Ops(), SyncCounter()
+        with syncs, ops:
+            for ly in range(L):
+                one.layer(p.ctx, ly, q[ly])
+        assert syncs.total == 0, syncs.counts
+        runs.append((ops.ops, one.moved.clone(), (one.width, one.cols.shape, one.swaps)))
+        decode_recall.finish(p.ctx, one)
+    (ops_a, moved_a, shape_a), (ops_b, moved_b, shape_b) = runs
+    assert shape_a == shape_b
+    assert not torch.equal(moved_a, moved_b)  # the data did decide differently
+    assert ops_a == ops_b
+
+
+def test_a_failure_inside_the_step_puts_everything_back(monkeypatch):
+    """An exception at the last layer (after the first layers swapped): `decode_recall.fail` swaps those
+    back, so rows and host columns hold what they held; recall turns off for the step's requests only,
+    counted, and nothing is counted as recalled."""
+    p, reqs, q = _ready(2, 2, 0.0)
+    before = [x.clone() for x in _held(p, reqs)]
+    for req in reqs:
+        decode_recall.arm(req, st.get(req), *_bounds(req))
+    one = decode_recall.plan(p.ctx, reqs)
+    for ly in range(L - 1):
+        one.layer(p.ctx, ly, q[ly])
+    assert one.moved[: L - 1].any()
+    monkeypatch.setattr(
+        decode_recall.K, "host_swap", lambda *a: (_ for _ in ()).throw(RuntimeError("injected"))
+    )
+    with pytest.raises(RuntimeError):
+        one.layer(p.ctx, L - 1, q[L - 1])
+    monkeypatch.undo()
+    decode_recall.fail(p.ctx, one)
+    assert decode_recall.finish(p.ctx, one) == 0
+    for a, b in zip(before, _held(p, reqs), strict=True):
+        assert torch.equal(a, b)
+    for req in reqs:
+        s = st.get(req)
+        assert not demote.enabled(s) and s.recalled == 0 and not s.failed
+    assert p.ctx.host.totals.recall_failures == 2 and not p.ctx.host.in_use
