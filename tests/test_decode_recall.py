@@ -129,8 +129,9 @@ def test_the_op_sequence_follows_the_shapes_not_the_data():
 
 def test_a_failure_inside_the_step_puts_everything_back(monkeypatch):
     """An exception at the last layer (after the first layers swapped): `decode_recall.fail` swaps those
-    back, so rows and host columns hold what they held; recall turns off for the step's requests only,
-    counted, and nothing is counted as recalled."""
+    back, so rows and host columns hold what they held, and counts the failure once; the step's requests
+    keep recall but run it alone from then on (`recall.safe_recall`, after their compressions), where a
+    failure is one request's own. Nothing is counted as recalled by the failed step."""
     p, reqs, q = _ready(2, 2, 0.0)
     before = [x.clone() for x in _held(p, reqs)]
     for req in reqs:
@@ -149,7 +150,10 @@ def test_a_failure_inside_the_step_puts_everything_back(monkeypatch):
     assert decode_recall.finish(p.ctx, one) == 0
     for a, b in zip(before, _held(p, reqs), strict=True):
         assert torch.equal(a, b)
+    assert p.ctx.host.totals.recall_failures == 1 and not p.ctx.host.in_use
     for req in reqs:
         s = st.get(req)
-        assert not demote.enabled(s) and s.recalled == 0 and not s.failed
-    assert p.ctx.host.totals.recall_failures == 2 and not p.ctx.host.in_use
+        assert demote.enabled(s) and s.recall_alone and s.recalled == 0 and not s.failed
+        s.recall_steps = 1
+        assert recall.after_compress(req, decode=True) == 0  # alone: recalled now, not armed
+        assert req.kv.req_pool_idx not in p.ctx.decode_armed and s.recalled > 0

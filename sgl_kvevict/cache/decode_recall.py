@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sgl_kvevict import kernels as K
-from sgl_kvevict.cache import demote
 from sgl_kvevict.cache import state as st
 
 if TYPE_CHECKING:
@@ -254,14 +253,18 @@ def finish(ctx: KvEvictContext, one: StepPlan) -> int:
 
 
 def fail(ctx: KvEvictContext, one: StepPlan) -> None:
-    """A failure inside the step: what it swapped goes back, and its requests' recall turns off."""
+    """A failure inside the step: what it swapped goes back, and its requests recall alone from then on
+    (after their compressions, one by one), so a failure that one request's data causes stays its own.
+    Logged by the caller, counted once here."""
     try:
         one.undo(ctx)
     except Exception:
         logger.exception("kvevict: undoing a failed decode-step recall failed")
     one.failed = True
+    ctx.host.totals.recall_failures += 1
     for a in one.arms:
         if a is not None:
             if a.s.host is not None:
                 a.s.host.summaries = None
-            demote.fail(a.s, "recall (decode step)")
+            a.s.recall_alone = True
+            a.s.recall_due = True

@@ -628,7 +628,7 @@ def after_compress(req: Any, decode: bool) -> int:
         tick(req)
     if not due(req):
         return grown
-    if decode and not s.ctx.graphed and arm(req, s, decode=True):
+    if decode and not s.ctx.graphed and not s.recall_alone and arm(req, s, decode=True):
         return grown
     safe_recall(req)
     return grown

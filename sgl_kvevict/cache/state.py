@@ -112,6 +112,9 @@ class ReqState:
     # a recall swapped entries into the compacted history since it was last formed: it is no longer
     # the stored node it was adopted from (the tree must not treat it as a duplicate of that node)
     recalled_into_history: bool = False
+    # a batched decode-step recall failed with this request in it: from then on it recalls alone, after
+    # its compressions (`recall.safe_recall`), where a failure is its own
+    recall_alone: bool = False
 
     def drop_host(self) -> None:
         """Give the request's host entries back to the pool: no stored history took them."""
