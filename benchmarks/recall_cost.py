@@ -11,7 +11,10 @@ evicted E entries per layer and head are demoted to the host tier), then
   host keys and the row's keys, every layer);
 - the turn's append (`recall.append`, `--kv-recall-config` `append`): a window of 32 queries brings R entries per
   layer and head back into appended slots;
-- `--steps` decode steps recall layer by layer, one query each (at most one page per step).
+- `--steps` decode steps recall, one query each (at most one page per step): the scheduler's plan
+  (`recall.plan_step`), the fixed-shape exchange at every layer, the records read back
+  (`recall.finish_step`). A decode step scores every host key of the branch (`--summary` applies to the
+  prefill recall and the append only).
 The score floor is 0 unless `--min-score` says otherwise (the most a recall moves). Each size runs
 once per `--summary` variant: `off` scores every host key; `minmax` and `mean` score the
 branch's page summaries and fetch the columns of the best pages only (`--kv-recall-config` `summary`), at least
@@ -45,10 +48,14 @@ LAYERS, KV_HEADS, GROUP, DIM = 30, 3, 3, 64
 WINDOW = 32  # the append's window queries
 
 
+class _ForwardBatch(SimpleNamespace):
+    """A namespace the recall hook can hold weakly (it keys a forward's rows by the batch)."""
+
+
 def forward_batch(p: Pools, decode: bool, n_new: int) -> SimpleNamespace:
     """The fields of SGLang's ForwardBatch that `recall.before_attention` reads, for row 0 of `p`."""
     mode = SimpleNamespace(is_decode=lambda: decode, is_extend=lambda: not decode)
-    return SimpleNamespace(
+    return _ForwardBatch(
         forward_mode=mode,
         req_pool_indices=torch.tensor([0]),
         extend_seq_lens_cpu=None if decode else [n_new],
@@ -99,14 +106,19 @@ def measure(e: int, budget: int, r: int, new_tokens: int, steps: int) -> dict:
     for _ in range(steps):
         moved0, in0, read0 = s.bytes_moved, s.recalled, p.ctx.host.totals.keys_read
         recall.after_compress(req, decode=True)  # due every step: armed for this step's forward
-        if p.ctx.armed.get(0) is None:
+        t0 = time.perf_counter()
+        recall.plan_step(p.ctx, [req])  # the scheduler's part before the forward
+        if p.ctx.step_plan is None:
             break
-        step_s.append(run_layers(p, forward_batch(p, True, 1), 1))
+        run_layers(p, forward_batch(p, True, 1), 1)
+        recall.finish_step(p.ctx)  # and after it
+        step_s.append(time.perf_counter() - t0)
         step_in.append(s.recalled - in0)
         step_bytes.append(s.bytes_moved - moved0)
         step_read.append(p.ctx.host.totals.keys_read - read0)
     s.drop_host()
     p.ctx.armed.clear()
+    p.ctx.decode_armed.clear()
     return {
         "host": s.host_peak,
         "prefill_s": prefill_s,

@@ -28,7 +28,10 @@ def _ready(n_reqs: int, page: int, floor: float, seed: int = 0, recalls: tuple[i
     p.ctx.host = host.HostPool(L, H, D, 1024, torch.float32)
     with compressor.one_thread():
         for req, r in zip(batch.reqs, recalls, strict=False):
-            st.get(req).recall = r
+            s = st.get(req)
+            s.recall = r
+            if st.DEBUG:  # the row's logical positions, as a server's match sets them
+                s.dbg_pos, s.dbg_tokens = torch.arange(N).expand(L, H, N).clone(), N
             assert compressor.compress(req, "prefill") > 0
     q = torch.randn(L, n_reqs, H * G, D, generator=torch.Generator().manual_seed(seed + 7)) * 3
     return p, batch.reqs, q
@@ -62,11 +65,17 @@ def _step(p: Pools, reqs, q: torch.Tensor) -> decode_recall.StepPlan:
     return one
 
 
-@pytest.mark.parametrize(("n_reqs", "page", "floor"), [(1, 1, 0.0), (2, 4, 0.0), (2, 2, 0.05)])
-def test_a_step_swaps_what_the_per_request_recall_swaps(n_reqs: int, page: int, floor: float):
+@pytest.mark.parametrize(
+    ("n_reqs", "page", "floor", "debug"), [(1, 1, 0.0, False), (2, 4, 0.0, True), (2, 2, 0.05, False)]
+)
+def test_a_step_swaps_what_the_per_request_recall_swaps(
+    n_reqs: int, page: int, floor: float, debug: bool, monkeypatch
+):
     """Two identical pool sets: on one, each request's recall runs alone (`recall.Recall`, the query of
     the step over its row); on the other, one fixed-shape step for the batch. Rows, host columns and
-    counters end equal, and entries did move (the comparison is not of two no-ops)."""
+    counters end equal, and entries did move (the comparison is not of two no-ops). With KVEVICT_DEBUG,
+    the logical positions the row and the host hold (what the oracle replays) end equal too."""
+    monkeypatch.setattr(st, "DEBUG", debug)
     ref, reqs_ref, q = _ready(n_reqs, page, floor)
     for i, req in enumerate(reqs_ref):
         s = st.get(req)
@@ -85,6 +94,9 @@ def test_a_step_swaps_what_the_per_request_recall_swaps(n_reqs: int, page: int, 
     for r_ref, r in zip(reqs_ref, reqs, strict=True):
         a, b = st.get(r_ref), st.get(r)
         assert (a.recalled, a.bytes_moved) == (b.recalled, b.bytes_moved)
+        if debug:
+            assert a.host.positions is not None and torch.equal(a.host.positions, b.host.positions)
+            assert a.timeline[-1] == b.timeline[-1]
     assert not p.ctx.host.in_use  # the step's hold on the branches ends with it
     if n_reqs == 2:  # the second request's r = 3 bounded its swaps per layer and head
         assert int(one.moved[:, 1].sum(-1).max()) <= 3

@@ -225,15 +225,17 @@ def finish(ctx: KvEvictContext, one: StepPlan) -> int:
     """After the step: the records become each recalling request's counters (and, with KVEVICT_DEBUG,
     its position timeline); the branch's page summaries are stale where entries moved. Returns the
     entries swapped in, over the batch."""
-    from sgl_kvevict.cache.recall import _account, _DebugSwap
+    from sgl_kvevict.cache.recall import _account
 
     for i, a in enumerate(one.arms):
         if a is not None:
             ctx.host.in_use.pop(one.row_ids[i], None)
     if one.failed or one.layers_done == 0:
         return 0
-    done = one.layers_done
+    done, pool = one.layers_done, ctx.host
     counts = one.moved[:done].sum(dim=(0, 2, 3)).tolist()  # the one host read of the step's recall
+    real = sum(int(a.cols.numel()) for a in one.arms if a is not None)
+    pool.totals.keys_read += real * pool.heads * pool.dim * pool.k.element_size() * done
     total = 0
     for i, a in enumerate(one.arms):
         if a is None or a.s.host is None:
@@ -243,13 +245,26 @@ def finish(ctx: KvEvictContext, one: StepPlan) -> int:
         if n and a.s.host is not None:
             a.s.host.summaries = None
         if st.DEBUG and a.s.host.positions is not None:
-            dbg = _DebugSwap(a.s, int(one.m[i]))
-            for layer in range(done):
-                pick = (one.pos[layer, i][None], one.hidx[layer, i][None], one.moved[layer, i][None])
-                dbg.apply(layer, *(x.cpu() for x in pick))
-            dbg.record(a.s, a.tokens)
+            _debug_positions(a, one, i, done)
         _account(a.s, n)
     return total
+
+
+def _debug_positions(a: DecodeArm, one: StepPlan, i: int, layers: int) -> None:
+    """KVEVICT_DEBUG: the moved pairs of batch row `i` exchange their logical positions (row and host),
+    and the row's positions become a timeline event (the oracle replays it)."""
+    from sgl_kvevict.cache.recall import _DebugSwap
+
+    dbg = _DebugSwap(a.s, int(one.m[i]))
+    moved, pos, hidx = (x[:layers, i].cpu() for x in (one.moved, one.pos, one.hidx))
+    for layer in range(layers):
+        for h in range(moved.shape[1]):
+            k = int(moved[layer, h].sum())  # the moved pairs are a prefix
+            d, c = pos[layer, h, :k], hidx[layer, h, :k]
+            row_pos = dbg.pos[layer, h, d].clone()
+            dbg.pos[layer, h, d] = dbg.hpos[layer, h, c]
+            dbg.hpos[layer, h, c] = row_pos
+    dbg.record(a.s, a.tokens)
 
 
 def fail(ctx: KvEvictContext, one: StepPlan) -> None:

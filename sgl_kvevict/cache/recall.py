@@ -715,7 +715,13 @@ def finish_step(ctx: KvEvictContext) -> None:
             if a is not None:
                 a.s.recall_due = True
                 a.s.recall_steps = max(a.s.recall_steps, 1)
-    decode_recall.finish(ctx, one)
+    try:
+        decode_recall.finish(ctx, one)
+    except Exception:  # the exchanges stand (both pools consistent); the step's accounting is lost
+        logger.exception("kvevict: reading back a decode step's recall failed")
+        for a in one.arms:
+            if a is not None:
+                demote.fail(a.s, "recall (after a decode step)")
 
 
 def before_attention(layer_mod, q, k, v, forward_batch, *args, **kwargs):
