@@ -66,7 +66,8 @@ def _step(p: Pools, reqs, q: torch.Tensor) -> decode_recall.StepPlan:
 
 
 @pytest.mark.parametrize(
-    ("n_reqs", "page", "floor", "debug"), [(1, 1, 0.0, False), (2, 4, 0.0, True), (2, 2, 0.05, False)]
+    ("n_reqs", "page", "floor", "debug"),
+    [(1, 1, 0.0, False), (2, 3, 0.0, True), (2, 5, 0.05, False), (1, 5, 0.0, True)],
 )
 def test_a_step_swaps_what_the_per_request_recall_swaps(
     n_reqs: int, page: int, floor: float, debug: bool, monkeypatch
@@ -77,6 +78,10 @@ def test_a_step_swaps_what_the_per_request_recall_swaps(
     the logical positions the row and the host hold (what the oracle replays) end equal too."""
     monkeypatch.setattr(st, "DEBUG", debug)
     ref, reqs_ref, q = _ready(n_reqs, page, floor)
+    for i, req in enumerate(reqs_ref):  # one query head per request leans on its branch's last host entry:
+        s = st.get(req)  # its page, partial when the count is not a multiple of `page`, ranks first
+        assert s.host.count % page or page == 1
+        q[0, i, 0] = ref.ctx.host.k[0][s.host.cols[-1], 0].float() * 4
     for i, req in enumerate(reqs_ref):
         s = st.get(req)
         m = int(req.kv.kv_committed_len)
@@ -98,6 +103,9 @@ def test_a_step_swaps_what_the_per_request_recall_swaps(
             assert a.host.positions is not None and torch.equal(a.host.positions, b.host.positions)
             assert a.timeline[-1] == b.timeline[-1]
     assert not p.ctx.host.in_use  # the step's hold on the branches ends with it
+    for i, req in enumerate(reqs):  # no padded host column moved
+        moved_cols = one.hidx[:, i][one.moved[:, i]]
+        assert int(moved_cols.max()) < st.get(req).host.count
     if n_reqs == 2:  # the second request's r = 3 bounded its swaps per layer and head
         assert int(one.moved[:, 1].sum(-1).max()) <= 3
 

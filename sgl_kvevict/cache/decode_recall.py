@@ -117,7 +117,8 @@ class StepPlan:
             dim=-1,
         ).mul_(rt.scale)
         p = torch.softmax(logits, dim=-1).amax(dim=2)  # [B, H, C + W]: an entry's best query head
-        host_sc, row_sc = p[..., :c], p[..., c:]
+        # padding stays out of the ranking (a page's best would otherwise rank its padded entries too)
+        host_sc, row_sc = p[..., :c].masked_fill(~in_host[:, None], -torch.inf), p[..., c:]
         from sgl_kvevict.cache.recall import best_entries
 
         hs, hidx = best_entries(host_sc, self.page, r)  # [B, H, R], best first
