@@ -710,6 +710,11 @@ def finish_step(ctx: KvEvictContext) -> None:
     if one is None:
         return
     if one.layers_done == 0 and not one.failed:
+        if not ctx.graphed:
+            logger.warning(
+                "kvevict: a decode forward ran without the recall hook (a CUDA graph replay?): decode-time "
+                "recalls run after each step's compression from now on"
+            )
         ctx.graphed = True
         for a in one.arms:
             if a is not None:
