@@ -2,12 +2,14 @@
 synchronisation inside it.
 
 The reference is written here from the formulas of `docs/policies.md` and each policy's docstring, in
-plain torch: one request, one layer and one KV head at a time, over the region's K/V read back from the
-pool before the step and the request's captured window queries. The step under test is the one the
-server runs (`hooks._compress_batch`: the engine's single call per scheduler step), on requests of
-different lengths, twice: the second step combines the scores the first one carried. After each step
-every (request, layer, KV head) must hold exactly the reference's kept tokens, in position order, each
-with its own K and V; the freed slots and the position offsets must add up. Where scores tie (the
+plain torch (the window attention and LagKV's score are `tests/naive.py`'s, the ones `test_policies.py`
+and `test_kernels.py` check against too): one request, one layer and one KV head at a time, over the
+region's K/V read back from the pool before the step and the request's captured window queries. The
+step under test is the one the server runs (`hooks._compress_batch`: the engine's single call per
+scheduler step), on requests of different lengths, twice: the second step combines the scores the first
+one carried. After each step every (request, layer, KV head) must hold exactly the reference's kept
+tokens, in position order, each with its own K and V; the freed slots and the position offsets must add
+up. Where scores tie (the
 plateaus of max-pooling) or lie within float rounding of the top-k boundary, either token may be kept:
 the policies rank by score and define no order among equal ones.
 
@@ -34,6 +36,8 @@ from sgl_kvevict.policies import REGISTRY, LayerView, Policy, PolicyConfig
 from sgl_kvevict.policies.base import BatchView
 from sgl_kvevict.serve import hooks
 from sgl_kvevict.tools.pools import Pools, SyncCounter
+
+from . import naive
 
 LAYERS, TOKENS, BUDGET, GROW = 3, 160, 48, 40
 CONFIGS = {
@@ -116,18 +120,6 @@ def _counts(cfg: Any, budget: int | float, bf: Before) -> tuple[int, int, int]:
     return n_sink, n_recent, max(0, int(round(budget * (bf.n + bf.evicted))) - n_sink - n_recent)
 
 
-def _attention(q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """`[n]`: the mean over the G query heads `q` `[G, W, D]` and their W queries of softmax(q k scale),
-    causal: the window's query i sits at index n - W + i and sees no later token."""
-    n, (g, w, _) = keys.shape[0], q.shape
-    acc = torch.zeros(n, dtype=torch.float64)
-    for head in range(g):
-        for i in range(w):
-            seen = n - w + i + 1
-            acc[:seen] += torch.softmax(keys[:seen] @ q[head, i] * scale, dim=0)
-    return acc / (g * w)
-
-
 def _pool(a: torch.Tensor, kernel: int, how: str) -> torch.Tensor:
     """A centred window of `kernel` along the tokens: the max of the tokens it covers, or their sum over
     `kernel` (average pooling whose zero padding counts)."""
@@ -150,7 +142,8 @@ def _scores(name: str, cfg: Any, bf: Before, layer: int, head: int, scale: float
         return bf.v[layer][:, head].norm(p=cfg.power, dim=-1)
     assert bf.q is not None
     g = bf.q[layer].shape[0] // bf.k[layer].shape[1]
-    attn = _attention(bf.q[layer][head * g : (head + 1) * g], keys, scale)
+    q = bf.q[layer][head * g : (head + 1) * g]  # this KV head's G query heads
+    attn = naive.window_attention(q, keys[:, None], scale, causal=True)[0]
     if name == "h2o":
         return attn * cfg.window
     assert name == "snapkv"
@@ -400,13 +393,6 @@ def test_sync_counter_sees_syncs() -> None:
     }
 
 
-def _lag_score(z: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """LagKV Eqs. 7-10 for `z` `[m, D]` against `ref` `[r, D]`: min-max normalised per channel by the
-    reference's min and max (eps 1e-6), unbiased std over the channels, softmax over z's tokens."""
-    lo, hi = ref.min(0).values, ref.max(0).values
-    return torch.softmax(((z - lo) / (hi - lo + 1e-6)).std(dim=1), dim=0)
-
-
 def _lag_fires(cfg: Any, n: int, n_sink: int, n_recent: int, comp: int, budget: int) -> bool:
     """LagKV's trigger: over budget, and a full tail partition to compress (or, with the cap, a
     compressed part over budget)."""
@@ -430,7 +416,8 @@ def _lag_keep(
     parts = max(0, min((n - t0) // lag - 1, (n - n_recent - t0) // lag))
 
     def score(idx: list[int], ref: list[int]) -> torch.Tensor:
-        return _lag_score(keys[idx], keys[ref]) + cfg.score_v_ratio * _lag_score(vals[idx], vals[ref])
+        by_values = naive.lag_score(vals[idx], vals[ref])
+        return naive.lag_score(keys[idx], keys[ref]) + cfg.score_v_ratio * by_values
 
     def top(idx: list[int], ref: list[int], kk: int) -> list[int]:
         s = score(idx, ref)

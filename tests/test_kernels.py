@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from sgl_kvevict import kernels as K
 
+from . import naive
 from .interp import run_triton_tests
 
 # the package re-exports functions named like their modules, so fetch the modules themselves
@@ -64,30 +65,6 @@ def _rows(buf: torch.Tensor, slots: torch.Tensor, h: int) -> list[list[float]]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _naive_window_attention(q, k_buffer, slots, scale, causal=False, reduce="mean"):
-    hq, w, _ = q.shape
-    hkv = k_buffer.shape[1]
-    g = hq // hkv
-    n = len(slots)
-    out = [[0.0] * n for _ in range(hkv)]
-    for h in range(hq):
-        keys = _rows(k_buffer, slots, h // g)
-        for i in range(w):
-            qi = q[h, i].float().tolist()
-            logits = [scale * sum(a * b for a, b in zip(qi, kj, strict=True)) for kj in keys]
-            m = max(logits)
-            ex = [math.exp(x - m) for x in logits]
-            if causal:  # query i is token n - w + i
-                ex = [x if j <= n - w + i else 0.0 for j, x in enumerate(ex)]
-            s = sum(ex)
-            for j in range(n):
-                if reduce == "max":
-                    out[h // g][j] = max(out[h // g][j], ex[j] / s)
-                else:
-                    out[h // g][j] += ex[j] / s / (g * w)
-    return torch.tensor(out)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv", GQA)
 @pytest.mark.parametrize("chunked", [False, True])
@@ -101,11 +78,11 @@ def test_window_attention_ref_naive(monkeypatch, dtype, hq, hkv, chunked, causal
     q = torch.randn(hq, w, d, generator=torch.Generator().manual_seed(2)).to(dtype)
     got = K.window_attention_ref(q, k_buffer, slots, 0.3, causal=causal)
     assert got.dtype == torch.float32 and got.shape == (hkv, n)
-    want = _naive_window_attention(q, k_buffer, slots, 0.3, causal)
+    want = naive.window_attention(q, k_buffer[slots], 0.3, causal).float()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got.sum(-1), torch.ones(hkv), rtol=1e-5, atol=1e-5)
     most = K.window_attention_ref(q, k_buffer, slots, 0.3, causal=causal, reduce="max")
-    torch.testing.assert_close(most, _naive_window_attention(q, k_buffer, slots, 0.3, causal, "max"))
+    torch.testing.assert_close(most, naive.window_attention(q, k_buffer[slots], 0.3, causal, "max").float())
     assert (most >= got - 1e-6).all()
 
 
@@ -119,26 +96,15 @@ def test_window_attention_ref_large_n_cpu():
     torch.testing.assert_close(out.sum(-1), torch.ones(3), rtol=1e-4, atol=1e-4)
 
 
-def _naive_lag(buf, slots, lag):
-    n = len(slots)
-    p = n // lag
-    h_n, d = buf.shape[1], buf.shape[2]
-    out = torch.zeros(h_n, p - 1, lag)
-    for h in range(h_n):
-        rows = _rows(buf, slots, h)
+def _naive_lag(buf: torch.Tensor, slots: torch.Tensor, lag: int) -> torch.Tensor:
+    """`[H, P - 1, lag]`: each full partition's LagKV score against the next one, per KV head."""
+    rows, p = buf[slots], len(slots) // lag
+    out = torch.zeros(buf.shape[1], p - 1, lag)
+    for h in range(buf.shape[1]):
         for part in range(p - 1):
-            ref = rows[(part + 1) * lag : (part + 2) * lag]
-            mn = [min(r[c] for r in ref) for c in range(d)]
-            mx = [max(r[c] for r in ref) for c in range(d)]
-            stds = []
-            for r in rows[part * lag : (part + 1) * lag]:
-                z = [(r[c] - mn[c]) / (mx[c] - mn[c] + 1e-6) for c in range(d)]
-                mean = sum(z) / d
-                stds.append(math.sqrt(sum((x - mean) ** 2 for x in z) / (d - 1)))
-            m = max(stds)
-            ex = [math.exp(s - m) for s in stds]
-            for i in range(lag):
-                out[h, part, i] = ex[i] / sum(ex)
+            out[h, part] = naive.lag_score(
+                rows[part * lag : (part + 1) * lag, h], rows[(part + 1) * lag : (part + 2) * lag, h]
+            )
     return out
 
 

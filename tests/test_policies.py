@@ -1,5 +1,6 @@
-"""Policy unit tests: every formula against a naive re-implementation written here, plus the invariants
-(exact budgets, sinks and recent window kept, sorted indices) and the registry's errors."""
+"""Policy unit tests: every formula against a naive re-implementation written here (the window attention
+and LagKV's score: `tests/naive.py`), plus the invariants (exact budgets, sinks and recent window kept,
+sorted indices) and the registry's errors."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 
 from sgl_kvevict import policies as P
 from sgl_kvevict.policies.base import LayerView
+
+from . import naive
 
 H, HQ, D, HID = 3, 9, 16, 24
 
@@ -78,39 +81,19 @@ def test_knorm_formula() -> None:
     view = make_view(40, pool_extra=20)
     pol = P.build("knorm")
     ks = dense(view)
-    naive = [[-math.sqrt(sum(float(x) ** 2 for x in ks[h][j])) for j in range(view.n)] for h in range(H)]
-    assert torch.allclose(pol.score(view), torch.tensor(naive, dtype=torch.float32), atol=1e-5)
-    assert as_lists(pol.select(view, 12)) == naive_keep(naive, view, 12)
-
-
-def naive_window_attention(q: torch.Tensor, ks: list[list[torch.Tensor]], scale: float) -> list[list[float]]:
-    """Per KV head: mean over its G query heads and the W queries of softmax(q k * scale)."""
-    hq, w, _ = q.shape
-    g = hq // len(ks)
-    out = []
-    for h, keys in enumerate(ks):
-        acc = [0.0] * len(keys)
-        for qh in range(h * g, (h + 1) * g):
-            for i in range(w):
-                logits = [float(q[qh, i].double() @ kk) * scale for kk in keys]
-                m = max(logits)
-                ex = [math.exp(x - m) for x in logits]
-                z = sum(ex)
-                for j, e in enumerate(ex):
-                    acc[j] += e / z / (g * w)
-        out.append(acc)
-    return out
+    want = [[-math.sqrt(sum(float(x) ** 2 for x in ks[h][j])) for j in range(view.n)] for h in range(H)]
+    assert torch.allclose(pol.score(view), torch.tensor(want, dtype=torch.float32), atol=1e-5)
+    assert as_lists(pol.select(view, 12)) == naive_keep(want, view, 12)
 
 
 def test_h2o_window_accumulated_attention() -> None:
     view = make_view(30, attn=False)
     q = torch.randn(HQ, 4, D)
-    naive = naive_window_attention(q, dense(view), 0.25)
+    want = naive.window_attention(q, view.k_buffer[view.slots], 0.25).float() * 4
     from sgl_kvevict.kernels import window_attention
 
     view.attn = window_attention(q, view.k_buffer, view.slots, 0.25)
     pol = P.build("h2o", {"window": 4})
-    want = torch.tensor(naive, dtype=torch.float32) * 4
     assert torch.allclose(pol.score(view), want, atol=1e-5)
     assert as_lists(pol.select(view, 7)) == naive_keep(want.tolist(), view, 7)
 
@@ -121,21 +104,21 @@ def test_snapkv_pooling(pooling: str, kernel: int) -> None:
     view = make_view(35)
     pol = P.build("snapkv", {"kernel_size": kernel, "pooling": pooling})
     a = view.attn.tolist()
-    naive = []
+    want = []
     for row in a:
         out = []
         for j in range(len(row)):
             win = [row[t] for t in range(j - kernel // 2, j + kernel // 2 + 1) if 0 <= t < len(row)]
             out.append(max(win) if pooling == "max" else sum(win) / kernel)  # zero padding counted
-        naive.append(out)
-    assert torch.allclose(pol.score(view), torch.tensor(naive), atol=1e-6)
+        want.append(out)
+    assert torch.allclose(pol.score(view), torch.tensor(want), atol=1e-6)
     keep = pol.select(view, 9)
     if pooling == "avg":
-        assert as_lists(keep) == naive_keep(naive, view, 9)
+        assert as_lists(keep) == naive_keep(want, view, 9)
     else:  # max pooling makes ties: compare the kept candidates' scores
         for h, row in enumerate(as_lists(keep)):
-            got = sorted(naive[h][j] for j in row if 4 <= j < 35 - 8)
-            assert got == sorted(naive[h][4 : 35 - 8])[-9:]
+            got = sorted(want[h][j] for j in row if 4 <= j < 35 - 8)
+            assert got == sorted(want[h][4 : 35 - 8])[-9:]
 
 
 SCORING = [
@@ -166,34 +149,19 @@ def test_budget_sinks_recent_sorted(name: str, cfg: dict, budget: int) -> None:
 # ---------------------------------------------------------------- LagKV
 
 
-def naive_lag(z: list[torch.Tensor], ref: list[torch.Tensor]) -> list[float]:
-    """Eqs. 7-10: min-max of `ref` per channel, unbiased std over channels, softmax over z's tokens."""
-    d = len(z[0])
-    mn = [min(float(r[c]) for r in ref) for c in range(d)]
-    mx = [max(float(r[c]) for r in ref) for c in range(d)]
-    stds = []
-    for t in z:
-        x = [(float(t[c]) - mn[c]) / (mx[c] - mn[c] + 1e-6) for c in range(d)]
-        mu = sum(x) / d
-        stds.append(math.sqrt(sum((xi - mu) ** 2 for xi in x) / (d - 1)))
-    m = max(stds)
-    ex = [math.exp(s - m) for s in stds]
-    return [e / sum(ex) for e in ex]
-
-
 def naive_lagkv(view: LayerView, lag: int, r: float, budget: int | None, vr: float = 1.0) -> list[list[int]]:
     """LagKV selection per head with plain lists, following the lagkv docstring (one compression call)."""
     n, k = view.n, int(r * lag)
     t0 = max(view.n_sink, view.n_compacted)
     pc = max(0, min((n - t0) // lag - 1, (n - view.n_recent - t0) // lag))
-    ks, vs = dense(view, "k"), dense(view, "v")
+    ks, vs = view.k_buffer[view.slots], view.v_buffer[view.slots]
     out = []
     for h in range(view.n_kv_heads):
 
         def score(idx: list[int], ref: list[int], h: int = h) -> list[float]:
-            sk = naive_lag([ks[h][i] for i in idx], [ks[h][i] for i in ref])
-            sv = naive_lag([vs[h][i] for i in idx], [vs[h][i] for i in ref])
-            return [a + vr * b for a, b in zip(sk, sv, strict=True)]
+            sk = naive.lag_score(ks[idx, h], ks[ref, h])
+            sv = naive.lag_score(vs[idx, h], vs[ref, h])
+            return (sk + vr * sv).tolist()
 
         def top(idx: list[int], s: list[float], kk: int) -> list[int]:
             best = sorted(range(len(idx)), key=lambda i: -s[i])[:kk]
