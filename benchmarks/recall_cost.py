@@ -79,7 +79,7 @@ def measure(e: int, budget: int, r: int, new_tokens: int, steps: int) -> dict:
     assert s.host is not None and s.host.count >= e - 64, (s.host.count if s.host else 0, e)
     # a new turn's prefill: the row's history is the compacted region, the new tokens follow it
     kv_len = int(req.kv.kv_committed_len)
-    req.prefix_len, req.extend_end, req.output_ids = s.tokens_for(kv_len), None, []
+    req.prefix_len, req.extend_end, req.output_ids = s.slot_map.tokens_for(kv_len), None, []
     moved0, in0, read0 = s.bytes_moved, s.recalled, p.ctx.host.totals.keys_read
     assert recall.arm(req, s), "the prefill recall did not arm"
     prefill_s = run_layers(p, forward_batch(p, False, new_tokens), new_tokens)
@@ -87,7 +87,7 @@ def measure(e: int, budget: int, r: int, new_tokens: int, steps: int) -> dict:
     # the turn's append, with a captured window of random queries at the row's last positions
     moved0, in0, read0 = s.bytes_moved, s.recalled, p.ctx.host.totals.keys_read
     assert capture.ensure(p.ctx, 0, WINDOW, 0)
-    length = s.tokens_for(int(req.kv.kv_committed_len))
+    length = s.slot_map.tokens_for(int(req.kv.kv_committed_len))
     for layer in range(LAYERS):
         q = torch.randn(WINDOW, p.q_heads, DIM, generator=p.gen).to(torch.bfloat16)
         p.store.put(0, layer, q, torch.arange(length - WINDOW, length))

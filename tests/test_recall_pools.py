@@ -116,9 +116,9 @@ def _reference_swaps(
     whatever they beat (`--kv-recall-config` `append`)."""
     kv_len = req.kv.kv_committed_len
     slots = p.r2t.req_to_token[0, :kv_len].long()
-    n_sink = min(s.policy.config.sinks, s.comp_slots)
-    lo, hi = n_sink, s.comp_slots
-    length = s.tokens_for(kv_len)
+    n_sink = min(s.policy.config.sinks, s.slot_map.comp_slots)
+    lo, hi = n_sink, s.slot_map.comp_slots
+    length = s.slot_map.tokens_for(kv_len)
     e = s.host.count
     r = append or min(R, hi - lo, e, cap)
     n_sel = max(-(-recall.FETCH * r // page), fetch)
@@ -445,8 +445,8 @@ def test_append_brings_the_best_entries_into_fresh_slots(
     cfg = ServerSettings(recall_tokens=R, recall=RecallTuning(min_score=0, append="on", **tier))
     p = pools
     req, s, probe, want = _compressed(p, monkeypatch, cfg, policy)
-    kv_len, comp, offset = req.kv.kv_committed_len, s.comp_slots, s.offset
-    length, count, free = s.tokens_for(kv_len), s.host.count, p.ctx.host.n_free
+    kv_len, comp, offset = req.kv.kv_committed_len, s.slot_map.comp_slots, s.slot_map.offset
+    length, count, free = s.slot_map.tokens_for(kv_len), s.host.count, p.ctx.host.n_free
     tail = p.r2t.req_to_token[0, comp:kv_len].clone()
     sums, _ = recall._paged(s.ctx, s.host, R)
     assert (sums is None) == (summary == "off")
@@ -455,8 +455,12 @@ def test_append_brings_the_best_entries_into_fresh_slots(
     cols_before = s.host.cols.clone()
     s.append_due = True
     assert recall.safe_append(req) == R
-    assert req.kv.kv_committed_len == kv_len + R and s.comp_slots == comp + R and s.offset == offset - R
-    assert s.tokens_for(req.kv.kv_committed_len) == length and s.appended == R
+    assert (
+        req.kv.kv_committed_len == kv_len + R
+        and s.slot_map.comp_slots == comp + R
+        and s.slot_map.offset == offset - R
+    )
+    assert s.slot_map.tokens_for(req.kv.kv_committed_len) == length and s.appended == R
     assert torch.equal(p.r2t.req_to_token[0, comp + R : kv_len + R], tail)  # the tail moved right, whole
     assert s.host.count == count - R and p.ctx.host.n_free == free + R
     _assert_appended(p, comp, expect, host_k, cols_before)
@@ -465,7 +469,7 @@ def test_append_brings_the_best_entries_into_fresh_slots(
     assert s.recalled == R * L * H and s.bytes_moved == R * L * H * 2 * D * 4
     for d in s.layer_state:
         if d.get("carried") is not None:
-            assert d["carried"].shape[-1] == s.comp_slots + (kv_len - comp)
+            assert d["carried"].shape[-1] == s.slot_map.comp_slots + (kv_len - comp)
             assert (d["carried"][..., comp : comp + R] == 0).all()
     sm = s.host.summaries
     if sums is not None:
@@ -491,10 +495,10 @@ def test_a_turns_recall_scores_with_its_own_queries_only(pools: Pools, monkeypat
     cfg = ServerSettings(recall_tokens=R, recall=RecallTuning(min_score=0, append="on", **tier))
     p = pools
     req, s, _, _ = _compressed(p, monkeypatch, cfg)
-    kv_len, comp = req.kv.kv_committed_len, s.comp_slots
+    kv_len, comp = req.kv.kv_committed_len, s.slot_map.comp_slots
     mine = W // 4
-    s.turn_start = s.tokens_for(kv_len) - mine
-    assert recall.own(s, s.tokens_for(kv_len)) == mine
+    s.turn_start = s.slot_map.tokens_for(kv_len) - mine
+    assert recall.own(s, s.slot_map.tokens_for(kv_len)) == mine
     expect = _reference_swaps(p, req, s, 1, mine, append=R)
     whole = _reference_swaps(p, req, s, 1, W, append=R)
     assert expect != whole, "the test needs the turn's queries to pick differently from the window's"

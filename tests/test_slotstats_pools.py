@@ -124,7 +124,7 @@ def test_statistic_moves_with_its_row(policy: str, config: dict, share_prompt: b
     for rank, req in _scenario(policy, config, share_prompt, cap, stats=True):
         stale_seen += _stale_rows(rank, req)
     s = st.get(req)
-    assert s.own_evicted > 0, "the scenario must evict something"
+    assert s.slot_map.own_evicted > 0, "the scenario must evict something"
     merges = policy == "d2o" or config.get("base") == "d2o"
     if merges:
         assert s.merged > 0 and stale_seen > 0, "merged rows must be marked stale"
@@ -144,7 +144,7 @@ def test_criticalkv_keeps_what_recomputing_keeps(config: dict, share_prompt: boo
         s = st.get(req)
         # which path ran: the per-slot statistic carries nothing in the policy state, the fallback does
         assert all(("vo" in d) != stats for d in s.layer_state)
-        return steps, s.own_evicted, s.merged
+        return steps, s.slot_map.own_evicted, s.merged
 
     with_stats, evicted, merged = run(stats=True)
     recomputed, evicted_b, merged_b = run(stats=False)

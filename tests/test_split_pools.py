@@ -42,7 +42,14 @@ def _contents(rank: Rank, req) -> list[torch.Tensor]:
 
 def _counts(req) -> tuple:
     s = st.get(req)
-    return (req.kv.kv_committed_len, s.comp_slots, s.comp_tokens, s.own_evicted, s.offset, s.failed)
+    return (
+        req.kv.kv_committed_len,
+        s.slot_map.comp_slots,
+        s.slot_map.comp_tokens,
+        s.slot_map.own_evicted,
+        s.slot_map.offset,
+        s.failed,
+    )
 
 
 @pytest.mark.parametrize("share_prompt", [False, True], ids=["own", "tree-shared"])
@@ -73,7 +80,7 @@ def test_split_equals_one_step_then_decode(policy: str, config: dict, share_prom
     assert _counts(req) == want_counts
     for x, y in zip(_contents(rank, req), want, strict=True):
         assert torch.equal(x, y)
-    assert int(rank.tree.offsets[0]) == s.offset
+    assert int(rank.tree.offsets[0]) == s.slot_map.offset
     # it goes on decoding and compressing, then finishes without leaking a slot
     for pos in range(PROMPT + 1, PROMPT + DECODE):
         rank.activate()

@@ -124,11 +124,11 @@ class Pending:
         """The region it planned is still the request's region, unchanged."""
         j, kv = self.job, req.kv
         return (
-            s.anchor_kv == j.a
+            s.slot_map.anchor_kv == j.a
             and kv.cache_protected_len == j.own_start
             and kv.kv_committed_len >= j.a + j.n
             and kv.kv_allocated_len == kv.kv_committed_len
-            and s.comp_slots == self.comp_slots
+            and s.slot_map.comp_slots == self.comp_slots
         )
 
 
@@ -208,7 +208,7 @@ def _commit(req: Any, s: st.ReqState, plan: Plan, own_start: int) -> bool:
 def _write(req: Any, s: st.ReqState, plan: Plan, own_start: int, dem: list) -> bool:
     """`_commit`'s writes; the demotion (if any) is appended to `dem` right before the first one."""
     rt = s.ctx.rt
-    kv, a, k = req.kv, s.anchor_kv, plan.k
+    kv, a, k = req.kv, s.slot_map.anchor_kv, plan.k
     row = rt.req_to_token[kv.req_pool_idx]
     end = kv.kv_committed_len  # past the region: tokens decoded while a split plan was pending
     after = row[a + plan.n : end].clone()
@@ -241,7 +241,7 @@ def _write(req: Any, s: st.ReqState, plan: Plan, own_start: int, dem: list) -> b
         if spare.numel():
             rt.allocator.free(spare)
         if kv.cache_protected_len > a:  # the tree part is no longer the request's: it becomes cache
-            rt.tree.relock(req, s.anchor if s.anchor is not None else rt.tree.root_node, a)
+            rt.tree.relock(req, s.slot_map.anchor if s.slot_map.anchor is not None else rt.tree.root_node, a)
     row[a : a + k] = new.to(row.dtype)
     row[a + k : a + k + after.numel()] = after
     kv.kv_committed_len = kv.kv_allocated_len = a + k + after.numel()
@@ -295,7 +295,7 @@ def own_region(req: Any, s: st.ReqState, upto: int | None = None) -> bool:
 
     `upto`: copy only the row's first `upto` slots (the tree part, before a prefill's forward has written
     the slots allocated for its new tokens; those stay where they are)."""
-    rt, kv, a = s.ctx.rt, req.kv, s.anchor_kv
+    rt, kv, a = s.ctx.rt, req.kv, s.slot_map.anchor_kv
     if kv.cache_protected_len <= a:
         return True
     if kv.kv_allocated_len != kv.kv_committed_len or s.pending is not None:
@@ -392,10 +392,10 @@ def _begin(job: Job) -> Pending:
     queries = None
     store = s.ctx.capture
     if "attn" in s.policy.needs and store is not None and job.layers < rt.n_layers:
-        length = s.tokens_for(job.a + job.n)
+        length = s.slot_map.tokens_for(job.a + job.n)
         queries = [store.get(req.kv.req_pool_idx, layer, length) for layer in range(rt.n_layers)]
     states = [dict(d) for d in s.layer_state]
-    return Pending(job=job, slots=slots, states=states, queries=queries, comp_slots=s.comp_slots)
+    return Pending(job=job, slots=slots, states=states, queries=queries, comp_slots=s.slot_map.comp_slots)
 
 
 def _view(p: Pending, layer: int) -> LayerView:
@@ -409,7 +409,7 @@ def _view(p: Pending, layer: int) -> LayerView:
             q = p.queries[layer]
         else:
             store = s.ctx.capture
-            length = s.tokens_for(a + job.n)
+            length = s.slot_map.tokens_for(a + job.n)
             q = store.get(job.req.kv.req_pool_idx, layer, length) if store is not None else None
         if q is not None and q.shape[1] > 0:
             row = rt.req_to_token[job.req.kv.req_pool_idx]
@@ -422,7 +422,7 @@ def _view(p: Pending, layer: int) -> LayerView:
         slots=p.slots,
         n_sink=job.n_sink,
         n_recent=job.n_recent,
-        n_compacted=s.comp_slots,
+        n_compacted=s.slot_map.comp_slots,
         attn=attn,
         o_proj=rt.o_proj(layer) if "o_proj" in needs else None,
         vo=slotstats.read(s.ctx.stats, layer, p.slots)
@@ -440,7 +440,7 @@ def account(job: Job, k: int, tail: int, keep: torch.Tensor | None, dt: float, a
         before = s.debug_positions(a + n + after)
         region = before[..., a : a + n].gather(-1, keep)
         pos = torch.cat([before[..., :a], region, before[..., a + n :]], dim=-1)
-        s.debug_event(pos, s.tokens_for(a + n + after))
+        s.debug_event(pos, s.slot_map.tokens_for(a + n + after))
     s.compacted(n, k, tail)
     if job.phase != "decode":  # folded into the budget: the turn's appended columns are gone
         s.appended = 0
@@ -460,10 +460,10 @@ def account(job: Job, k: int, tail: int, keep: torch.Tensor | None, dt: float, a
         job.phase,
         k,
         n,
-        s.offset,
+        s.slot_map.offset,
         dt,
     )
-    return s.offset
+    return s.slot_map.offset
 
 
 def safe_compress(req: Any, phase: Phase) -> int:

@@ -58,7 +58,7 @@ def _policy_key(job: Job) -> str | None:
 
 def _length(job: Job) -> int:
     """The request's logical length: the positions its captured queries are indexed by."""
-    return job.s.tokens_for(job.a + job.n)
+    return job.s.slot_map.tokens_for(job.a + job.n)
 
 
 def compress_batch(items: list[tuple[Any, Phase]], cap: int | None = None) -> list[int]:
@@ -140,7 +140,7 @@ def _run_group(jobs: list[Job]) -> list[int]:
     rt.order_after_forward()
     pol = jobs[0].s.policy
     # kept counts and raw tails, host-only (a policy may refuse a request here: the group goes per request)
-    counts = [pol.batch_counts(j.n, j.n_sink, j.n_recent, j.s.comp_slots, j.budget) for j in jobs]
+    counts = [pol.batch_counts(j.n, j.n_sink, j.n_recent, j.s.slot_map.comp_slots, j.budget) for j in jobs]
     if all(c.k >= j.n for c, j in zip(counts, jobs, strict=True)):
         return [0] * len(jobs)
     batch = _batch_view(jobs, counts)

@@ -155,7 +155,7 @@ def recall(req: Any, s: st.ReqState) -> int:
     the captured window's queries, after the turn's compression. Returns the entries swapped in."""
     demote.take(s)
     kv = req.kv
-    if s.host is None or s.host.count == 0 or s.pending is not None or s.comp_slots == 0:
+    if s.host is None or s.host.count == 0 or s.pending is not None or s.slot_map.comp_slots == 0:
         s.recall_skipped += 1  # nothing on the host (or no compacted history to swap into)
         return 0
     if not compressor.own_region(req, s):
@@ -163,7 +163,7 @@ def recall(req: Any, s: st.ReqState) -> int:
         return 0
     kv_len = int(kv.kv_committed_len)
     lo, hi = _displaceable(s)
-    length = s.tokens_for(kv_len)
+    length = s.slot_map.tokens_for(kv_len)
     # a turn's start scores with its own tokens' window queries; a decode-time recall with the queries of
     # the steps since the last recall only (the answer forming now, not the prompt the start already used)
     fresh, s.recall_steps = s.recall_steps, 0
@@ -204,15 +204,15 @@ def append(req: Any, s: st.ReqState) -> int:
     the turn's other recalls are unchanged)."""
     demote.take(s)
     kv, rt = req.kv, s.ctx.rt
-    if s.host is None or s.host.count == 0 or s.pending is not None or s.comp_slots == 0:
+    if s.host is None or s.host.count == 0 or s.pending is not None or s.slot_map.comp_slots == 0:
         return 0
     if kv.kv_allocated_len != kv.kv_committed_len or not compressor.own_region(req, s):
         return 0
     kv_len = int(kv.kv_committed_len)
     lo, hi = _displaceable(s)
-    length = s.tokens_for(kv_len)
+    length = s.slot_map.tokens_for(kv_len)
     w = min(capture.count(s.ctx, kv.req_pool_idx, length), kv_len - hi, own(s, length))
-    a = min(s.recall, s.own_evicted, s.host.count, int(rt.req_to_token.shape[1]) - kv_len)
+    a = min(s.recall, s.slot_map.own_evicted, s.host.count, int(rt.req_to_token.shape[1]) - kv_len)
     paged = None, 0
     while a > 0:  # a paged append picks from the fetched pages: at least (n - 1) * page + 1 real columns
         paged = _paged(s.ctx, s.host, a)
@@ -239,9 +239,9 @@ def append(req: Any, s: st.ReqState) -> int:
 def _displaceable(s: st.ReqState) -> tuple[int, int]:
     """Row range recall may displace: the compacted history past the sinks (the uncompressed tail, where
     the queries sit, and the sinks are never displaced)."""
-    a = s.anchor_kv
-    n_sink = max(0, min(s.policy.config.sinks - s.anchor_tokens, s.comp_slots))
-    return a + n_sink, a + s.comp_slots
+    a = s.slot_map.anchor_kv
+    n_sink = max(0, min(s.policy.config.sinks - s.slot_map.anchor_tokens, s.slot_map.comp_slots))
+    return a + n_sink, a + s.slot_map.comp_slots
 
 
 class _DebugSwap:
@@ -571,7 +571,7 @@ class Recall:
         if s.ctx.stats is not None:  # fresh slots: no statistic yet
             for li in range(rt.n_layers):
                 s.ctx.stats[li][self.new] = float("nan")
-        rt.tree.offsets[kv.req_pool_idx] = s.offset
+        rt.tree.offsets[kv.req_pool_idx] = s.slot_map.offset
         e = s.host
         c2 = e.count - a
         pool.give_back(e.cols[c2:])
@@ -678,17 +678,17 @@ def _plan_arm(req: Any, s: st.ReqState, decode: bool) -> Recall | None:
         if req.extend_end < len(req.origin_input_ids) + len(req.output_ids):
             return None  # a chunk with more to come: the last chunk's queries recall
     demote.take(s)
-    if s.host is None or s.host.count == 0 or s.comp_slots == 0:
+    if s.host is None or s.host.count == 0 or s.slot_map.comp_slots == 0:
         return None
     if decode:
-        if kv.cache_protected_len > s.anchor_kv:
+        if kv.cache_protected_len > s.slot_map.anchor_kv:
             return None  # the history is not the request's own yet (`recall` copies it)
         m = int(kv.kv_committed_len)
-        tokens = s.tokens_for(m)
+        tokens = s.slot_map.tokens_for(m)
         fresh, s.recall_steps = max(1, s.recall_steps), 0
         cap = fresh * s.ctx.settings.recall.page
     else:
-        m = s.slots_for(int(req.prefix_len))
+        m = s.slot_map.slots_for(int(req.prefix_len))
         tokens = int(req.prefix_len)
         if not compressor.own_region(req, s, upto=m):
             return None

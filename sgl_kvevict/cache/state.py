@@ -58,11 +58,10 @@ def fingerprint(cfg: KvConfig, policy: Policy, recall: int = 0) -> str | None:
 
 
 @dataclass
-class ReqState:
-    cfg: KvConfig
-    policy: Policy
-    ctx: KvEvictContext  # the server this request runs on (pools, host tier, capture, settings)
-    fp: str | None = None
+class SlotMap:
+    """How the request's logical tokens map to the slots of its row (the module's row layout), and
+    the conversions between the two."""
+
     anchor: Any = None  # TreeNode at the end of the matched prefix
     anchor_tokens: int = 0
     anchor_kv: int = 0
@@ -71,6 +70,58 @@ class ReqState:
     inherited_evicted: int = 0  # of `own_evicted`, those of a matched branch history (not this request's)
     comp_slots: int = 0
     comp_tokens: int = 0
+
+    @property
+    def offset(self) -> int:
+        """Tokens evicted before the request's next token: logical position = KV slot index + offset."""
+        return self.anchor_tokens - self.anchor_kv + self.own_evicted
+
+    def slots_for(self, tokens: int) -> int:
+        """KV slots that hold the first `tokens` logical tokens (the cut must lie past the evictions)."""
+        return tokens - self.offset
+
+    def tokens_for(self, slots: int) -> int:
+        return slots + self.offset
+
+    def region_tokens(self, slots: int) -> int:
+        """Logical tokens that the request's own region of `slots` slots stands for (its evictions are
+        all inside the region, in its compacted history)."""
+        return slots + self.own_evicted
+
+    def compacted(self, n: int, k: int, tail: int) -> None:
+        """A compression kept `k` of the region's `n` slots, its last `tail` kept ones raw (the region's
+        newest tokens): the compacted history ends before them."""
+        tokens = self.region_tokens(n)
+        self.comp_slots = k - tail
+        self.comp_tokens = tokens - tail
+        self.own_evicted += n - k
+
+    def unevicted(self, count: int) -> None:
+        """`count` entries per layer and KV head joined the end of the compacted history: the row holds
+        `count` more slots for the same tokens (fewer evicted)."""
+        self.comp_slots += count
+        self.own_evicted -= count
+        self.inherited_evicted = min(self.inherited_evicted, self.own_evicted)
+
+    def move_anchor(self, node: Any, tokens: int, slots: int, drop_history: bool) -> None:
+        """The anchor moves down to `node`, `tokens` tokens in `slots` slots further; with `drop_history`
+        the compacted history lies above it and its evictions stop being the request's own."""
+        if drop_history:
+            self.own_evicted -= self.comp_tokens - self.comp_slots
+            self.inherited_evicted = 0
+            self.comp_slots = self.comp_tokens = 0
+        self.anchor = node
+        self.anchor_tokens += tokens
+        self.anchor_kv += slots
+
+
+@dataclass
+class ReqState:
+    cfg: KvConfig
+    policy: Policy
+    ctx: KvEvictContext  # the server this request runs on (pools, host tier, capture, settings)
+    fp: str | None = None
+    slot_map: SlotMap = field(default_factory=SlotMap)
     after_extend: bool = False  # the next compression check is the one right after a prefill
     releasing: bool = False  # released unfinished (retraction): the tree checkpoint gets a slot count
     failed: bool = False
@@ -123,42 +174,20 @@ class ReqState:
         """Evicted tokens merged into kept ones (D2O), read here (a host sync), not in the step."""
         return self.merged_count.value()
 
-    @property
-    def offset(self) -> int:
-        """Tokens evicted before the request's next token: logical position = KV slot index + offset."""
-        return self.anchor_tokens - self.anchor_kv + self.own_evicted
-
-    def slots_for(self, tokens: int) -> int:
-        """KV slots that hold the first `tokens` logical tokens (the cut must lie past the evictions)."""
-        return tokens - self.offset
-
-    def tokens_for(self, slots: int) -> int:
-        return slots + self.offset
-
-    def region_tokens(self, slots: int) -> int:
-        """Logical tokens that the request's own region of `slots` slots stands for (its evictions are
-        all inside the region, in its compacted history)."""
-        return slots + self.own_evicted
-
     def compacted(self, n: int, k: int, tail: int) -> None:
-        """A compression kept `k` of the region's `n` slots, its last `tail` kept ones raw (the region's
-        newest tokens): the compacted history ends before them."""
-        tokens = self.region_tokens(n)
+        """A compression kept `k` of the region's `n` slots, its last `tail` kept ones raw
+        (`SlotMap.compacted`)."""
+        self.slot_map.compacted(n, k, tail)
         self.recalled_into_history = False  # re-formed: its tokens name a new history
-        self.comp_slots = k - tail
-        self.comp_tokens = tokens - tail
-        self.own_evicted += n - k
 
     def unevicted(self, count: int) -> None:
         """A recall appended `count` host entries per layer and KV head to the compacted history: the row
         holds `count` more slots for the same tokens (fewer evicted), until a compression folds them."""
-        self.comp_slots += count
-        self.own_evicted -= count
-        self.inherited_evicted = min(self.inherited_evicted, self.own_evicted)
+        self.slot_map.unevicted(count)
         self.appended += count
         self.recalled_into_history = True
         self.carry_stack = None
-        at = self.comp_slots - count  # where the new entries sit: right after the old compacted history
+        at = self.slot_map.comp_slots - count  # where the new entries sit: right after the old history
         for d in self.layer_state:  # per-slot carried scores: the new entries carry none yet
             old = d.get("carried")
             if old is not None and old.shape[-1] >= at:
@@ -169,15 +198,10 @@ class ReqState:
         """The branch point moved down to `node`, `tokens` tokens held in `slots` slots further. With
         `drop_history` the compressed history the region started with lies above the new anchor: it is
         shared now, and its evictions stop being the request's own."""
+        self.slot_map.move_anchor(node, tokens, slots, drop_history)
         if drop_history:
-            self.own_evicted -= self.comp_tokens - self.comp_slots
-            self.inherited_evicted = 0
-            self.comp_slots = self.comp_tokens = 0
             self.layer_state = []
             self.host_src = None  # that history is shared now: its host entries stay with it
-        self.anchor = node
-        self.anchor_tokens += tokens
-        self.anchor_kv += slots
 
     @property
     def active(self) -> bool:
@@ -263,11 +287,10 @@ def on_match(req: Any, ctx: KvEvictContext, region: Any, prefix_pos: torch.Tenso
     branch's history, re-compressed with the new tokens under one budget), the node's compacted slots
     and evicted tokens become the request's own, and so does the policy state stored with it."""
     s = ensure(req, ctx)
-    s.anchor, s.anchor_tokens, s.anchor_kv = region.anchor, region.anchor_tokens, region.anchor_kv
-    s.own_evicted = s.inherited_evicted = s.comp_slots = s.comp_tokens = 0
+    m = s.slot_map = SlotMap(region.anchor, region.anchor_tokens, region.anchor_kv)
+    m.reused_evicted = region.tokens - region.kv
     s.recalled_into_history = False
     s.appended = 0
-    s.reused_evicted = region.tokens - region.kv
     s.releasing = False
     s.pending = None  # planned against slots the request no longer holds
     # Per-head policy state (D2O's tau) survives a retraction; per-slot entries do not (the slots change).
@@ -276,8 +299,8 @@ def on_match(req: Any, ctx: KvEvictContext, region: Any, prefix_pos: torch.Tenso
     s.host_src = None
     if first is not None and is_compressed(first):
         s.host_src = first  # its host entries, if any, move to the request at its first commit
-        s.comp_slots, s.comp_tokens = len(first.value), len(first.key)
-        s.own_evicted = s.inherited_evicted = s.comp_tokens - s.comp_slots
+        m.comp_slots, m.comp_tokens = len(first.value), len(first.key)
+        m.own_evicted = m.inherited_evicted = m.comp_tokens - m.comp_slots
         s.layer_state = copy_layer_state(first.layer_state)
     if prefix_pos is not None:
         if not s.ran:  # a waiting request is matched again at every scheduling pass: keep the last

@@ -65,7 +65,7 @@ def _context(tree_cache: Any) -> KvEvictContext | None:
 
 def _offset(req: Any) -> int:
     s = st.get(req)
-    return s.offset if s is not None else 0
+    return s.slot_map.offset if s is not None else 0
 
 
 def alloc_for_extend(original, batch, *args, **kwargs):
@@ -246,7 +246,7 @@ def release_kv_cache(req, tree_cache, *args, **kwargs):
                 tot = s.ctx.rt.totals
                 tot.step_seconds_max = max(tot.step_seconds_max, time.perf_counter() - t0)
         return None
-    if s.offset > 0 and not kwargs.get("checkpoint", True) and not req.skip_radix_cache_insert:
+    if s.slot_map.offset > 0 and not kwargs.get("checkpoint", True) and not req.skip_radix_cache_insert:
         s.releasing = True
         return (req, tree_cache, *args), {**kwargs, "checkpoint": True}
     return None
@@ -260,7 +260,7 @@ def _drop_in_flight_token(req: Any, s: st.ReqState) -> None:
     rt, kv = s.ctx.rt, req.kv
     if rt is None or not req.output_ids or kv.kv_allocated_len != kv.kv_committed_len:
         return
-    keep = s.slots_for(len(req.origin_input_ids) + len(req.output_ids) - 1)
+    keep = s.slot_map.slots_for(len(req.origin_input_ids) + len(req.output_ids) - 1)
     if not kv.cache_protected_len <= keep < kv.kv_committed_len:
         return
     row = kv.req_pool_idx
@@ -315,10 +315,10 @@ def process_batch_result(original, scheduler, batch, *args, **kwargs):
 
 def owned_kv_len(original, req, *args, **kwargs):
     s = st.get(req)
-    if s is None or s.offset == 0 or req.finished_len is None:
+    if s is None or s.slot_map.offset == 0 or req.finished_len is None:
         return original(req, *args, **kwargs)
     owned_tokens = len(req.origin_input_ids) + len(req.output_ids_through_stop)
-    return min(req.kv.kv_committed_len, s.slots_for(owned_tokens))
+    return min(req.kv.kv_committed_len, s.slot_map.slots_for(owned_tokens))
 
 
 def release_overallocated(original, req, start_p, end_p, tree_cache, *args, **kwargs):
@@ -402,7 +402,7 @@ def _req_view(req: Any) -> dict[str, Any]:
             "deferred": s.deferred,
             "compressions": s.compressions,
             "failed": s.failed,
-            "offset": s.offset,
+            "offset": s.slot_map.offset,
         }
     return view
 
