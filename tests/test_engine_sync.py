@@ -278,7 +278,7 @@ def _against_reference(name: str, config: dict, caplog: pytest.LogCaptureFixture
                         scores = _carry(cfg, scores, None if old is None else old[h])
                     ties += _check_topk(scores, kept, n_sink, n_recent, budget)
                     kept_scores.append(scores[kept])
-                got = s.layer_state[layer].get("carried")
+                got = s.policy_state.layers[layer].get("carried")
                 assert (got is not None) == carries
                 if carries:
                     carried[i][layer] = want = torch.stack(kept_scores)
@@ -366,11 +366,11 @@ def test_d2o_step_has_no_host_sync(key: str) -> None:
             kv.kv_committed_len = kv.kv_allocated_len = kv.kv_committed_len + 40
     for r in b.reqs:
         s = st.get(r)
-        assert s.compressions == 2 and all("tau" in d for d in s.layer_state)
+        assert s.counters.compressions == 2 and all("tau" in d for d in s.policy_state.layers)
         rep = report.stats(r)
-        assert rep["merged"] == s.merged > 0
+        assert rep["merged"] == s.policy_state.merged > 0
         assert len(rep["layer_d2o_sigma2"]) == LAYERS and all(x > 0 for x in rep["layer_d2o_sigma2"])
-    assert pools.rt.totals.tokens_merged == sum(st.get(r).merged for r in b.reqs)
+    assert pools.rt.totals.tokens_merged == sum(st.get(r).policy_state.merged for r in b.reqs)
 
 
 @pytest.mark.parametrize("name", sorted(STILL_SYNCING))

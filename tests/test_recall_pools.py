@@ -467,7 +467,7 @@ def test_append_brings_the_best_entries_into_fresh_slots(
     ks, vs = _held(p, req, s)
     assert torch.allclose(_tags(ks, vs, probe), want, atol=1e-4)  # nothing lost, nothing duplicated
     assert s.recalled == R * L * H and s.bytes_moved == R * L * H * 2 * D * 4
-    for d in s.layer_state:
+    for d in s.policy_state.layers:
         if d.get("carried") is not None:
             assert d["carried"].shape[-1] == s.slot_map.comp_slots + (kv_len - comp)
             assert (d["carried"][..., comp : comp + R] == 0).all()

@@ -99,10 +99,12 @@ def test_retraction_drops_a_pending_plan() -> None:
     engine.compress_batch([(req, "prefill")], CAP)
     assert s.pending is not None
     assert s.pending.states[0], "D2O's plan keeps per-layer state (its threshold)"
-    assert not any(s.layer_state), "...in copies: the request's own state is untouched until the commit"
+    assert not any(s.policy_state.layers), (
+        "...in copies: the request's own state is untouched until the commit"
+    )
     # re-admission after a retraction
     st.on_match(req, rank.tree.ctx, Region(rank.tree.root_node, 0, 0, None))
-    assert s.pending is None and not any(s.layer_state)
+    assert s.pending is None and not any(s.policy_state.layers)
 
 
 def test_failure_in_a_later_step_changes_nothing(monkeypatch) -> None:
@@ -130,4 +132,4 @@ def test_finish_completes_a_pending_plan() -> None:
     assert s.pending is not None
     req.done = True
     assert compressor.safe_compress(req, "finish") > 0
-    assert s.pending is None and s.compressions == 1
+    assert s.pending is None and s.counters.compressions == 1

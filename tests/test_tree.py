@@ -266,8 +266,8 @@ def test_branch_region_adopts_the_branch_compressed_history(tree):
         12,
         12,
     )
-    assert torch.equal(s.layer_state[0]["carried"], torch.ones(3, 8))
-    assert s.layer_state[0]["carried"] is not c_node.layer_state[0]["carried"]  # a copy
+    assert torch.equal(s.policy_state.layers[0]["carried"], torch.ones(3, 8))
+    assert s.policy_state.layers[0]["carried"] is not c_node.layer_state[0]["carried"]  # a copy
     assert s.slot_map.reused_evicted == 12 and s.slot_map.inherited_evicted == 12
 
 

@@ -361,20 +361,20 @@ def run(job: Job) -> int:
     t0 = time.perf_counter()
     plan = _plan(p)
     if plan is None:
-        s.layer_state = p.states
+        s.policy_state.layers = p.states
         return 0
     req = job.req
     d = req.kv.kv_committed_len - (job.a + job.n)  # tokens decoded while the plan was pending
     if not _commit(req, s, plan, job.own_start):
         return 0
-    s.layer_state = p.states
+    s.policy_state.layers = p.states
     k = plan.k
     for v in plan.views:  # bookkeeping: device statistics stay tensors, read where reported (`stats`)
         for name, val in v.stats.items():
-            s.layer_stats.setdefault(name, [0.0] * rt.n_layers)[v.layer] = val
+            s.policy_state.layer_stats.setdefault(name, [0.0] * rt.n_layers)[v.layer] = val
         merged = v.stats.get(MERGED_STAT)
         if merged is not None:
-            s.merged_count.add(merged)
+            s.policy_state.merged_count.add(merged)
             rt.totals.merged.add(merged)
     dt = p.seconds + time.perf_counter() - t0
     rt.tree.offsets[req.kv.req_pool_idx] = account(job, k, plan.tail, plan.keep, dt, after=d)
@@ -387,14 +387,14 @@ def _begin(job: Job) -> Pending:
     s, rt, req = job.s, job.s.ctx.rt, job.req
     row = rt.req_to_token[req.kv.req_pool_idx]
     slots = row[job.a : job.a + job.n].to(torch.int64)
-    if not s.layer_state:
-        s.layer_state = [{} for _ in range(rt.n_layers)]
+    if not s.policy_state.layers:
+        s.policy_state.layers = [{} for _ in range(rt.n_layers)]
     queries = None
     store = s.ctx.capture
     if "attn" in s.policy.needs and store is not None and job.layers < rt.n_layers:
         length = s.slot_map.tokens_for(job.a + job.n)
         queries = [store.get(req.kv.req_pool_idx, layer, length) for layer in range(rt.n_layers)]
-    states = [dict(d) for d in s.layer_state]
+    states = [dict(d) for d in s.policy_state.layers]
     return Pending(job=job, slots=slots, states=states, queries=queries, comp_slots=s.slot_map.comp_slots)
 
 
@@ -437,21 +437,21 @@ def account(job: Job, k: int, tail: int, keep: torch.Tensor | None, dt: float, a
     `after`: tokens that follow the region in the row (decoded while the plan was pending)."""
     s, a, n, rt = job.s, job.a, job.n, job.s.ctx.rt
     if st.DEBUG and keep is not None:
-        before = s.debug_positions(a + n + after)
+        before = s.debug.positions(a + n + after)
         region = before[..., a : a + n].gather(-1, keep)
         pos = torch.cat([before[..., :a], region, before[..., a + n :]], dim=-1)
-        s.debug_event(pos, s.slot_map.tokens_for(a + n + after))
+        s.debug.event(pos, s.slot_map.tokens_for(a + n + after))
     s.compacted(n, k, tail)
     if job.phase != "decode":  # folded into the budget: the turn's appended columns are gone
         s.appended = 0
-    s.compressions += 1
-    s.seconds += dt
+    s.counters.compressions += 1
+    s.counters.seconds += dt
     tot = rt.totals
     tot.compressions += 1
     tot.tokens_evicted += n - k
     tot.slots_freed += n - k
     tot.seconds_compressing += dt
-    if s.compressions == 1:
+    if s.counters.compressions == 1:
         tot.requests_compressed += 1
     logger.debug(
         "kvevict %s: %s %s kept %d of %d region slots (offset %d) in %.3fs",

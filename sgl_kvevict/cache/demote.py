@@ -101,7 +101,7 @@ def plan_demote(s: st.ReqState, a: int, slots: torch.Tensor, keep: torch.Tensor)
 def positions(s: st.ReqState, kv_len: int) -> torch.Tensor:
     """Debug: `[L, H, kv_len]` logical positions of the row's first slots."""
     rt = s.ctx.rt
-    pos = s.debug_positions(kv_len)
+    pos = s.debug.positions(kv_len)
     return pos.view(1, 1, -1).expand(rt.n_layers, rt.n_kv_heads, -1) if pos.dim() == 1 else pos
 
 

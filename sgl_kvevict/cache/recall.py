@@ -261,7 +261,7 @@ class _DebugSwap:
 
     def record(self, s: st.ReqState, tokens: int) -> None:
         s.host.positions = self.hpos
-        s.debug_event(self.pos, tokens)
+        s.debug.event(self.pos, tokens)
 
 
 def exchange(
@@ -585,7 +585,7 @@ class Recall:
             e.positions = self.dbg.hpos[..., :c2].clone()
             pos = self.dbg.pos
             added = torch.stack(self.appended_pos)  # [L, H, a]
-            s.debug_event(torch.cat([pos[..., :hi], added, pos[..., hi:]], dim=-1), self.tokens)
+            s.debug.event(torch.cat([pos[..., :hi], added, pos[..., hi:]], dim=-1), self.tokens)
         moved = a * pool.heads * rt.n_layers
         _account(s, moved, one_way=True)
         return a

@@ -116,6 +116,73 @@ class SlotMap:
 
 
 @dataclass
+class PolicyState:
+    """What the request's policy carries from one compression to the next, and what it measured."""
+
+    layers: list[dict] = field(default_factory=list)  # per layer: the policy's own entries (D2O's tau, ...)
+    carry_stack: torch.Tensor | None = None  # [L, H, k]: the carried scores the layers' entries view
+    merged_count: LazyCount = field(default_factory=LazyCount)  # D2O's merges; read as `merged`
+    # per layer: floats or 0-dim device tensors (read where reported, `report.stats`)
+    layer_stats: dict[str, list[float | torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def merged(self) -> int:
+        """Evicted tokens merged into kept ones (D2O), read here (a host sync), not in the step."""
+        return self.merged_count.value()
+
+    def slots_inserted(self, at: int, count: int) -> None:
+        """`count` slots were inserted at region index `at`: per-slot carried scores make room for them
+        (the new entries carry none yet)."""
+        self.carry_stack = None
+        for d in self.layers:
+            old = d.get("carried")
+            if old is not None and old.shape[-1] >= at:
+                pad = old.new_zeros(*old.shape[:-1], count)
+                d["carried"] = torch.cat([old[..., :at], pad, old[..., at:]], dim=-1)
+
+
+@dataclass
+class Counters:
+    """The request's compression numbers (`report.stats`)."""
+
+    compressions: int = 0
+    seconds: float = 0.0  # spent compressing
+    kv_peak: int = 0  # the most slots the row held at a decode step's start (appended columns included)
+
+
+@dataclass
+class DebugTrace:
+    """KVEVICT_DEBUG=1 only: digests of the shared prefix, the logical positions held by the row's slots
+    [0, m) per layer and KV head (`pos`), the logical tokens they stand for (`tokens`), and the events a
+    test oracle replays (`timeline`, see `event`)."""
+
+    prefix_digest: str = ""
+    digest_kv: int = 0  # slots the digests cover: the shared prefix at admission
+    prefix_digest_end: str = ""
+    pos: torch.Tensor | None = None
+    tokens: int = 0
+    timeline: list[dict] = field(default_factory=list)
+
+    def positions(self, kv_len: int) -> torch.Tensor:
+        """`[L, H, kv_len]` logical positions of the row's first `kv_len` slots (tail slots are 1:1)."""
+        pos = self.pos
+        m = 0 if pos is None else pos.shape[-1]
+        if pos is not None and kv_len <= m:
+            return pos[..., :kv_len]
+        tail = torch.arange(self.tokens, self.tokens + kv_len - m, dtype=torch.int64)
+        if pos is None:
+            return tail
+        tail = tail.view(1, 1, -1).expand(pos.shape[0], pos.shape[1], -1)
+        return torch.cat([pos, tail], dim=-1)
+
+    def event(self, pos: torch.Tensor, tokens: int) -> None:
+        """Record that the row now holds `pos` ([L, H, m]) and that logical tokens >= `tokens` follow."""
+        self.pos, self.tokens = pos, tokens
+        # exported as sets (sorted): a recall swap leaves a head's slots out of position order
+        self.timeline.append({"tokens": tokens, "positions": pos.sort(dim=-1).values.tolist()})
+
+
+@dataclass
 class ReqState:
     cfg: KvConfig
     policy: Policy
@@ -129,21 +196,9 @@ class ReqState:
     pending: Any = None  # compressor.Pending: a compression planned over several steps, not committed yet
     ran: bool = False  # KV was allocated since the last match (a later match is a re-admission)
     commit: bool = False  # generates nothing: a prefix commit (SGLang's frontend before `fork`), kept whole
-    compressions: int = 0
-    merged_count: LazyCount = field(default_factory=LazyCount)  # D2O's merges; read as `merged`
-    seconds: float = 0.0
-    layer_state: list[dict] = field(default_factory=list)
-    carry_stack: torch.Tensor | None = None  # [L, H, k]: the carried scores the layers' entries view
-    # per layer: floats or 0-dim device tensors (read where reported, `report.stats`)
-    layer_stats: dict[str, list[float | torch.Tensor]] = field(default_factory=dict)
-    prefix_digest: str = ""
-    digest_kv: int = 0  # slots the digests cover: the shared prefix at admission
-    prefix_digest_end: str = ""
-    # debug (KVEVICT_DEBUG=1): logical positions held by row slots [0, m) per layer and KV head, the
-    # logical tokens they stand for, and the events a test oracle replays (see `debug_event`).
-    dbg_pos: torch.Tensor | None = None
-    dbg_tokens: int = 0
-    timeline: list[dict] = field(default_factory=list)
+    policy_state: PolicyState = field(default_factory=PolicyState)
+    counters: Counters = field(default_factory=Counters)
+    debug: DebugTrace = field(default_factory=DebugTrace)
     # host tier (recall.py): entries per (layer, head) per request, at most this many per turn
     recall: int = 0
     recall_due: bool = False  # a prefill ran: recall once its compression has committed
@@ -152,7 +207,6 @@ class ReqState:
     host: host_tier.HostEntries | None = None  # the host entries this request owns
     host_src: CompressedNode | None = None  # the adopted history, whose entries move at first commit
     host_peak: int = 0
-    kv_peak: int = 0  # the most slots the row held at a decode step's start (appended columns included)
     recalled: int = 0
     recalled_appended: int = 0  # of `recalled`, the entries appended (moved one way, not exchanged)
     bytes_moved: int = 0
@@ -169,11 +223,6 @@ class ReqState:
         host_tier.release(self.ctx.host, self.host)
         self.host = None
 
-    @property
-    def merged(self) -> int:
-        """Evicted tokens merged into kept ones (D2O), read here (a host sync), not in the step."""
-        return self.merged_count.value()
-
     def compacted(self, n: int, k: int, tail: int) -> None:
         """A compression kept `k` of the region's `n` slots, its last `tail` kept ones raw
         (`SlotMap.compacted`)."""
@@ -186,13 +235,7 @@ class ReqState:
         self.slot_map.unevicted(count)
         self.appended += count
         self.recalled_into_history = True
-        self.carry_stack = None
-        at = self.slot_map.comp_slots - count  # where the new entries sit: right after the old history
-        for d in self.layer_state:  # per-slot carried scores: the new entries carry none yet
-            old = d.get("carried")
-            if old is not None and old.shape[-1] >= at:
-                pad = old.new_zeros(*old.shape[:-1], count)
-                d["carried"] = torch.cat([old[..., :at], pad, old[..., at:]], dim=-1)
+        self.policy_state.slots_inserted(self.slot_map.comp_slots - count, count)
 
     def move_anchor(self, node: Any, tokens: int, slots: int, drop_history: bool) -> None:
         """The branch point moved down to `node`, `tokens` tokens held in `slots` slots further. With
@@ -200,7 +243,7 @@ class ReqState:
         shared now, and its evictions stop being the request's own."""
         self.slot_map.move_anchor(node, tokens, slots, drop_history)
         if drop_history:
-            self.layer_state = []
+            self.policy_state.layers = []
             self.host_src = None  # that history is shared now: its host entries stay with it
 
     @property
@@ -212,25 +255,6 @@ class ReqState:
         """The request's config recalls (a commit request's included: the tree then keeps a branch's
         stored history the branch's own, `tree.last_shared`); `demote.enabled` adds `active`."""
         return self.recall > 0 and self.ctx.host is not None
-
-    # -- debug timeline -----------------------------------------------------------------------------
-    def debug_positions(self, kv_len: int) -> torch.Tensor:
-        """`[L, H, kv_len]` logical positions of the row's first `kv_len` slots (tail slots are 1:1)."""
-        pos = self.dbg_pos
-        m = 0 if pos is None else pos.shape[-1]
-        if pos is not None and kv_len <= m:
-            return pos[..., :kv_len]
-        tail = torch.arange(self.dbg_tokens, self.dbg_tokens + kv_len - m, dtype=torch.int64)
-        if pos is None:
-            return tail
-        tail = tail.view(1, 1, -1).expand(pos.shape[0], pos.shape[1], -1)
-        return torch.cat([pos, tail], dim=-1)
-
-    def debug_event(self, pos: torch.Tensor, tokens: int) -> None:
-        """Record that the row now holds `pos` ([L, H, m]) and that logical tokens >= `tokens` follow."""
-        self.dbg_pos, self.dbg_tokens = pos, tokens
-        # exported as sets (sorted): a recall swap leaves a head's slots out of position order
-        self.timeline.append({"tokens": tokens, "positions": pos.sort(dim=-1).values.tolist()})
 
 
 # Every live ReqState, weakly: a soak checks that none outlives its request (a leak would grow the RSS).
@@ -294,19 +318,19 @@ def on_match(req: Any, ctx: KvEvictContext, region: Any, prefix_pos: torch.Tenso
     s.releasing = False
     s.pending = None  # planned against slots the request no longer holds
     # Per-head policy state (D2O's tau) survives a retraction; per-slot entries do not (the slots change).
-    s.layer_state = [{k: v for k, v in d.items() if k != "carried"} for d in s.layer_state]
+    s.policy_state.layers = [{k: v for k, v in d.items() if k != "carried"} for d in s.policy_state.layers]
     first = region.first
     s.host_src = None
     if first is not None and is_compressed(first):
         s.host_src = first  # its host entries, if any, move to the request at its first commit
         m.comp_slots, m.comp_tokens = len(first.value), len(first.key)
         m.own_evicted = m.inherited_evicted = m.comp_tokens - m.comp_slots
-        s.layer_state = copy_layer_state(first.layer_state)
+        s.policy_state.layers = copy_layer_state(first.layer_state)
     if prefix_pos is not None:
         if not s.ran:  # a waiting request is matched again at every scheduling pass: keep the last
-            s.timeline = []
+            s.debug.timeline = []
         s.ran = False
-        s.debug_event(prefix_pos, region.tokens)
+        s.debug.event(prefix_pos, region.tokens)
     return s
 
 

@@ -250,8 +250,10 @@ class KvEvictRadixCache(RadixCache):
                 self._path_positions(path) if st.DEBUG else None,
             )
             if st.DEBUG:  # the shared prefix before the branch point: compression must never change it
-                s.digest_kv = s.slot_map.anchor_kv
-                s.prefix_digest = self.prefix_digest(self.path_device_indices(node)[: s.slot_map.anchor_kv])
+                s.debug.digest_kv = s.slot_map.anchor_kv
+                s.debug.prefix_digest = self.prefix_digest(
+                    self.path_device_indices(node)[: s.slot_map.anchor_kv]
+                )
         if tokens == kv:
             return MatchResult(
                 device_prefix_len=kv, last_device_node=node, last_host_node=node, best_match_node=node
@@ -457,7 +459,7 @@ class KvEvictRadixCache(RadixCache):
             return
         if s.slot_map.comp_tokens > 0:  # (may hold 0 slots: e.g. streaming keeps only the newest tokens)
             cval = row[kpos : kpos + s.slot_map.comp_slots].to(torch.int64)
-            cpos = s.debug_positions(kpos + s.slot_map.comp_slots)[..., kpos:] if st.DEBUG else None
+            cpos = s.debug.positions(kpos + s.slot_map.comp_slots)[..., kpos:] if st.DEBUG else None
             res = self._insert_compressed(
                 node, rkey(tpos, tpos + s.slot_map.comp_tokens), cval, priority, s.fp, cpos
             )
@@ -467,7 +469,7 @@ class KvEvictRadixCache(RadixCache):
                 return
             cnode, dup = res
             if not dup:  # the policy's per-head state continues in the branch's next turn
-                cnode.layer_state = st.copy_layer_state(s.layer_state, s.slot_map.comp_slots)
+                cnode.layer_state = st.copy_layer_state(s.policy_state.layers, s.slot_map.comp_slots)
             if req.finished() or s.releasing:
                 self._hand_over_host(s, cnode)
             if dup:  # free our copy, never slots the tree owns (an adopted branch history is the node itself)
@@ -574,8 +576,8 @@ class KvEvictRadixCache(RadixCache):
         if s is not None and not req.finished():
             return  # retraction: the request comes back, with its counters, failure flag and policy state
         if st.DEBUG and s is not None and s.slot_map.anchor is not None:
-            s.prefix_digest_end = self.prefix_digest(
-                self.req_to_token_pool.req_to_token[row, : s.digest_kv]
+            s.debug.prefix_digest_end = self.prefix_digest(
+                self.req_to_token_pool.req_to_token[row, : s.debug.digest_kv]
                 if row is not None
                 else self._empty_device_indices
             )

@@ -165,7 +165,7 @@ def _compress_batch(batch, ctx: KvEvictContext | None = None) -> None:
             freed[i] -= recall.after_compress(r, phase == "decode")  # a recall may append slots
             s = st.get(r)
             if s is not None:
-                s.kv_peak = max(s.kv_peak, int(r.kv.kv_committed_len))
+                s.counters.kv_peak = max(s.counters.kv_peak, int(r.kv.kv_committed_len))
     rt.totals.step_seconds_max = max(rt.totals.step_seconds_max, time.perf_counter() - t0)
     if any(freed):
         delta = torch.tensor(freed, dtype=batch.seq_lens_cpu.dtype)
@@ -400,7 +400,7 @@ def _req_view(req: Any) -> dict[str, Any]:
             "policy": s.cfg.policy,
             "pending": s.pending is not None,
             "deferred": s.deferred,
-            "compressions": s.compressions,
+            "compressions": s.counters.compressions,
             "failed": s.failed,
             "offset": s.slot_map.offset,
         }
