@@ -443,7 +443,7 @@ def account(job: Job, k: int, tail: int, keep: torch.Tensor | None, dt: float, a
         s.debug.event(pos, s.slot_map.tokens_for(a + n + after))
     s.compacted(n, k, tail)
     if job.phase != "decode":  # folded into the budget: the turn's appended columns are gone
-        s.appended = 0
+        s.recall.appended = 0
     s.counters.compressions += 1
     s.counters.seconds += dt
     tot = rt.totals

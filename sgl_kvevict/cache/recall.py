@@ -76,36 +76,36 @@ def tick(req: Any) -> None:
     """A decode step of a request with recall on: every `--kv-recall-config` `every` steps its newest window
     queries recall again (a turn's answer may need what its prompt did not look at)."""
     s = st.get(req)
-    if s is None or not s.recall:
+    if s is None or not s.recall.tokens:
         return
     every = s.ctx.settings.recall.every
     if not every:
         return
-    s.recall_steps += 1
-    if s.recall_steps >= every:
-        s.recall_due = True
+    s.recall.steps += 1
+    if s.recall.steps >= every:
+        s.recall.due = True
 
 
 def due_next_step(req: Any) -> bool:
     """Whether the request's next decode step recalls (`tick` will make it due): the scheduler then
     processes the pending step's results first, so the recall sees the request's committed length."""
     s = st.get(req)
-    if s is None or not s.recall or s.host is None and s.host_src is None:
+    if s is None or not s.recall.tokens or s.recall.host is None and s.recall.host_src is None:
         return False
     every = s.ctx.settings.recall.every
-    return bool(every) and s.recall_steps + 1 >= every
+    return bool(every) and s.recall.steps + 1 >= every
 
 
 def due(req: Any) -> bool:
     s = st.get(req)
-    return s is not None and s.recall_due and s.pending is None and not s.after_extend
+    return s is not None and s.recall.due and s.pending is None and not s.after_extend
 
 
 def own(s: st.ReqState, length: int) -> int:
     """How many of the row's newest `length` logical tokens are the turn's own. A turn's recall scores
     with those queries only: a window reaching back into the previous turn would bring back what that
     turn's answer read (its note), not what this turn asks for."""
-    return length - (s.turn_start or 0)
+    return length - (s.recall.turn_start or 0)
 
 
 def safe_recall(req: Any) -> int:
@@ -113,7 +113,7 @@ def safe_recall(req: Any) -> int:
     s = st.get(req)
     if s is None:
         return 0
-    s.recall_due = False
+    s.recall.due = False
     return _degrading(req, s, recall, "recall")
 
 
@@ -155,24 +155,29 @@ def recall(req: Any, s: st.ReqState) -> int:
     the captured window's queries, after the turn's compression. Returns the entries swapped in."""
     demote.take(s)
     kv = req.kv
-    if s.host is None or s.host.count == 0 or s.pending is not None or s.slot_map.comp_slots == 0:
-        s.recall_skipped += 1  # nothing on the host (or no compacted history to swap into)
+    if (
+        s.recall.host is None
+        or s.recall.host.count == 0
+        or s.pending is not None
+        or s.slot_map.comp_slots == 0
+    ):
+        s.recall.skipped += 1  # nothing on the host (or no compacted history to swap into)
         return 0
     if not compressor.own_region(req, s):
-        s.recall_skipped += 1  # the history sits in shared slots and no own copy could be made
+        s.recall.skipped += 1  # the history sits in shared slots and no own copy could be made
         return 0
     kv_len = int(kv.kv_committed_len)
     lo, hi = _displaceable(s)
     length = s.slot_map.tokens_for(kv_len)
     # a turn's start scores with its own tokens' window queries; a decode-time recall with the queries of
     # the steps since the last recall only (the answer forming now, not the prompt the start already used)
-    fresh, s.recall_steps = s.recall_steps, 0
+    fresh, s.recall.steps = s.recall.steps, 0
     w = min(capture.count(s.ctx, kv.req_pool_idx, length), kv_len - hi, fresh or own(s, length))
-    r = min(s.recall, hi - lo, s.host.count)
+    r = min(s.recall.tokens, hi - lo, s.recall.host.count)
     if fresh:  # during decode: at most one page per step since the last recall (bounds a step's bytes)
         r = min(r, fresh * s.ctx.settings.recall.page)
     if r <= 0 or w <= 0:
-        s.recall_skipped += 1
+        s.recall.skipped += 1
         return 0
     one = Recall.start(req, s, kv_len, length, lo, hi, r)
     try:
@@ -188,9 +193,9 @@ def recall(req: Any, s: st.ReqState) -> int:
 def safe_append(req: Any) -> int:
     """`append`, degrading the request's recall on a failure. Returns the slots the row grew by."""
     s = st.get(req)
-    if s is None or not s.append_due:
+    if s is None or not s.recall.append_due:
         return 0
-    s.append_due = False
+    s.recall.append_due = False
     return _degrading(req, s, append, "recall (append)")
 
 
@@ -204,7 +209,12 @@ def append(req: Any, s: st.ReqState) -> int:
     the turn's other recalls are unchanged)."""
     demote.take(s)
     kv, rt = req.kv, s.ctx.rt
-    if s.host is None or s.host.count == 0 or s.pending is not None or s.slot_map.comp_slots == 0:
+    if (
+        s.recall.host is None
+        or s.recall.host.count == 0
+        or s.pending is not None
+        or s.slot_map.comp_slots == 0
+    ):
         return 0
     if kv.kv_allocated_len != kv.kv_committed_len or not compressor.own_region(req, s):
         return 0
@@ -212,10 +222,12 @@ def append(req: Any, s: st.ReqState) -> int:
     lo, hi = _displaceable(s)
     length = s.slot_map.tokens_for(kv_len)
     w = min(capture.count(s.ctx, kv.req_pool_idx, length), kv_len - hi, own(s, length))
-    a = min(s.recall, s.slot_map.own_evicted, s.host.count, int(rt.req_to_token.shape[1]) - kv_len)
+    a = min(
+        s.recall.tokens, s.slot_map.own_evicted, s.recall.host.count, int(rt.req_to_token.shape[1]) - kv_len
+    )
     paged = None, 0
     while a > 0:  # a paged append picks from the fetched pages: at least (n - 1) * page + 1 real columns
-        paged = _paged(s.ctx, s.host, a)
+        paged = _paged(s.ctx, s.recall.host, a)
         sums, n_sel = paged
         room = a if sums is None else min(a, (n_sel - 1) * sums.page + 1)
         if room == a:
@@ -250,7 +262,7 @@ class _DebugSwap:
 
     def __init__(self, s: st.ReqState, kv_len: int) -> None:
         self.pos = demote.positions(s, kv_len).clone()
-        self.hpos = s.host.positions.clone()
+        self.hpos = s.recall.host.positions.clone()
 
     def apply(self, layer: int, didx: torch.Tensor, hidx: torch.Tensor, swap: torch.Tensor) -> None:
         sl = slice(layer, layer + didx.shape[0])
@@ -260,7 +272,7 @@ class _DebugSwap:
         hpos.scatter_(-1, hidx, torch.where(swap, dp, hp))
 
     def record(self, s: st.ReqState, tokens: int) -> None:
-        s.host.positions = self.hpos
+        s.recall.host.positions = self.hpos
         s.debug.event(self.pos, tokens)
 
 
@@ -292,7 +304,7 @@ def exchange(
     swap = (hs > -cs) & (hs >= cfg.recall.min_score)
     counts = swap.sum(-1)  # hs falls and the displaced score rises with i, so swap is a prefix
     dev_slots = row_slots[lo:hi][cidx]  # [l, H, r]
-    host_cols = s.host.cols.to(pool.k.device)[hidx.to(pool.k.device)]
+    host_cols = s.recall.host.cols.to(pool.k.device)[hidx.to(pool.k.device)]
     if dbg is not None:
         dbg.apply(layer, (cidx + lo).cpu(), hidx.cpu(), swap.cpu())
     layers = range(layer, layer + int(row_sc.shape[0]))
@@ -315,12 +327,12 @@ def _account(s: st.ReqState, swapped: int, one_way: bool = False) -> None:
     """Counters of one recall (a turn's, or a decode-time one): entries in, bytes both ways (an append
     moves them one way)."""
     rt, pool = s.ctx.rt, s.ctx.host
-    s.recalled_into_history = s.recalled_into_history or swapped > 0
+    s.recall.changed_history = s.recall.changed_history or swapped > 0
     moved = swapped * 2 * rt.head_dim * rt.k_buffer(0).element_size() * (1 if one_way else 2)
-    s.recalled += swapped
-    s.recalled_appended += swapped if one_way else 0
-    s.bytes_moved += moved
-    s.host_peak = max(s.host_peak, s.host.count if s.host is not None else 0)
+    s.recall.recalled += swapped
+    s.recall.recalled_appended += swapped if one_way else 0
+    s.recall.bytes_moved += moved
+    s.recall.host_peak = max(s.recall.host_peak, s.recall.host.count if s.recall.host is not None else 0)
     tot = pool.totals
     tot.recalled += swapped
     tot.bytes_moved += moved
@@ -430,13 +442,13 @@ class Recall:
         decode: bool = False,
         paged: tuple[host.PageSummaries | None, int] | None = None,
     ) -> Recall:
-        """`paged`: `_paged(s.host, r)` when the caller has it already."""
+        """`paged`: `_paged(s.recall.host, r)` when the caller has it already."""
         pool = s.ctx.host
-        pool.touch(s.host)
-        sums, n_sel = paged if paged is not None else _paged(s.ctx, s.host, r)
+        pool.touch(s.recall.host)
+        sums, n_sel = paged if paged is not None else _paged(s.ctx, s.recall.host, r)
         row_slots = s.ctx.rt.req_to_token[req.kv.req_pool_idx, :m].to(torch.int64)
-        dbg = _DebugSwap(s, m) if st.DEBUG and s.host.positions is not None else None
-        cols = s.host.cols.to(pool.k.device)
+        dbg = _DebugSwap(s, m) if st.DEBUG and s.recall.host.positions is not None else None
+        cols = s.recall.host.cols.to(pool.k.device)
         return cls(req, s, m, tokens, lo, hi, r, row_slots, cols, sums, n_sel, dbg, decode)
 
     def layer(self, layer: int, q: torch.Tensor, causal: bool) -> None:
@@ -480,8 +492,10 @@ class Recall:
         if cand is not None:  # the swap wrote displaced entries into the fetched pages: re-summarise them
             now = _host_keys(pool, layer, self.cols[cand.to(pool.k.device)], heads).to(dev).transpose(0, 1)
             K.refresh_pages(*self.sums.at(layer), page_ids, now, valid)
-        elif self.s.host.summaries is not None:  # scored flat: the swapped columns' summaries are stale
-            self.s.host.summaries = None
+        elif (
+            self.s.recall.host.summaries is not None
+        ):  # scored flat: the swapped columns' summaries are stale
+            self.s.recall.host.summaries = None
 
     def append_layer(self, layer: int, host_sc: torch.Tensor, cand: torch.Tensor | None) -> None:
         """Append mode at `layer`: each KV head's best `a` host entries go to the fresh slots `new` (no
@@ -512,8 +526,8 @@ class Recall:
             cols, ok = K.gather_columns(page_ids, sm.page, c2)
             now = _host_keys(pool, layer, self.cols[cols.to(pool.k.device)], heads).to(self.row_slots.device)
             K.refresh_pages(*sm.at(layer), page_ids, now.transpose(0, 1), ok)
-        elif s.host.summaries is not None:
-            s.host.summaries = None
+        elif s.recall.host.summaries is not None:
+            s.recall.host.summaries = None
 
     def rollback(self, what: str) -> None:
         """A failure part-way (some layers swapped): swap those layers back, newest first, so the row and
@@ -529,8 +543,8 @@ class Recall:
             self.done.clear()
         except Exception:
             logger.exception("kvevict: undoing a failed recall failed")
-        if self.s.host is not None:
-            self.s.host.summaries = None
+        if self.s.recall.host is not None:
+            self.s.recall.host.summaries = None
         demote.fail(self.s, what)
 
     def _undo_append(self, layer: int, hidx: torch.Tensor) -> None:
@@ -572,7 +586,7 @@ class Recall:
             for li in range(rt.n_layers):
                 s.ctx.stats[li][self.new] = float("nan")
         rt.tree.offsets[kv.req_pool_idx] = s.slot_map.offset
-        e = s.host
+        e = s.recall.host
         c2 = e.count - a
         pool.give_back(e.cols[c2:])
         e.cols = e.cols[:c2].clone()
@@ -622,13 +636,13 @@ def after_compress(req: Any, decode: bool) -> int:
         return 0
     grown = 0 if decode else safe_append(req)
     if grown:
-        s.recall_due = False  # the append brought back the turn's best entries
+        s.recall.due = False  # the append brought back the turn's best entries
     stale = disarm(s.ctx, req.kv.req_pool_idx) if req.kv.req_pool_idx is not None else None
     if stale is not None and stale.s is s:  # armed for a forward that ran without the hook
-        s.recall_due = True
+        s.recall.due = True
         if stale.decode:
             s.ctx.graphed = True
-            s.recall_steps = max(s.recall_steps, 1)
+            s.recall.steps = max(s.recall.steps, 1)
     if decode:
         tick(req)
     if not due(req):
@@ -657,9 +671,9 @@ def arm(req: Any, s: st.ReqState, decode: bool = False) -> bool:
         one = None
     if one is None:
         return False
-    s.recall_due = False
+    s.recall.due = False
     s.ctx.armed[row] = one
-    s.ctx.host.in_use[row] = s.host  # the LRU must not take what the forward will read and write
+    s.ctx.host.in_use[row] = s.recall.host  # the LRU must not take what the forward will read and write
     return True
 
 
@@ -678,23 +692,23 @@ def _plan_arm(req: Any, s: st.ReqState, decode: bool) -> Recall | None:
         if req.extend_end < len(req.origin_input_ids) + len(req.output_ids):
             return None  # a chunk with more to come: the last chunk's queries recall
     demote.take(s)
-    if s.host is None or s.host.count == 0 or s.slot_map.comp_slots == 0:
+    if s.recall.host is None or s.recall.host.count == 0 or s.slot_map.comp_slots == 0:
         return None
     if decode:
         if kv.cache_protected_len > s.slot_map.anchor_kv:
             return None  # the history is not the request's own yet (`recall` copies it)
         m = int(kv.kv_committed_len)
         tokens = s.slot_map.tokens_for(m)
-        fresh, s.recall_steps = max(1, s.recall_steps), 0
+        fresh, s.recall.steps = max(1, s.recall.steps), 0
         cap = fresh * s.ctx.settings.recall.page
     else:
         m = s.slot_map.slots_for(int(req.prefix_len))
         tokens = int(req.prefix_len)
         if not compressor.own_region(req, s, upto=m):
             return None
-        cap = s.recall
+        cap = s.recall.tokens
     lo, hi = _displaceable(s)
-    r = min(s.recall, hi - lo, s.host.count, cap)
+    r = min(s.recall.tokens, hi - lo, s.recall.host.count, cap)
     if r <= 0:
         return None
     return Recall.start(req, s, m, tokens, lo, hi, r, decode)

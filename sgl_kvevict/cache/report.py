@@ -33,15 +33,15 @@ def stats(req: Any) -> dict[str, Any] | None:
         "seconds": round(s.counters.seconds, 4),
         "failed": s.failed,
     }
-    if s.recall > 0 or s.recalled:
+    if s.recall.tokens > 0 or s.recall.recalled:
         out.update(
-            recall_tokens=s.recall,
-            recalled=s.recalled,
-            appended=s.recalled_appended,
-            bytes_moved=s.bytes_moved,
-            host_tokens=s.host_peak,
+            recall_tokens=s.recall.tokens,
+            recalled=s.recall.recalled,
+            appended=s.recall.recalled_appended,
+            bytes_moved=s.recall.bytes_moved,
+            host_tokens=s.recall.host_peak,
             peak_kv_tokens=max(s.counters.kv_peak, int(req.kv.kv_committed_len)),
-            recall_skipped=s.recall_skipped,
+            recall_skipped=s.recall.skipped,
         )
     if st.DEBUG:
         out["prefix_digest"] = s.debug.prefix_digest

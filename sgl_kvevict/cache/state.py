@@ -1,7 +1,20 @@
 """Per-request compression state, kept on the `Req` object (SGLang's `ReqKvInfo` has `slots=True`).
 
-`ReqState` is the one object that knows how a request's logical tokens map to its KV slots; every hook
-converts through its methods (`slots_for`, `tokens_for`) instead of doing its own arithmetic.
+`ReqState` holds the request's config, policy, server context and lifecycle flags, and one object per
+concern:
+
+- `slot_map` (`SlotMap`): how the request's logical tokens map to its KV slots (anchor, compacted
+  history, evicted counts). It is the one place that knows; every hook converts through its methods
+  (`slots_for`, `tokens_for`, `offset`) instead of doing its own arithmetic.
+- `policy_state` (`PolicyState`): what the policy carries from one compression to the next (per-layer
+  entries, carried scores) and what it measured (merges, per-layer statistics).
+- `recall` (`RecallState`): the host-tier entries the request owns, where it stands in a turn's
+  recalls, and its recall counters.
+- `counters` (`Counters`): compressions, seconds spent, the row's peak slots.
+- `debug` (`DebugTrace`, KVEVICT_DEBUG=1 only): prefix digests and the kept-position timeline.
+
+Moves that change several parts at once (a compression's commit, a recall's append, the anchor moving
+down) are `ReqState` methods (`compacted`, `unevicted`, `move_anchor`).
 
 Row layout of a request under compression (KV space, i.e. positions in its `req_to_token` row):
 
@@ -183,12 +196,44 @@ class DebugTrace:
 
 
 @dataclass
+class RecallState:
+    """The request's host-tier entries (`demote.py` fills them, `recall.py` brings them back), where it
+    stands in a turn's recalls, and what its recalls did."""
+
+    tokens: int = 0  # entries per layer and KV head a turn may recall (0: recall off)
+    host: host_tier.HostEntries | None = None  # the host entries this request owns
+    host_src: CompressedNode | None = None  # the adopted history, whose entries move at first commit
+    # logical tokens before this turn's own: recall scores with the turn's queries only (`recall.own`)
+    turn_start: int | None = None
+    due: bool = False  # a prefill ran: recall once its compression has committed
+    append_due: bool = False  # a prefill ran: append recalled columns once its compression committed
+    appended: int = 0  # columns recall appended this turn: the turn's decode budget grows by them
+    steps: int = 0  # decode steps since the last recall
+    # a recall swapped entries into the compacted history since it was last formed: it is no longer
+    # the stored node it was adopted from (the tree must not treat it as a duplicate of that node)
+    changed_history: bool = False
+    # counters, reported in `meta_info` (`report.stats`)
+    recalled: int = 0
+    recalled_appended: int = 0  # of `recalled`, the entries appended (moved one way, not exchanged)
+    bytes_moved: int = 0
+    skipped: int = 0
+    host_peak: int = 0
+
+    def drop_host(self, pool: host_tier.HostPool | None) -> None:
+        """Give the request's host entries back to `pool`: no stored history took them."""
+        host_tier.release(pool, self.host)
+        self.host = None
+
+
+@dataclass
 class ReqState:
+    """One request's compression state: what it runs with, where it stands, and one part per concern."""
+
     cfg: KvConfig
     policy: Policy
     ctx: KvEvictContext  # the server this request runs on (pools, host tier, capture, settings)
-    fp: str | None = None
-    slot_map: SlotMap = field(default_factory=SlotMap)
+    fp: str | None = None  # `fingerprint` of cfg and policy
+    # lifecycle
     after_extend: bool = False  # the next compression check is the one right after a prefill
     releasing: bool = False  # released unfinished (retraction): the tree checkpoint gets a slot count
     failed: bool = False
@@ -196,45 +241,25 @@ class ReqState:
     pending: Any = None  # compressor.Pending: a compression planned over several steps, not committed yet
     ran: bool = False  # KV was allocated since the last match (a later match is a re-admission)
     commit: bool = False  # generates nothing: a prefix commit (SGLang's frontend before `fork`), kept whole
+    # the parts
+    slot_map: SlotMap = field(default_factory=SlotMap)
     policy_state: PolicyState = field(default_factory=PolicyState)
     counters: Counters = field(default_factory=Counters)
     debug: DebugTrace = field(default_factory=DebugTrace)
-    # host tier (recall.py): entries per (layer, head) per request, at most this many per turn
-    recall: int = 0
-    recall_due: bool = False  # a prefill ran: recall once its compression has committed
-    append_due: bool = False  # a prefill ran: append recalled columns once its compression committed
-    appended: int = 0  # columns recall appended this turn: the turn's decode budget grows by them
-    host: host_tier.HostEntries | None = None  # the host entries this request owns
-    host_src: CompressedNode | None = None  # the adopted history, whose entries move at first commit
-    host_peak: int = 0
-    recalled: int = 0
-    recalled_appended: int = 0  # of `recalled`, the entries appended (moved one way, not exchanged)
-    bytes_moved: int = 0
-    recall_skipped: int = 0
-    recall_steps: int = 0
-    # logical tokens before this turn's own: recall scores with the turn's queries only (`recall.own`)
-    turn_start: int | None = None
-    # a recall swapped entries into the compacted history since it was last formed: it is no longer
-    # the stored node it was adopted from (the tree must not treat it as a duplicate of that node)
-    recalled_into_history: bool = False
-
-    def drop_host(self) -> None:
-        """Give the request's host entries back to the pool: no stored history took them."""
-        host_tier.release(self.ctx.host, self.host)
-        self.host = None
+    recall: RecallState = field(default_factory=RecallState)
 
     def compacted(self, n: int, k: int, tail: int) -> None:
         """A compression kept `k` of the region's `n` slots, its last `tail` kept ones raw
         (`SlotMap.compacted`)."""
         self.slot_map.compacted(n, k, tail)
-        self.recalled_into_history = False  # re-formed: its tokens name a new history
+        self.recall.changed_history = False  # re-formed: its tokens name a new history
 
     def unevicted(self, count: int) -> None:
         """A recall appended `count` host entries per layer and KV head to the compacted history: the row
         holds `count` more slots for the same tokens (fewer evicted), until a compression folds them."""
         self.slot_map.unevicted(count)
-        self.appended += count
-        self.recalled_into_history = True
+        self.recall.appended += count
+        self.recall.changed_history = True
         self.policy_state.slots_inserted(self.slot_map.comp_slots - count, count)
 
     def move_anchor(self, node: Any, tokens: int, slots: int, drop_history: bool) -> None:
@@ -244,7 +269,7 @@ class ReqState:
         self.slot_map.move_anchor(node, tokens, slots, drop_history)
         if drop_history:
             self.policy_state.layers = []
-            self.host_src = None  # that history is shared now: its host entries stay with it
+            self.recall.host_src = None  # that history is shared now: its host entries stay with it
 
     @property
     def active(self) -> bool:
@@ -254,7 +279,7 @@ class ReqState:
     def recall_on(self) -> bool:
         """The request's config recalls (a commit request's included: the tree then keeps a branch's
         stored history the branch's own, `tree.last_shared`); `demote.enabled` adds `active`."""
-        return self.recall > 0 and self.ctx.host is not None
+        return self.recall.tokens > 0 and self.ctx.host is not None
 
 
 # Every live ReqState, weakly: a soak checks that none outlives its request (a leak would grow the RSS).
@@ -278,7 +303,8 @@ def ensure(req: Any, ctx: KvEvictContext) -> ReqState:
             cfg = base
         policy = cfg.build()
         recall = recall_tokens(cfg, ctx) if cfg.active else 0
-        s = ReqState(cfg=cfg, policy=policy, ctx=ctx, fp=fingerprint(cfg, policy, recall), recall=recall)
+        fp = fingerprint(cfg, policy, recall)
+        s = ReqState(cfg=cfg, policy=policy, ctx=ctx, fp=fp, recall=RecallState(tokens=recall))
         LIVE[id(s)] = s
         s.commit = getattr(req.sampling_params, "max_new_tokens", None) == 0
         setattr(req, ATTR, s)
@@ -313,16 +339,16 @@ def on_match(req: Any, ctx: KvEvictContext, region: Any, prefix_pos: torch.Tenso
     s = ensure(req, ctx)
     m = s.slot_map = SlotMap(region.anchor, region.anchor_tokens, region.anchor_kv)
     m.reused_evicted = region.tokens - region.kv
-    s.recalled_into_history = False
-    s.appended = 0
+    s.recall.changed_history = False
+    s.recall.appended = 0
     s.releasing = False
     s.pending = None  # planned against slots the request no longer holds
     # Per-head policy state (D2O's tau) survives a retraction; per-slot entries do not (the slots change).
     s.policy_state.layers = [{k: v for k, v in d.items() if k != "carried"} for d in s.policy_state.layers]
     first = region.first
-    s.host_src = None
+    s.recall.host_src = None
     if first is not None and is_compressed(first):
-        s.host_src = first  # its host entries, if any, move to the request at its first commit
+        s.recall.host_src = first  # its host entries, if any, move to the request at its first commit
         m.comp_slots, m.comp_tokens = len(first.value), len(first.key)
         m.own_evicted = m.inherited_evicted = m.comp_tokens - m.comp_slots
         s.policy_state.layers = copy_layer_state(first.layer_state)

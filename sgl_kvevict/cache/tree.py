@@ -449,7 +449,7 @@ class KvEvictRadixCache(RadixCache):
 
         if (
             s.slot_map.comp_tokens > 0
-            and s.recalled_into_history
+            and s.recall.changed_history
             and self._stored_history(node, rkey(tpos, tpos + s.slot_map.comp_tokens), s.fp) is not None
         ):
             # a recall changed the adopted history in place: the node stored with its tokens holds what
@@ -464,7 +464,7 @@ class KvEvictRadixCache(RadixCache):
                 node, rkey(tpos, tpos + s.slot_map.comp_tokens), cval, priority, s.fp, cpos
             )
             if res is None:  # a different history with the same tokens is stored: keep it, free ours
-                s.drop_host()
+                s.recall.drop_host(s.ctx.host)
                 self.relock(req, node, kpos)
                 return
             cnode, dup = res
@@ -500,8 +500,8 @@ class KvEvictRadixCache(RadixCache):
     def _hand_over_host(s: st.ReqState, cnode: CompressedNode) -> None:
         """A stored history owns the host entries of the request that produced it (they move). A
         duplicate node keeps its own; the request's go back to the pool."""
-        mine = s.host
-        s.host = None
+        mine = s.recall.host
+        s.recall.host = None
         if mine is None:
             return
         held = cnode.host_entries
@@ -587,5 +587,5 @@ class KvEvictRadixCache(RadixCache):
             except Exception:
                 logger.exception("kvevict: could not report stats for request %s", req.rid)
         if s is not None:  # host entries no stored history took
-            s.drop_host()
+            s.recall.drop_host(s.ctx.host)
         st.drop(req)

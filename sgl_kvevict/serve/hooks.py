@@ -102,19 +102,19 @@ def _after_extend_alloc(ctx: KvEvictContext | None, reqs: list, offs: list[int])
         if s is None:
             continue
         s.ran = True
-        if s.turn_start is None:  # the turn's first chunk: what it matched is the history before it
-            s.turn_start = int(r.prefix_len)
+        if s.recall.turn_start is None:  # the turn's first chunk: what it matched is the history before it
+            s.recall.turn_start = int(r.prefix_len)
         if not s.active:
             continue
         s.after_extend = True
-        s.recall_due = s.recall > 0
-        s.append_due = s.recall > 0 and ctx.settings.recall.append == "on"
-        s.recall_steps = 0
-        needs_window = "attn" in s.policy.needs or s.recall > 0
+        s.recall.due = s.recall.tokens > 0
+        s.recall.append_due = s.recall.tokens > 0 and ctx.settings.recall.append == "on"
+        s.recall.steps = 0
+        needs_window = "attn" in s.policy.needs or s.recall.tokens > 0
         if needs_window and not capture.ensure(ctx, row, s.policy.config.window, r.prefix_len):
             if "attn" not in s.policy.needs:  # only recall needed the queries: compress without it
-                s.recall = 0
-                s.recall_due = False
+                s.recall.tokens = 0
+                s.recall.due = False
                 continue
             s.failed = True  # no capture slot: nothing to score with, so no compression at all
             rt.totals.capture_refused += 1
@@ -126,7 +126,7 @@ def _after_extend_alloc(ctx: KvEvictContext | None, reqs: list, offs: list[int])
                 s.policy.config.window,
             )
             continue
-        if s.recall_due:
+        if s.recall.due:
             recall.arm(r, s)  # it recalls inside its prefill, layer by layer (else after its compression)
 
 
