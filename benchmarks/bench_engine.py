@@ -65,7 +65,7 @@ def measure(pools: Pools, policy: str, batch: int, n: int, budget, reps: int) ->
 
     b = fresh()
     hooks._compress_batch(b)  # warm-up
-    compressed = sum(1 for r in b.reqs if st.get(r).compressions > 0)
+    compressed = sum(1 for r in b.reqs if st.get(r).counters.compressions > 0)
     walls = []
     for _ in range(reps):
         b = fresh()

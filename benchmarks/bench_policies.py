@@ -217,7 +217,7 @@ def compression_step(
 ) -> int:
     """One step on a private region, as `compressor.compress` runs it; returns the kept count.
 
-    `states`: the per-layer policy state a previous compression left (the runner's `layer_state`);
+    `states`: the per-layer policy state a previous compression left (the runner's `PolicyState.layers`);
     it is updated as the runner does (carried scores of the kept tokens). `stats`: the per-slot
     ||v W_O||_1 buffer `[layers, pool, Hkv]`, read, written back and compacted as the runner does."""
     n = int(slots.numel())

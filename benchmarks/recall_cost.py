@@ -80,31 +80,34 @@ def measure(e: int, budget: int, r: int, new_tokens: int, steps: int) -> dict:
     batch = p.batch(1, e + budget, "streaming", budget)
     req = batch.reqs[0]
     s = st.get(req)
-    s.recall = r
+    s.recall.tokens = r
     with threads.one_thread():
         compressor.compress(req, "prefill")
-    assert s.host is not None and s.host.count >= e - 64, (s.host.count if s.host else 0, e)
+    assert s.recall.host is not None and s.recall.host.count >= e - 64, (
+        s.recall.host.count if s.recall.host else 0,
+        e,
+    )
     # a new turn's prefill: the row's history is the compacted region, the new tokens follow it
     kv_len = int(req.kv.kv_committed_len)
-    req.prefix_len, req.extend_end, req.output_ids = s.tokens_for(kv_len), None, []
-    moved0, in0, read0 = s.bytes_moved, s.recalled, p.ctx.host.totals.keys_read
+    req.prefix_len, req.extend_end, req.output_ids = s.slot_map.tokens_for(kv_len), None, []
+    moved0, in0, read0 = s.recall.bytes_moved, s.recall.recalled, p.ctx.host.totals.keys_read
     assert recall.arm(req, s), "the prefill recall did not arm"
     prefill_s = run_layers(p, forward_batch(p, False, new_tokens), new_tokens)
-    prefill = (s.recalled - in0, s.bytes_moved - moved0, p.ctx.host.totals.keys_read - read0)
+    prefill = (s.recall.recalled - in0, s.recall.bytes_moved - moved0, p.ctx.host.totals.keys_read - read0)
     # the turn's append, with a captured window of random queries at the row's last positions
-    moved0, in0, read0 = s.bytes_moved, s.recalled, p.ctx.host.totals.keys_read
+    moved0, in0, read0 = s.recall.bytes_moved, s.recall.recalled, p.ctx.host.totals.keys_read
     assert capture.ensure(p.ctx, 0, WINDOW, 0)
-    length = s.tokens_for(int(req.kv.kv_committed_len))
+    length = s.slot_map.tokens_for(int(req.kv.kv_committed_len))
     for layer in range(LAYERS):
         q = torch.randn(WINDOW, p.q_heads, DIM, generator=p.gen).to(torch.bfloat16)
         p.store.put(0, layer, q, torch.arange(length - WINDOW, length))
     t0 = time.perf_counter()
     assert recall.append(req, s) > 0, "nothing appended"
     append_s = time.perf_counter() - t0
-    append = (s.recalled - in0, s.bytes_moved - moved0, p.ctx.host.totals.keys_read - read0)
+    append = (s.recall.recalled - in0, s.recall.bytes_moved - moved0, p.ctx.host.totals.keys_read - read0)
     step_s, step_in, step_bytes, step_read = [], [], [], []
     for _ in range(steps):
-        moved0, in0, read0 = s.bytes_moved, s.recalled, p.ctx.host.totals.keys_read
+        moved0, in0, read0 = s.recall.bytes_moved, s.recall.recalled, p.ctx.host.totals.keys_read
         recall.after_compress(req, decode=True)  # due every step: armed for this step's forward
         t0 = time.perf_counter()
         recall.plan_step(p.ctx, [req])  # the scheduler's part before the forward
@@ -113,14 +116,14 @@ def measure(e: int, budget: int, r: int, new_tokens: int, steps: int) -> dict:
         run_layers(p, forward_batch(p, True, 1), 1)
         recall.finish_step(p.ctx)  # and after it
         step_s.append(time.perf_counter() - t0)
-        step_in.append(s.recalled - in0)
-        step_bytes.append(s.bytes_moved - moved0)
+        step_in.append(s.recall.recalled - in0)
+        step_bytes.append(s.recall.bytes_moved - moved0)
         step_read.append(p.ctx.host.totals.keys_read - read0)
-    s.drop_host()
+    s.recall.drop_host(s.ctx.host)
     p.ctx.armed.clear()
     p.ctx.decode_armed.clear()
     return {
-        "host": s.host_peak,
+        "host": s.recall.host_peak,
         "prefill_s": prefill_s,
         "prefill_in": prefill[0],
         "prefill_bytes": prefill[1],

@@ -158,7 +158,13 @@ def _run(rank: Rank, policy: str, config: dict, share_prompt: bool) -> dict:
     rank.tree.checkpoint(req, up_to=kv_len)
     return {
         "freed": freed,
-        "counts": (s.comp_slots, s.comp_tokens, s.own_evicted, s.offset, kv_len),
+        "counts": (
+            s.slot_map.comp_slots,
+            s.slot_map.comp_tokens,
+            s.slot_map.own_evicted,
+            s.slot_map.offset,
+            kv_len,
+        ),
         "row": row.tolist(),
         "tree": _tree_keys(rank.tree),
         "available": rank.alloc.available_size(),
@@ -260,7 +266,7 @@ def test_declared_shared_prefix_is_kept_on_a_first_turn() -> None:
     row_before = rank.r2t.req_to_token[0, :40].clone()
     assert compressor.compress(req, "prefill") > 0
     s = st.get(req)
-    assert s.anchor_tokens == 40 and s.anchor_kv == 40 and len(s.anchor.key) == 40
+    assert s.slot_map.anchor_tokens == 40 and s.slot_map.anchor_kv == 40 and len(s.slot_map.anchor.key) == 40
     assert torch.equal(rank.r2t.req_to_token[0, :40], row_before)  # the declared prefix was not compacted
     assert req.kv.cache_protected_len == 40
 

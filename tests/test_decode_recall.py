@@ -29,9 +29,9 @@ def _ready(n_reqs: int, page: int, floor: float, seed: int = 0, recalls: tuple[i
     with compressor.one_thread():
         for req, r in zip(batch.reqs, recalls, strict=False):
             s = st.get(req)
-            s.recall = r
+            s.recall.tokens = r
             if st.DEBUG:  # the row's logical positions, as a server's match sets them
-                s.dbg_pos, s.dbg_tokens = torch.arange(N).expand(L, H, N).clone(), N
+                s.debug.pos, s.debug.tokens = torch.arange(N).expand(L, H, N).clone(), N
             assert compressor.compress(req, "prefill") > 0
     q = torch.randn(L, n_reqs, H * G, D, generator=torch.Generator().manual_seed(seed + 7)) * 3
     return p, batch.reqs, q
@@ -41,7 +41,7 @@ def _bounds(req) -> tuple[int, int, int]:
     """`(lo, hi, r)` of a decode step's recall, as `recall.arm` computes them (one step since the last)."""
     s = st.get(req)
     lo, hi = recall._displaceable(s)
-    return lo, hi, min(s.recall, hi - lo, s.host.count, s.ctx.settings.recall.page)
+    return lo, hi, min(s.recall.tokens, hi - lo, s.recall.host.count, s.ctx.settings.recall.page)
 
 
 def _held(p: Pools, reqs) -> list[torch.Tensor]:
@@ -49,7 +49,7 @@ def _held(p: Pools, reqs) -> list[torch.Tensor]:
     out = []
     for i, req in enumerate(reqs):
         slots = p.r2t.req_to_token[i, : req.kv.kv_committed_len].long()
-        cols = st.get(req).host.cols
+        cols = st.get(req).recall.host.cols
         for ly in range(L):
             out += [p.kv.get_key_buffer(ly)[slots], p.kv.get_value_buffer(ly)[slots]]
             out += [p.ctx.host.k[ly][cols], p.ctx.host.v[ly][cols]]
@@ -80,32 +80,34 @@ def test_a_step_swaps_what_the_per_request_recall_swaps(
     ref, reqs_ref, q = _ready(n_reqs, page, floor)
     for i, req in enumerate(reqs_ref):  # one query head per request leans on its branch's last host entry:
         s = st.get(req)  # its page, partial when the count is not a multiple of `page`, ranks first
-        assert s.host.count % page or page == 1
-        q[0, i, 0] = ref.ctx.host.k[0][s.host.cols[-1], 0].float() * 4
+        assert s.recall.host.count % page or page == 1
+        q[0, i, 0] = ref.ctx.host.k[0][s.recall.host.cols[-1], 0].float() * 4
     for i, req in enumerate(reqs_ref):
         s = st.get(req)
         m = int(req.kv.kv_committed_len)
-        one = recall.Recall.start(req, s, m, s.tokens_for(m), *_bounds(req))
+        one = recall.Recall.start(req, s, m, s.slot_map.tokens_for(m), *_bounds(req))
         for ly in range(L):
             one.layer(ly, q[ly, i][:, None], causal=False)
         one.finish()
     p, reqs, _ = _ready(n_reqs, page, floor)
     before = [x.clone() for x in _held(p, reqs)]
     one = _step(p, reqs, q)
-    assert decode_recall.finish(p.ctx, one) == sum(st.get(r).recalled for r in reqs_ref) > 0
+    assert decode_recall.finish(p.ctx, one) == sum(st.get(r).recall.recalled for r in reqs_ref) > 0
     for a, b in zip(_held(ref, reqs_ref), _held(p, reqs), strict=True):
         assert torch.equal(a, b)
     assert any(not torch.equal(a, b) for a, b in zip(before, _held(p, reqs), strict=True))
     for r_ref, r in zip(reqs_ref, reqs, strict=True):
         a, b = st.get(r_ref), st.get(r)
-        assert (a.recalled, a.bytes_moved) == (b.recalled, b.bytes_moved)
+        assert (a.recall.recalled, a.recall.bytes_moved) == (b.recall.recalled, b.recall.bytes_moved)
         if debug:
-            assert a.host.positions is not None and torch.equal(a.host.positions, b.host.positions)
-            assert a.timeline[-1] == b.timeline[-1]
+            assert a.recall.host.positions is not None and torch.equal(
+                a.recall.host.positions, b.recall.host.positions
+            )
+            assert a.debug.timeline[-1] == b.debug.timeline[-1]
     assert not p.ctx.host.in_use  # the step's hold on the branches ends with it
     for i, req in enumerate(reqs):  # no padded host column moved
         moved_cols = one.hidx[:, i][one.moved[:, i]]
-        assert int(moved_cols.max()) < st.get(req).host.count
+        assert int(moved_cols.max()) < st.get(req).recall.host.count
     if n_reqs == 2:  # the second request's r = 3 bounded its swaps per layer and head
         assert int(one.moved[:, 1].sum(-1).max()) <= 3
 
@@ -173,7 +175,7 @@ def test_a_failure_inside_the_step_puts_everything_back(monkeypatch):
     assert p.ctx.host.totals.recall_failures == 1 and not p.ctx.host.in_use
     for req in reqs:
         s = st.get(req)
-        assert demote.enabled(s) and s.recall_alone and s.recalled == 0 and not s.failed
-        s.recall_steps = 1
+        assert demote.enabled(s) and s.recall.alone and s.recall.recalled == 0 and not s.failed
+        s.recall.steps = 1
         assert recall.after_compress(req, decode=True) == 0  # alone: recalled now, not armed
-        assert req.kv.req_pool_idx not in p.ctx.decode_armed and s.recalled > 0
+        assert req.kv.req_pool_idx not in p.ctx.decode_armed and s.recall.recalled > 0

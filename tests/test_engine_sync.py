@@ -88,20 +88,20 @@ def _before(pools: Pools, batch: Any, window: int | None) -> list[Before]:
     out = []
     for r in batch.reqs:
         s = st.get(r)
-        assert s.anchor_kv == 0 and s.anchor_tokens == 0, "the region is the whole row"
+        assert s.slot_map.anchor_kv == 0 and s.slot_map.anchor_tokens == 0, "the region is the whole row"
         n, row = r.kv.kv_committed_len, r.kv.req_pool_idx
         slots = pools.r2t.req_to_token[row, :n].long()
         q = None
         if window is not None:  # the capture's ring: the query of logical position p sits at p mod ring
-            e, length = pools.store.entries[row], n + s.own_evicted
+            e, length = pools.store.entries[row], n + s.slot_map.own_evicted
             at = torch.tensor([p % e.ring for p in range(length - window, length)])
             q = [pools.store.buf[e.slot, layer, at].transpose(0, 1).double() for layer in range(LAYERS)]
         out.append(
             Before(
                 n=n,
-                tokens=n + s.own_evicted,
-                evicted=s.own_evicted,
-                comp=s.comp_slots,
+                tokens=n + s.slot_map.own_evicted,
+                evicted=s.slot_map.own_evicted,
+                comp=s.slot_map.comp_slots,
                 k=[pools.kv.get_key_buffer(layer)[slots].double() for layer in range(LAYERS)],
                 v=[pools.kv.get_value_buffer(layer)[slots].double() for layer in range(LAYERS)],
                 q=q,
@@ -271,7 +271,7 @@ def _against_reference(name: str, config: dict, caplog: pytest.LogCaptureFixture
                         scores = _carry(cfg, scores, None if old is None else old[h])
                     ties += _check_topk(scores, kept, n_sink, n_recent, budget)
                     kept_scores.append(scores[kept])
-                got = s.layer_state[layer].get("carried")
+                got = s.policy_state.layers[layer].get("carried")
                 assert (got is not None) == carries
                 if carries:
                     carried[i][layer] = want = torch.stack(kept_scores)
@@ -359,11 +359,11 @@ def test_d2o_step_has_no_host_sync(key: str) -> None:
             kv.kv_committed_len = kv.kv_allocated_len = kv.kv_committed_len + 40
     for r in b.reqs:
         s = st.get(r)
-        assert s.compressions == 2 and all("tau" in d for d in s.layer_state)
+        assert s.counters.compressions == 2 and all("tau" in d for d in s.policy_state.layers)
         rep = report.stats(r)
-        assert rep["merged"] == s.merged > 0
+        assert rep["merged"] == s.policy_state.merged > 0
         assert len(rep["layer_d2o_sigma2"]) == LAYERS and all(x > 0 for x in rep["layer_d2o_sigma2"])
-    assert pools.rt.totals.tokens_merged == sum(st.get(r).merged for r in b.reqs)
+    assert pools.rt.totals.tokens_merged == sum(st.get(r).policy_state.merged for r in b.reqs)
 
 
 @pytest.mark.parametrize("name", sorted(STILL_SYNCING))
@@ -492,7 +492,7 @@ def _lag_batch(pools: Pools, key: str):
             pools.alloc.free(tail)
         r.kv.kv_committed_len = r.kv.kv_allocated_len = lens[i]
         if comp is not None:
-            st.get(r).comp_slots = comp[i]
+            st.get(r).slot_map.comp_slots = comp[i]
     return b
 
 
@@ -516,7 +516,7 @@ def test_batched_lagkv_layer_chunks(key: str, caplog: pytest.LogCaptureFixture, 
 
 def _lag_counts(job: trigger.Job):
     """The host counts of LagKV's batched selection for one job."""
-    return job.s.policy.batch_counts(job.n, job.n_sink, job.n_recent, job.s.comp_slots, job.budget)
+    return job.s.policy.batch_counts(job.n, job.n_sink, job.n_recent, job.s.slot_map.comp_slots, job.budget)
 
 
 def _lag_against_reference(key: str, caplog: pytest.LogCaptureFixture) -> None:

@@ -100,7 +100,7 @@ def test_d2o_merge_on_real_pools_follows_the_paper(mode: str) -> None:
             _append(rank, req, pos)
             pos += 1
         before = [_region(rank, req, layer) for layer in range(rank.rt.n_layers)]
-        merged_before = s.merged
+        merged_before = s.policy_state.merged
         keeps.clear()
         freed = compressor.compress(req, phase)
         if freed == 0:
@@ -114,12 +114,12 @@ def test_d2o_merge_on_real_pools_follows_the_paper(mode: str) -> None:
             got_v = rank.kv.get_value_buffer(layer)[slots_after]
             torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(got_v, want_v, rtol=1e-5, atol=1e-5)
-            got_tau = s.layer_state[layer]["tau"]
+            got_tau = s.policy_state.layers[layer]["tau"]
             torch.testing.assert_close(got_tau, torch.tensor(want_tau), rtol=1e-5, atol=1e-6)
             if mode == "mean":
                 assert bool((got_tau == got_tau[0]).all()), "the released code's threshold is one scalar"
             tau[layer] = want_tau
-        assert s.merged - merged_before == want_merged
+        assert s.policy_state.merged - merged_before == want_merged
         assert want_merged > 0, "the scenario must merge something"
         checked[phase] += 1
     assert checked["prefill"] == 1 and checked["decode"] >= 1
@@ -129,7 +129,7 @@ def _full_run(rank: Rank, config: dict, preset_tau: float | None) -> dict:
     req = _start(rank, "d2o", config, False)
     s = st.get(req)
     if preset_tau is not None:
-        s.layer_state = [{"tau": torch.full((HKV,), preset_tau)} for _ in range(rank.rt.n_layers)]
+        s.policy_state.layers = [{"tau": torch.full((HKV,), preset_tau)} for _ in range(rank.rt.n_layers)]
     freed = [compressor.compress(req, "prefill")]
     for pos in range(PROMPT, PROMPT + DECODE - 1):
         rank.activate()
@@ -142,7 +142,7 @@ def _full_run(rank: Rank, config: dict, preset_tau: float | None) -> dict:
         "k": [rank.kv.get_key_buffer(layer)[slots].clone() for layer in range(rank.rt.n_layers)],
         "v": [rank.kv.get_value_buffer(layer)[slots].clone() for layer in range(rank.rt.n_layers)],
         "tree": _tree_keys(rank.tree),
-        "merged": s.merged,
+        "merged": s.policy_state.merged,
     }
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sgl_kvevict import kernels as K
-from sgl_kvevict.cache import capture, compressor, demote, engine, host, recall, trigger
+from sgl_kvevict.cache import capture, compressor, demote, engine, host, recall, recall_core, trigger
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.config import DEFAULT_RECALL_FETCH_PAGES, RecallTuning, ServerSettings
 from sgl_kvevict.tools.pools import Pools
@@ -38,7 +38,7 @@ def _setup(p: Pools, policy: str):
     batch = p.batch(1, N, policy, 48, {"window": W} if policy != "lagkv" else {"lag": 16, "window": W})
     req = batch.reqs[0]
     s = st.get(req)
-    s.recall = R
+    s.recall.tokens = R
     p.ctx.host = host.HostPool(L, H, D, 512, torch.float32)
     if "attn" not in s.policy.needs:  # recall scores with the window even for attention-free policies
         assert capture.ensure(p.ctx, 0, W, 0)
@@ -68,7 +68,7 @@ def _held(p: Pools, req, s) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per layer `[H, m]` entries: the row's region on the device, then the host columns."""
     kv_len = req.kv.kv_committed_len
     slots = p.r2t.req_to_token[0, :kv_len].long()
-    cols = s.host.cols
+    cols = s.recall.host.cols
     ks = [
         torch.cat([p.kv.get_key_buffer(ly)[slots].transpose(0, 1), p.ctx.host.k[ly][cols].transpose(0, 1)], 1)
         for ly in range(L)
@@ -116,10 +116,10 @@ def _reference_swaps(
     whatever they beat (`--kv-recall-config` `append`)."""
     kv_len = req.kv.kv_committed_len
     slots = p.r2t.req_to_token[0, :kv_len].long()
-    n_sink = min(s.policy.config.sinks, s.comp_slots)
-    lo, hi = n_sink, s.comp_slots
-    length = s.tokens_for(kv_len)
-    e = s.host.count
+    n_sink = min(s.policy.config.sinks, s.slot_map.comp_slots)
+    lo, hi = n_sink, s.slot_map.comp_slots
+    length = s.slot_map.tokens_for(kv_len)
+    e = s.recall.host.count
     r = append or min(R, hi - lo, e, cap)
     n_sel = max(-(-recall.FETCH * r // page), fetch)
     n_pg = -(-e // page)
@@ -128,7 +128,7 @@ def _reference_swaps(
         q = p.store.get(0, ly, length)  # [Hq, W, D]
         per = []
         for h in range(H):
-            hk_all = p.ctx.host.k[ly][s.host.cols, h].float()
+            hk_all = p.ctx.host.k[ly][s.recall.host.cols, h].float()
             if summary != "off" and n_pg > n_sel:
                 qs = torch.cat([q[h * G + g, W - w :].float() for g in range(G)])
                 sc = [_page_bound(qs, hk_all[pg * page : (pg + 1) * page], summary) for pg in range(n_pg)]
@@ -154,13 +154,13 @@ def _reference_swaps(
             ]
             hbest = sorted(range(hs.numel()), key=lambda c: (-pm[c], -float(hs[c])))[:r]
             if append:
-                per.append({int(s.host.cols[cand[c]]) for c in hbest})
+                per.append({int(s.recall.host.cols[cand[c]]) for c in hbest})
                 continue
             hs = torch.tensor(pm)
             dworst = ds.argsort()[:r].tolist()
             per.append(
                 {
-                    int(s.host.cols[cand[c]])
+                    int(s.recall.host.cols[cand[c]])
                     for c, d in zip(hbest, dworst, strict=True)
                     if hs[c] > ds[d] and hs[c] >= floor
                 }
@@ -203,15 +203,15 @@ def test_demote_then_recall_keeps_every_entry(
         else:
             freed = compressor.compress(req, "prefill")
     assert freed > 0
-    assert s.host.count == freed and p.ctx.host.n_free == before_free - freed
+    assert s.recall.host.count == freed and p.ctx.host.n_free == before_free - freed
     ks, vs = _held(p, req, s)
     assert torch.allclose(_tags(ks, vs, probe), want, atol=1e-4)  # nothing lost: device + host = the region
     expect = _reference_swaps(p, req, s, page, fresh or W, cap=fresh * page if fresh else R, floor=floor)
     if floor:  # the floor is what holds some back: without it, more would come
         unfloored = _reference_swaps(p, req, s, page, fresh or W, cap=R)
         assert sum(len(x) for per in expect for x in per) < sum(len(x) for per in unfloored for x in per)
-    host_k = [p.ctx.host.k[ly][s.host.cols].clone() for ly in range(L)]
-    s.recall_steps = fresh
+    host_k = [p.ctx.host.k[ly][s.recall.host.cols].clone() for ly in range(L)]
+    s.recall.steps = fresh
     swapped = recall.recall(req, s)
     assert swapped == sum(len(x) for per in expect for x in per)
     assert swapped > 0
@@ -221,12 +221,12 @@ def test_demote_then_recall_keeps_every_entry(
         dev = p.kv.get_key_buffer(ly)[slots]
         for h in range(H):
             for c in expect[ly][h]:
-                j = int((s.host.cols == c).nonzero())
+                j = int((s.recall.host.cols == c).nonzero())
                 assert (dev[:, h] == host_k[ly][j, h]).all(-1).any()
     ks, vs = _held(p, req, s)
     assert torch.allclose(_tags(ks, vs, probe), want, atol=1e-4)  # still nothing lost, nothing duplicated
-    assert s.recalled == swapped and s.bytes_moved == swapped * 2 * D * 4 * 2
-    s.drop_host()
+    assert s.recall.recalled == swapped and s.recall.bytes_moved == swapped * 2 * D * 4 * 2
+    s.recall.drop_host(s.ctx.host)
     assert p.ctx.host.n_free == p.ctx.host.size
 
 
@@ -302,14 +302,14 @@ def test_evicted_indices_are_the_complement():
 
 def test_page_max_ranks_an_entry_by_its_pages_best():
     sc = torch.tensor([[[0.1, 0.9, 0.2, 0.3, 0.05, 0.0, 0.4]]])  # one layer, one head, 7 host entries
-    assert torch.equal(recall.page_best(sc, 1), sc)
+    assert torch.equal(recall_core.page_best(sc, 1), sc)
     want = torch.tensor([[[0.9, 0.9, 0.9, 0.3, 0.3, 0.3, 0.4]]])  # pages of 3, the last one partial
-    assert torch.equal(recall.page_best(sc, 3), want)
-    vals, idx = recall.best_entries(sc, 3, 4)
+    assert torch.equal(recall_core.page_best(sc, 3), want)
+    vals, idx = recall_core.best_entries(sc, 3, 4)
     assert idx.tolist() == [[[1, 2, 0, 6]]]  # the attended entry brings its page, best first; then the next
     assert torch.allclose(vals, torch.tensor([[[0.9, 0.9, 0.9, 0.4]]]))
     padded = torch.tensor([[[0.1, 0.9, float("-inf")]]])  # a paged recall's padding of a partial page
-    vals, idx = recall.best_entries(padded, 3, 3)
+    vals, idx = recall_core.best_entries(padded, 3, 3)
     assert idx.tolist() == [[[1, 0, 2]]] and vals[0, 0, 2] == float("-inf")  # ranked last, never swapped
 
 
@@ -329,12 +329,12 @@ def test_a_failure_inside_recall_changes_nothing(pools: Pools, monkeypatch, wher
     with compressor.one_thread():
         assert compressor.compress(req, "prefill") > 0
     # the paged path, summaries built before the failure
-    assert recall._paged(s.ctx, s.host, R)[0] is not None
+    assert recall._paged(s.ctx, s.recall.host, R)[0] is not None
     kv_len = req.kv.kv_committed_len
     slots = p.r2t.req_to_token[0, :kv_len].long()
     dev_before = [p.kv.get_key_buffer(ly)[slots].clone() for ly in range(L)]
     dev_v_before = [p.kv.get_value_buffer(ly)[slots].clone() for ly in range(L)]
-    cols = s.host.cols.clone()
+    cols = s.recall.host.cols.clone()
     host_before = p.ctx.host.k[:, cols].clone()  # (unused columns hold uninitialised memory)
     host_v_before = p.ctx.host.v[:, cols].clone()
     real_swap, real_refresh = recall.K.host_swap, recall.K.refresh_pages
@@ -356,19 +356,19 @@ def test_a_failure_inside_recall_changes_nothing(pools: Pools, monkeypatch, wher
 
     monkeypatch.setattr(recall.K, "host_swap", swap)
     monkeypatch.setattr(recall.K, "refresh_pages", refresh)
-    s.recall_due = True
+    s.recall.due = True
     assert recall.safe_recall(req) == 0
     before = swapped[: calls_before + (where == "refresh_pages")]  # the layers swapped before the failure
     assert (sum(before) > 0) == bool(before), swapped  # (then swapped back)
-    assert s.recall == 0 and not demote.enabled(s) and p.ctx.host.totals.recall_failures == 1
+    assert s.recall.tokens == 0 and not demote.enabled(s) and p.ctx.host.totals.recall_failures == 1
     for ly in range(L):
         assert torch.equal(p.kv.get_key_buffer(ly)[slots], dev_before[ly]), ly
         assert torch.equal(p.kv.get_value_buffer(ly)[slots], dev_v_before[ly]), ly
-    assert torch.equal(s.host.cols, cols) and torch.equal(p.ctx.host.k[:, cols], host_before)
+    assert torch.equal(s.recall.host.cols, cols) and torch.equal(p.ctx.host.k[:, cols], host_before)
     assert torch.equal(p.ctx.host.v[:, cols], host_v_before)
-    assert s.host.summaries is None  # rebuilt from the columns by the next recall
-    assert s.recalled == 0 and s.bytes_moved == 0 and not s.failed
-    s.drop_host()
+    assert s.recall.host.summaries is None  # rebuilt from the columns by the next recall
+    assert s.recall.recalled == 0 and s.recall.bytes_moved == 0 and not s.failed
+    s.recall.drop_host(s.ctx.host)
     assert p.ctx.host.n_free == p.ctx.host.size
 
 
@@ -387,23 +387,23 @@ def test_paged_recall_swaps_what_the_reference_picks(
         p, monkeypatch, ServerSettings(recall_tokens=R, recall=RecallTuning(min_score=0, **tier))
     )
     cap = fresh * page if fresh else R
-    sums, n_sel = recall._paged(s.ctx, s.host, min(R, cap))
-    assert sums is not None and n_sel < -(-s.host.count // page)  # fewer pages fetched than held
+    sums, n_sel = recall._paged(s.ctx, s.recall.host, min(R, cap))
+    assert sums is not None and n_sel < -(-s.recall.host.count // page)  # fewer pages fetched than held
     assert n_sel == max(-(-recall.FETCH * min(R, cap) // page), fetch)
     expect = _reference_swaps(p, req, s, page, fresh or W, summary, cap, fetch=fetch)
-    host_k = [p.ctx.host.k[ly][s.host.cols].clone() for ly in range(L)]
-    s.recall_steps = fresh
+    host_k = [p.ctx.host.k[ly][s.recall.host.cols].clone() for ly in range(L)]
+    s.recall.steps = fresh
     swapped = recall.recall(req, s)
     assert swapped == sum(len(x) for per in expect for x in per) > 0
     kv_len = req.kv.kv_committed_len
     slots = p.r2t.req_to_token[0, :kv_len].long()
     ks, vs = _held(p, req, s)
     assert torch.allclose(_tags(ks, vs, probe), want, atol=1e-4)  # nothing lost, nothing duplicated
-    sm = s.host.summaries
-    assert sm is not None and sm.n == s.host.count
+    sm = s.recall.host.summaries
+    assert sm is not None and sm.n == s.recall.host.count
     assert (sm.kmin is None, sm.kmean is None) == ((summary == "mean"), (summary == "minmax"))  # its own only
     for ly in range(L):
-        fresh_min, fresh_max, fresh_mean = K.page_summaries_ref(p.ctx.host.k[ly][s.host.cols], page)
+        fresh_min, fresh_max, fresh_mean = K.page_summaries_ref(p.ctx.host.k[ly][s.recall.host.cols], page)
         if summary == "minmax":
             assert torch.equal(sm.kmin[:, ly], fresh_min) and torch.equal(sm.kmax[:, ly], fresh_max)
         else:
@@ -411,9 +411,9 @@ def test_paged_recall_swaps_what_the_reference_picks(
         dev = p.kv.get_key_buffer(ly)[slots]
         for h in range(H):
             for c in expect[ly][h]:  # the chosen host entries' keys are on the device now
-                j = int((s.host.cols == c).nonzero())
+                j = int((s.recall.host.cols == c).nonzero())
                 assert (dev[:, h] == host_k[ly][j, h]).all(-1).any()
-    s.drop_host()
+    s.recall.drop_host(s.ctx.host)
     assert p.ctx.host.n_free == p.ctx.host.size
 
 
@@ -424,11 +424,11 @@ def test_paged_recall_equals_flat_when_it_would_fetch_every_page(pools: Pools, m
     batch, req, s, heads, orig_k, orig_v = _setup(p, "snapkv")
     with compressor.one_thread():
         assert compressor.compress(req, "prefill") > 0
-    assert recall._paged(s.ctx, s.host, R) == (None, 0)
+    assert recall._paged(s.ctx, s.recall.host, R) == (None, 0)
     expect = _reference_swaps(p, req, s, 128, W, "minmax")
     assert recall.recall(req, s) == sum(len(x) for per in expect for x in per) > 0
-    assert s.host.summaries is None
-    s.drop_host()
+    assert s.recall.host.summaries is None
+    s.recall.drop_host(s.ctx.host)
 
 
 @pytest.mark.parametrize("policy", ["snapkv", "lagkv"])
@@ -445,41 +445,45 @@ def test_append_brings_the_best_entries_into_fresh_slots(
     cfg = ServerSettings(recall_tokens=R, recall=RecallTuning(min_score=0, append="on", **tier))
     p = pools
     req, s, probe, want = _compressed(p, monkeypatch, cfg, policy)
-    kv_len, comp, offset = req.kv.kv_committed_len, s.comp_slots, s.offset
-    length, count, free = s.tokens_for(kv_len), s.host.count, p.ctx.host.n_free
+    kv_len, comp, offset = req.kv.kv_committed_len, s.slot_map.comp_slots, s.slot_map.offset
+    length, count, free = s.slot_map.tokens_for(kv_len), s.recall.host.count, p.ctx.host.n_free
     tail = p.r2t.req_to_token[0, comp:kv_len].clone()
-    sums, _ = recall._paged(s.ctx, s.host, R)
+    sums, _ = recall._paged(s.ctx, s.recall.host, R)
     assert (sums is None) == (summary == "off")
     expect = _reference_swaps(p, req, s, page, W, summary if sums is not None else "off", fetch=2, append=R)
-    host_k = [p.ctx.host.k[ly][s.host.cols].clone() for ly in range(L)]
-    cols_before = s.host.cols.clone()
-    s.append_due = True
+    host_k = [p.ctx.host.k[ly][s.recall.host.cols].clone() for ly in range(L)]
+    cols_before = s.recall.host.cols.clone()
+    s.recall.append_due = True
     assert recall.safe_append(req) == R
-    assert req.kv.kv_committed_len == kv_len + R and s.comp_slots == comp + R and s.offset == offset - R
-    assert s.tokens_for(req.kv.kv_committed_len) == length and s.appended == R
+    assert (
+        req.kv.kv_committed_len == kv_len + R
+        and s.slot_map.comp_slots == comp + R
+        and s.slot_map.offset == offset - R
+    )
+    assert s.slot_map.tokens_for(req.kv.kv_committed_len) == length and s.recall.appended == R
     assert torch.equal(p.r2t.req_to_token[0, comp + R : kv_len + R], tail)  # the tail moved right, whole
-    assert s.host.count == count - R and p.ctx.host.n_free == free + R
+    assert s.recall.host.count == count - R and p.ctx.host.n_free == free + R
     _assert_appended(p, comp, expect, host_k, cols_before)
     ks, vs = _held(p, req, s)
     assert torch.allclose(_tags(ks, vs, probe), want, atol=1e-4)  # nothing lost, nothing duplicated
-    assert s.recalled == R * L * H and s.bytes_moved == R * L * H * 2 * D * 4
-    for d in s.layer_state:
+    assert s.recall.recalled == R * L * H and s.recall.bytes_moved == R * L * H * 2 * D * 4
+    for d in s.policy_state.layers:
         if d.get("carried") is not None:
-            assert d["carried"].shape[-1] == s.comp_slots + (kv_len - comp)
+            assert d["carried"].shape[-1] == s.slot_map.comp_slots + (kv_len - comp)
             assert (d["carried"][..., comp : comp + R] == 0).all()
-    sm = s.host.summaries
+    sm = s.recall.host.summaries
     if sums is not None:
-        assert sm is not None and sm.n <= s.host.count
+        assert sm is not None and sm.n <= s.recall.host.count
         for ly in range(L):
-            ref = K.page_summaries_ref(p.ctx.host.k[ly][s.host.cols[: sm.n]], page)
+            ref = K.page_summaries_ref(p.ctx.host.k[ly][s.recall.host.cols[: sm.n]], page)
             mine = sm.kmin if summary == "minmax" else sm.kmean
             theirs = ref[0] if summary == "minmax" else ref[2]
             assert torch.allclose(mine[:, ly].float(), theirs, atol=1e-5)
-        sm = recall.summaries(s.ctx, s.host, page, summary)  # brought up to the columns again
-        assert sm.n == s.host.count
+        sm = recall.summaries(s.ctx, s.recall.host, page, summary)  # brought up to the columns again
+        assert sm.n == s.recall.host.count
     # the turn's decode budget holds the appended columns: no compression fires for them
     assert trigger.fires(req, s, "decode") is None
-    s.drop_host()
+    s.recall.drop_host(s.ctx.host)
     assert p.ctx.host.n_free == p.ctx.host.size
 
 
@@ -491,19 +495,19 @@ def test_a_turns_recall_scores_with_its_own_queries_only(pools: Pools, monkeypat
     cfg = ServerSettings(recall_tokens=R, recall=RecallTuning(min_score=0, append="on", **tier))
     p = pools
     req, s, _, _ = _compressed(p, monkeypatch, cfg)
-    kv_len, comp = req.kv.kv_committed_len, s.comp_slots
+    kv_len, comp = req.kv.kv_committed_len, s.slot_map.comp_slots
     mine = W // 4
-    s.turn_start = s.tokens_for(kv_len) - mine
-    assert recall.own(s, s.tokens_for(kv_len)) == mine
+    s.recall.turn_start = s.slot_map.tokens_for(kv_len) - mine
+    assert recall.own(s, s.slot_map.tokens_for(kv_len)) == mine
     expect = _reference_swaps(p, req, s, 1, mine, append=R)
     whole = _reference_swaps(p, req, s, 1, W, append=R)
     assert expect != whole, "the test needs the turn's queries to pick differently from the window's"
-    host_k = [p.ctx.host.k[ly][s.host.cols].clone() for ly in range(L)]
-    cols_before = s.host.cols.clone()
-    s.append_due = True
+    host_k = [p.ctx.host.k[ly][s.recall.host.cols].clone() for ly in range(L)]
+    cols_before = s.recall.host.cols.clone()
+    s.recall.append_due = True
     assert recall.safe_append(req) == R
     _assert_appended(p, comp, expect, host_k, cols_before)
-    s.drop_host()
+    s.recall.drop_host(s.ctx.host)
     assert p.ctx.host.n_free == p.ctx.host.size
 
 
@@ -520,7 +524,7 @@ def test_append_rolls_back_on_a_failure(pools: Pools, monkeypatch):
         assert compressor.compress(req, "prefill") > 0
     kv_len = req.kv.kv_committed_len
     row = p.r2t.req_to_token[0, :kv_len].clone()
-    cols = s.host.cols.clone()
+    cols = s.recall.host.cols.clone()
     host_k, host_v = p.ctx.host.k[:, cols].clone(), p.ctx.host.v[:, cols].clone()
     avail = p.alloc.available_size()
     real = recall.holes_filled
@@ -533,13 +537,13 @@ def test_append_rolls_back_on_a_failure(pools: Pools, monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(recall, "holes_filled", fill)
-    s.append_due = True
+    s.recall.append_due = True
     assert recall.safe_append(req) == 0
     assert req.kv.kv_committed_len == kv_len and torch.equal(p.r2t.req_to_token[0, :kv_len], row)
-    assert torch.equal(s.host.cols, cols)
+    assert torch.equal(s.recall.host.cols, cols)
     assert torch.equal(p.ctx.host.k[:, cols], host_k) and torch.equal(p.ctx.host.v[:, cols], host_v)
-    assert p.alloc.available_size() == avail and s.recall == 0 and s.appended == 0
-    s.drop_host()
+    assert p.alloc.available_size() == avail and s.recall.tokens == 0 and s.recall.appended == 0
+    s.recall.drop_host(s.ctx.host)
     assert p.ctx.host.n_free == p.ctx.host.size
 
 
@@ -550,10 +554,10 @@ def test_a_paged_append_takes_no_more_than_its_fetched_pages_hold(pools: Pools, 
     cfg = ServerSettings(recall_tokens=R, recall=RecallTuning(min_score=0, append="on", **tier))
     p = pools
     req, s, probe, want = _compressed(p, monkeypatch, cfg)
-    assert recall._paged(s.ctx, s.host, R)[1] == 1  # one page fetched
-    s.append_due = True
+    assert recall._paged(s.ctx, s.recall.host, R)[1] == 1  # one page fetched
+    s.recall.append_due = True
     assert recall.safe_append(req) == 1
     ks, vs = _held(p, req, s)
     assert torch.allclose(_tags(ks, vs, probe), want, atol=1e-4)  # nothing lost, nothing duplicated
-    s.drop_host()
+    s.recall.drop_host(s.ctx.host)
     assert p.ctx.host.n_free == p.ctx.host.size

@@ -94,7 +94,7 @@ def _scenario(
 
     def step(phase: str) -> None:
         if recompute:  # the earlier path with nothing cached: every norm computed at every compression
-            for d in s.layer_state:
+            for d in s.policy_state.layers:
                 d.pop("vo", None)
                 d.pop("vo_sig", None)
         rank.activate()
@@ -124,10 +124,10 @@ def test_statistic_moves_with_its_row(policy: str, config: dict, share_prompt: b
     for rank, req in _scenario(policy, config, share_prompt, cap, stats=True):
         stale_seen += _stale_rows(rank, req)
     s = st.get(req)
-    assert s.own_evicted > 0, "the scenario must evict something"
+    assert s.slot_map.own_evicted > 0, "the scenario must evict something"
     merges = policy == "d2o" or config.get("base") == "d2o"
     if merges:
-        assert s.merged > 0 and stale_seen > 0, "merged rows must be marked stale"
+        assert s.policy_state.merged > 0 and stale_seen > 0, "merged rows must be marked stale"
     else:
         assert stale_seen == 0
     _finish_and_check_no_leak(rank, req, rank.alloc.alloc(0))
@@ -143,8 +143,8 @@ def test_criticalkv_keeps_what_recomputing_keeps(config: dict, share_prompt: boo
             steps.append(_contents(rank, req))
         s = st.get(req)
         # which path ran: the per-slot statistic carries nothing in the policy state, the fallback does
-        assert all(("vo" in d) != stats for d in s.layer_state)
-        return steps, s.own_evicted, s.merged
+        assert all(("vo" in d) != stats for d in s.policy_state.layers)
+        return steps, s.slot_map.own_evicted, s.policy_state.merged
 
     with_stats, evicted, merged = run(stats=True)
     recomputed, evicted_b, merged_b = run(stats=False)

@@ -42,7 +42,14 @@ def _contents(rank: Rank, req) -> list[torch.Tensor]:
 
 def _counts(req) -> tuple:
     s = st.get(req)
-    return (req.kv.kv_committed_len, s.comp_slots, s.comp_tokens, s.own_evicted, s.offset, s.failed)
+    return (
+        req.kv.kv_committed_len,
+        s.slot_map.comp_slots,
+        s.slot_map.comp_tokens,
+        s.slot_map.own_evicted,
+        s.slot_map.offset,
+        s.failed,
+    )
 
 
 @pytest.mark.parametrize("share_prompt", [False, True], ids=["own", "tree-shared"])
@@ -73,7 +80,7 @@ def test_split_equals_one_step_then_decode(policy: str, config: dict, share_prom
     assert _counts(req) == want_counts
     for x, y in zip(_contents(rank, req), want, strict=True):
         assert torch.equal(x, y)
-    assert int(rank.tree.offsets[0]) == s.offset
+    assert int(rank.tree.offsets[0]) == s.slot_map.offset
     # it goes on decoding and compressing, then finishes without leaking a slot
     for pos in range(PROMPT + 1, PROMPT + DECODE):
         rank.activate()
@@ -92,10 +99,12 @@ def test_retraction_drops_a_pending_plan() -> None:
     engine.compress_batch([(req, "prefill")], CAP)
     assert s.pending is not None
     assert s.pending.states[0], "D2O's plan keeps per-layer state (its threshold)"
-    assert not any(s.layer_state), "...in copies: the request's own state is untouched until the commit"
+    assert not any(s.policy_state.layers), (
+        "...in copies: the request's own state is untouched until the commit"
+    )
     # re-admission after a retraction
     st.on_match(req, rank.tree.ctx, Region(rank.tree.root_node, 0, 0, None))
-    assert s.pending is None and not any(s.layer_state)
+    assert s.pending is None and not any(s.policy_state.layers)
 
 
 def test_failure_in_a_later_step_changes_nothing(monkeypatch) -> None:
@@ -123,4 +132,4 @@ def test_finish_completes_a_pending_plan() -> None:
     assert s.pending is not None
     req.done = True
     assert compressor.safe_compress(req, "finish") > 0
-    assert s.pending is None and s.compressions == 1
+    assert s.pending is None and s.counters.compressions == 1

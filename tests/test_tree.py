@@ -219,10 +219,14 @@ def test_branch_region_starts_at_the_root_of_an_unshared_history(tree):
     two_nodes(tree)
     req, s = branch_req()
     tree.match(key([*range(30), 7]), s.fp, req)
-    assert s.anchor is tree.root_node and (s.anchor_tokens, s.anchor_kv, s.offset) == (0, 0, 0)
+    assert s.slot_map.anchor is tree.root_node and (
+        s.slot_map.anchor_tokens,
+        s.slot_map.anchor_kv,
+        s.slot_map.offset,
+    ) == (0, 0, 0)
     req, s = branch_req("request")
     tree.match(key([*range(30), 7]), s.fp, req)
-    assert s.anchor_tokens == 30  # request scope: only the new tokens
+    assert s.slot_map.anchor_tokens == 30  # request scope: only the new tokens
 
 
 def test_branch_region_starts_after_what_others_hold_or_declared_shared(tree):
@@ -230,15 +234,19 @@ def test_branch_region_starts_after_what_others_hold_or_declared_shared(tree):
     lock = tree.lock(a)  # another running request holds the first 10 tokens
     req, s = branch_req()
     tree.match(key([*range(30), 7]), s.fp, req)
-    assert s.anchor is a and s.anchor_tokens == 10
+    assert s.slot_map.anchor is a and s.slot_map.anchor_tokens == 10
     tree.unlock(lock)
     req.lock = tree.lock(b)  # the request's own lock (a chunked prefill re-matched) is not "another"
     tree.match(key([*range(30), 7]), s.fp, req)
-    assert s.anchor is tree.root_node
+    assert s.slot_map.anchor is tree.root_node
     tree.unlock(req.lock)
     req, s = branch_req(shared_prefix=4)  # a declared shared prefix splits the node it cuts
     tree.match(key([*range(30), 7]), s.fp, req)
-    assert s.anchor_tokens == 4 and len(s.anchor.key) == 4 and s.anchor.parent is tree.root_node
+    assert (
+        s.slot_map.anchor_tokens == 4
+        and len(s.slot_map.anchor.key) == 4
+        and s.slot_map.anchor.parent is tree.root_node
+    )
 
 
 def test_branch_region_adopts_the_branch_compressed_history(tree):
@@ -251,11 +259,16 @@ def test_branch_region_adopts_the_branch_compressed_history(tree):
     tree._insert_helper(c_node, key(range(30, 35)), alloc.alloc(5).to(torch.int64), 0, 0)
     tree.match(key([*range(35), 1]), s.fp, req)
     # the compressed node is the region's first node: its slots and evictions become the request's own
-    assert s.anchor is p_node and s.anchor_tokens == 10
-    assert (s.comp_slots, s.comp_tokens, s.own_evicted, s.offset) == (8, 20, 12, 12)
-    assert torch.equal(s.layer_state[0]["carried"], torch.ones(3, 8))
-    assert s.layer_state[0]["carried"] is not c_node.layer_state[0]["carried"]  # a copy
-    assert s.reused_evicted == 12 and s.inherited_evicted == 12
+    assert s.slot_map.anchor is p_node and s.slot_map.anchor_tokens == 10
+    assert (s.slot_map.comp_slots, s.slot_map.comp_tokens, s.slot_map.own_evicted, s.slot_map.offset) == (
+        8,
+        20,
+        12,
+        12,
+    )
+    assert torch.equal(s.policy_state.layers[0]["carried"], torch.ones(3, 8))
+    assert s.policy_state.layers[0]["carried"] is not c_node.layer_state[0]["carried"]  # a copy
+    assert s.slot_map.reused_evicted == 12 and s.slot_map.inherited_evicted == 12
 
 
 def _events_tree(radix_cls):

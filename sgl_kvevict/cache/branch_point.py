@@ -21,18 +21,18 @@ def move(req: Any, s: st.ReqState) -> None:
     first turn nothing was matched yet, so the match could not place it). The region starts below the
     deepest such node; a node the declared prefix cuts is split there."""
     rt = s.ctx.rt
-    if req.lock is None or req.kv.cache_protected_len <= s.anchor_kv:
+    if req.lock is None or req.kv.cache_protected_len <= s.slot_map.anchor_kv:
         return
     chain, node = [], req.lock.node
-    while node is not None and node is not s.anchor and node is not rt.tree.root_node:
+    while node is not None and node is not s.slot_map.anchor and node is not rt.tree.root_node:
         chain.append(node)
         node = node.parent
-    if node is not (s.anchor if s.anchor is not None else rt.tree.root_node):
+    if node is not (s.slot_map.anchor if s.slot_map.anchor is not None else rt.tree.root_node):
         return
     chain.reverse()  # top-down from the anchor
     cut = rt.tree.last_shared(
         chain,
-        s.anchor_tokens,
+        s.slot_map.anchor_tokens,
         s.policy.config.shared_prefix,
         req,
         branches=False,

@@ -124,11 +124,11 @@ class Pending:
         """The region it planned is still the request's region, unchanged."""
         j, kv = self.job, req.kv
         return (
-            s.anchor_kv == j.a
+            s.slot_map.anchor_kv == j.a
             and kv.cache_protected_len == j.own_start
             and kv.kv_committed_len >= j.a + j.n
             and kv.kv_allocated_len == kv.kv_committed_len
-            and s.comp_slots == self.comp_slots
+            and s.slot_map.comp_slots == self.comp_slots
         )
 
 
@@ -208,7 +208,7 @@ def _commit(req: Any, s: st.ReqState, plan: Plan, own_start: int) -> bool:
 def _write(req: Any, s: st.ReqState, plan: Plan, own_start: int, dem: list) -> bool:
     """`_commit`'s writes; the demotion (if any) is appended to `dem` right before the first one."""
     rt = s.ctx.rt
-    kv, a, k = req.kv, s.anchor_kv, plan.k
+    kv, a, k = req.kv, s.slot_map.anchor_kv, plan.k
     row = rt.req_to_token[kv.req_pool_idx]
     end = kv.kv_committed_len  # past the region: tokens decoded while a split plan was pending
     after = row[a + plan.n : end].clone()
@@ -241,7 +241,7 @@ def _write(req: Any, s: st.ReqState, plan: Plan, own_start: int, dem: list) -> b
         if spare.numel():
             rt.allocator.free(spare)
         if kv.cache_protected_len > a:  # the tree part is no longer the request's: it becomes cache
-            rt.tree.relock(req, s.anchor if s.anchor is not None else rt.tree.root_node, a)
+            rt.tree.relock(req, s.slot_map.anchor if s.slot_map.anchor is not None else rt.tree.root_node, a)
     row[a : a + k] = new.to(row.dtype)
     row[a + k : a + k + after.numel()] = after
     kv.kv_committed_len = kv.kv_allocated_len = a + k + after.numel()
@@ -295,7 +295,7 @@ def own_region(req: Any, s: st.ReqState, upto: int | None = None) -> bool:
 
     `upto`: copy only the row's first `upto` slots (the tree part, before a prefill's forward has written
     the slots allocated for its new tokens; those stay where they are)."""
-    rt, kv, a = s.ctx.rt, req.kv, s.anchor_kv
+    rt, kv, a = s.ctx.rt, req.kv, s.slot_map.anchor_kv
     if kv.cache_protected_len <= a:
         return True
     if kv.kv_allocated_len != kv.kv_committed_len or s.pending is not None:
@@ -361,20 +361,20 @@ def run(job: Job) -> int:
     t0 = time.perf_counter()
     plan = _plan(p)
     if plan is None:
-        s.layer_state = p.states
+        s.policy_state.layers = p.states
         return 0
     req = job.req
     d = req.kv.kv_committed_len - (job.a + job.n)  # tokens decoded while the plan was pending
     if not _commit(req, s, plan, job.own_start):
         return 0
-    s.layer_state = p.states
+    s.policy_state.layers = p.states
     k = plan.k
     for v in plan.views:  # bookkeeping: device statistics stay tensors, read where reported (`stats`)
         for name, val in v.stats.items():
-            s.layer_stats.setdefault(name, [0.0] * rt.n_layers)[v.layer] = val
+            s.policy_state.layer_stats.setdefault(name, [0.0] * rt.n_layers)[v.layer] = val
         merged = v.stats.get(MERGED_STAT)
         if merged is not None:
-            s.merged_count.add(merged)
+            s.policy_state.merged_count.add(merged)
             rt.totals.merged.add(merged)
     dt = p.seconds + time.perf_counter() - t0
     rt.tree.offsets[req.kv.req_pool_idx] = account(job, k, plan.tail, plan.keep, dt, after=d)
@@ -387,15 +387,15 @@ def _begin(job: Job) -> Pending:
     s, rt, req = job.s, job.s.ctx.rt, job.req
     row = rt.req_to_token[req.kv.req_pool_idx]
     slots = row[job.a : job.a + job.n].to(torch.int64)
-    if not s.layer_state:
-        s.layer_state = [{} for _ in range(rt.n_layers)]
+    if not s.policy_state.layers:
+        s.policy_state.layers = [{} for _ in range(rt.n_layers)]
     queries = None
     store = s.ctx.capture
     if "attn" in s.policy.needs and store is not None and job.layers < rt.n_layers:
-        length = s.tokens_for(job.a + job.n)
+        length = s.slot_map.tokens_for(job.a + job.n)
         queries = [store.get(req.kv.req_pool_idx, layer, length) for layer in range(rt.n_layers)]
-    states = [dict(d) for d in s.layer_state]
-    return Pending(job=job, slots=slots, states=states, queries=queries, comp_slots=s.comp_slots)
+    states = [dict(d) for d in s.policy_state.layers]
+    return Pending(job=job, slots=slots, states=states, queries=queries, comp_slots=s.slot_map.comp_slots)
 
 
 def _view(p: Pending, layer: int) -> LayerView:
@@ -409,7 +409,7 @@ def _view(p: Pending, layer: int) -> LayerView:
             q = p.queries[layer]
         else:
             store = s.ctx.capture
-            length = s.tokens_for(a + job.n)
+            length = s.slot_map.tokens_for(a + job.n)
             q = store.get(job.req.kv.req_pool_idx, layer, length) if store is not None else None
         if q is not None and q.shape[1] > 0:
             row = rt.req_to_token[job.req.kv.req_pool_idx]
@@ -422,7 +422,7 @@ def _view(p: Pending, layer: int) -> LayerView:
         slots=p.slots,
         n_sink=job.n_sink,
         n_recent=job.n_recent,
-        n_compacted=s.comp_slots,
+        n_compacted=s.slot_map.comp_slots,
         attn=attn,
         o_proj=rt.o_proj(layer) if "o_proj" in needs else None,
         vo=slotstats.read(s.ctx.stats, layer, p.slots)
@@ -437,21 +437,21 @@ def account(job: Job, k: int, tail: int, keep: torch.Tensor | None, dt: float, a
     `after`: tokens that follow the region in the row (decoded while the plan was pending)."""
     s, a, n, rt = job.s, job.a, job.n, job.s.ctx.rt
     if st.DEBUG and keep is not None:
-        before = s.debug_positions(a + n + after)
+        before = s.debug.positions(a + n + after)
         region = before[..., a : a + n].gather(-1, keep)
         pos = torch.cat([before[..., :a], region, before[..., a + n :]], dim=-1)
-        s.debug_event(pos, s.tokens_for(a + n + after))
+        s.debug.event(pos, s.slot_map.tokens_for(a + n + after))
     s.compacted(n, k, tail)
     if job.phase != "decode":  # folded into the budget: the turn's appended columns are gone
-        s.appended = 0
-    s.compressions += 1
-    s.seconds += dt
+        s.recall.appended = 0
+    s.counters.compressions += 1
+    s.counters.seconds += dt
     tot = rt.totals
     tot.compressions += 1
     tot.tokens_evicted += n - k
     tot.slots_freed += n - k
     tot.seconds_compressing += dt
-    if s.compressions == 1:
+    if s.counters.compressions == 1:
         tot.requests_compressed += 1
     logger.debug(
         "kvevict %s: %s %s kept %d of %d region slots (offset %d) in %.3fs",
@@ -460,10 +460,10 @@ def account(job: Job, k: int, tail: int, keep: torch.Tensor | None, dt: float, a
         job.phase,
         k,
         n,
-        s.offset,
+        s.slot_map.offset,
         dt,
     )
-    return s.offset
+    return s.slot_map.offset
 
 
 def safe_compress(req: Any, phase: Phase) -> int:

@@ -19,7 +19,7 @@ A decode step's recall has three parts, and only the middle one runs inside the 
 3. `finish` (the scheduler, after the step): the records become the requests' counters, debug positions
    and stale page summaries, read once for the whole batch.
 
-The ranking is `recall.exchange`'s (the same `best_entries`, the same floor) over every host entry of
+The ranking is `recall.exchange`'s (the same `recall_core.best_entries`, the same floor) over every host entry of
 the branch; the page summaries that a turn's recall uses to fetch fewer keys are not used here.
 On a GPU a graph would be captured per (B, W, C) bucket, as SGLang captures one per batch size; the
 host keys are read through an index on the host store (a pinned-memory gather kernel would make that
@@ -36,6 +36,7 @@ import torch
 
 from sgl_kvevict import kernels as K
 from sgl_kvevict.cache import state as st
+from sgl_kvevict.cache.recall_core import DebugSwap, account, best_entries
 
 if TYPE_CHECKING:
     from sgl_kvevict.cache.context import KvEvictContext
@@ -119,8 +120,6 @@ class StepPlan:
         p = torch.softmax(logits, dim=-1).amax(dim=2)  # [B, H, C + W]: an entry's best query head
         # padding stays out of the ranking (a page's best would otherwise rank its padded entries too)
         host_sc, row_sc = p[..., :c].masked_fill(~in_host[:, None], -torch.inf), p[..., c:]
-        from sgl_kvevict.cache.recall import best_entries
-
         hs, hidx = best_entries(host_sc, self.page, r)  # [B, H, R], best first
         cols = torch.arange(w, device=dev)
         displaceable = (cols >= self.lo.unsqueeze(-1)) & (cols < self.hi.unsqueeze(-1))
@@ -177,9 +176,9 @@ class StepPlan:
 def arm(req: Any, s: st.ReqState, lo: int, hi: int, r: int) -> None:
     """Arm the request's recall for its next decode step (the scheduler, before the step)."""
     row = req.kv.req_pool_idx
-    tokens = s.tokens_for(int(req.kv.kv_committed_len))
-    s.ctx.decode_armed[row] = DecodeArm(s, lo, hi, r, tokens, s.host.cols.clone())
-    s.ctx.host.in_use[row] = s.host  # the LRU must not take what the step reads and writes
+    tokens = s.slot_map.tokens_for(int(req.kv.kv_committed_len))
+    s.ctx.decode_armed[row] = DecodeArm(s, lo, hi, r, tokens, s.recall.host.cols.clone())
+    s.ctx.host.in_use[row] = s.recall.host  # the LRU must not take what the step reads and writes
 
 
 def plan(ctx: KvEvictContext, reqs: list[Any]) -> StepPlan | None:
@@ -226,8 +225,6 @@ def finish(ctx: KvEvictContext, one: StepPlan) -> int:
     """After the step: the records become each recalling request's counters (and, with KVEVICT_DEBUG,
     its position timeline); the branch's page summaries are stale where entries moved. Returns the
     entries swapped in, over the batch."""
-    from sgl_kvevict.cache.recall import _account
-
     for i, a in enumerate(one.arms):
         if a is not None:
             ctx.host.in_use.pop(one.row_ids[i], None)
@@ -239,24 +236,22 @@ def finish(ctx: KvEvictContext, one: StepPlan) -> int:
     pool.totals.keys_read += real * pool.heads * pool.dim * pool.k.element_size() * done
     total = 0
     for i, a in enumerate(one.arms):
-        if a is None or a.s.host is None:
+        if a is None or a.s.recall.host is None:
             continue
         n = int(counts[i])
         total += n
-        if n and a.s.host is not None:
-            a.s.host.summaries = None
-        if st.DEBUG and a.s.host.positions is not None:
+        if n and a.s.recall.host is not None:
+            a.s.recall.host.summaries = None
+        if st.DEBUG and a.s.recall.host.positions is not None:
             _debug_positions(a, one, i, done)
-        _account(a.s, n)
+        account(a.s, n)
     return total
 
 
 def _debug_positions(a: DecodeArm, one: StepPlan, i: int, layers: int) -> None:
     """KVEVICT_DEBUG: the moved pairs of batch row `i` exchange their logical positions (row and host),
     and the row's positions become a timeline event (the oracle replays it)."""
-    from sgl_kvevict.cache.recall import _DebugSwap
-
-    dbg = _DebugSwap(a.s, int(one.m[i]))
+    dbg = DebugSwap(a.s, int(one.m[i]))
     moved, pos, hidx = (x[:layers, i].cpu() for x in (one.moved, one.pos, one.hidx))
     for layer in range(layers):
         for h in range(moved.shape[1]):
@@ -280,7 +275,7 @@ def fail(ctx: KvEvictContext, one: StepPlan) -> None:
     ctx.host.totals.recall_failures += 1
     for a in one.arms:
         if a is not None:
-            if a.s.host is not None:
-                a.s.host.summaries = None
-            a.s.recall_alone = True
-            a.s.recall_due = True
+            if a.s.recall.host is not None:
+                a.s.recall.host.summaries = None
+            a.s.recall.alone = True
+            a.s.recall.due = True

@@ -38,8 +38,8 @@ def take(s: st.ReqState) -> None:
     victims: the request's copy is the one a session goes on with. When the pool cannot hold a copy,
     the request takes the node's entries themselves (a copy never drops another session's live
     history: `HostPool.copy`)."""
-    src = s.host_src
-    s.host_src = None
+    src = s.recall.host_src
+    s.recall.host_src = None
     got = src.host_entries if src is not None else None
     pool = s.ctx.host
     if got is None or got.count == 0 or pool is None:
@@ -50,13 +50,13 @@ def take(s: st.ReqState) -> None:
         mine = got
     else:
         pool.drop_first(got)
-    if s.host is None or s.host.count == 0:
-        s.host = mine
+    if s.recall.host is None or s.recall.host.count == 0:
+        s.recall.host = mine
     else:  # already holds some (a retracted request coming back): merge
-        pool.append(s.host, mine.cols, mine.positions if s.host.positions is not None else None)
+        pool.append(s.recall.host, mine.cols, mine.positions if s.recall.host.positions is not None else None)
         pool.lru.pop(id(mine), None)
         mine.cols = torch.zeros(0, dtype=torch.int64)
-    pool.touch(s.host)
+    pool.touch(s.recall.host)
 
 
 @dataclass
@@ -76,9 +76,9 @@ def plan_demote(s: st.ReqState, a: int, slots: torch.Tensor, keep: torch.Tensor)
         n, k = int(slots.numel()), int(keep.shape[-1])
         if k >= n:
             return None
-        if s.host is None:
-            s.host = host.HostEntries()
-        cols = pool.alloc(n - k, keep=s.host)
+        if s.recall.host is None:
+            s.recall.host = host.HostEntries()
+        cols = pool.alloc(n - k, keep=s.recall.host)
         if cols is None:
             return None
         ev = evicted_indices(keep, n)  # [L, H, e]
@@ -101,7 +101,7 @@ def plan_demote(s: st.ReqState, a: int, slots: torch.Tensor, keep: torch.Tensor)
 def positions(s: st.ReqState, kv_len: int) -> torch.Tensor:
     """Debug: `[L, H, kv_len]` logical positions of the row's first slots."""
     rt = s.ctx.rt
-    pos = s.debug_positions(kv_len)
+    pos = s.debug.positions(kv_len)
     return pos.view(1, 1, -1).expand(rt.n_layers, rt.n_kv_heads, -1) if pos.dim() == 1 else pos
 
 
@@ -109,16 +109,16 @@ def commit_demote(s: st.ReqState, d: Demotion | None, committed: bool) -> None:
     pool = s.ctx.host
     if d is None or pool is None:
         return
-    if not committed or s.host is None:
+    if not committed or s.recall.host is None:
         pool.give_back(d.cols)
         return
-    pool.append(s.host, d.cols, d.positions)
+    pool.append(s.recall.host, d.cols, d.positions)
     pool.totals.demoted += int(d.cols.numel())
-    s.host_peak = max(s.host_peak, s.host.count)
+    s.recall.host_peak = max(s.recall.host_peak, s.recall.host.count)
 
 
 def fail(s: st.ReqState, what: str) -> None:
-    s.recall = 0
+    s.recall.tokens = 0
     if s.ctx.host is not None:
         s.ctx.host.totals.recall_failures += 1
     logger.exception("kvevict: %s failed; the request continues without recall", what)

@@ -58,7 +58,7 @@ def _policy_key(job: Job) -> str | None:
 
 def _length(job: Job) -> int:
     """The request's logical length: the positions its captured queries are indexed by."""
-    return job.s.tokens_for(job.a + job.n)
+    return job.s.slot_map.tokens_for(job.a + job.n)
 
 
 def compress_batch(items: list[tuple[Any, Phase]], cap: int | None = None) -> list[int]:
@@ -140,7 +140,7 @@ def _run_group(jobs: list[Job]) -> list[int]:
     rt.order_after_forward()
     pol = jobs[0].s.policy
     # kept counts and raw tails, host-only (a policy may refuse a request here: the group goes per request)
-    counts = [pol.batch_counts(j.n, j.n_sink, j.n_recent, j.s.comp_slots, j.budget) for j in jobs]
+    counts = [pol.batch_counts(j.n, j.n_sink, j.n_recent, j.s.slot_map.comp_slots, j.budget) for j in jobs]
     if all(c.k >= j.n for c, j in zip(counts, jobs, strict=True)):
         return [0] * len(jobs)
     batch = _batch_view(jobs, counts)
@@ -171,8 +171,8 @@ def _batch_view(jobs: list[Job], counts: list) -> BatchView:
         k_buffers=[rt.k_buffer(layer) for layer in range(L)],
         v_buffers=[rt.v_buffer(layer) for layer in range(L)],
         counts=counts,
-        states=[j.s.layer_state for j in jobs],
-        stacks=[getattr(j.s, "carry_stack", None) for j in jobs],
+        states=[j.s.policy_state.layers for j in jobs],
+        stacks=[j.s.policy_state.carry_stack for j in jobs],
     )
     if "attn" in jobs[0].s.policy.needs:
         batch.attn = _window_attention(jobs, cols, valid)  # [R, L, H, Nmax]
@@ -199,16 +199,16 @@ def _bookkeeping(jobs: list[Job], batch: BatchView, keep: torch.Tensor, counts: 
     L, nmax = rt.n_layers, batch.slots.shape[1]  # noqa: N806
     ks = [c.k for c in counts]
     for j in jobs:
-        if not j.s.layer_state:
-            j.s.layer_state = [{} for _ in range(L)]
+        if not j.s.policy_state.layers:
+            j.s.policy_state.layers = [{} for _ in range(L)]
     if batch.scored is not None:  # the kept tokens' scores, carried to the next compression
         carried = batch.scored.gather(-1, keep.clamp(max=nmax - 1))  # [R, L, H, Kmax]
         for r, (j, k) in enumerate(zip(jobs, ks, strict=True)):
             per = carried[r, :, :, :k]
-            for layer, d in enumerate(j.s.layer_state):
+            for layer, d in enumerate(j.s.policy_state.layers):
                 d.pop("scored", None)
                 d["carried"] = per[layer]
-            j.s.carry_stack = per
+            j.s.policy_state.carry_stack = per
     dt = (time.perf_counter() - t0) / len(jobs)
     offs = []
     for r, (j, c) in enumerate(zip(jobs, counts, strict=True)):

@@ -12,7 +12,7 @@ memory budget (a fixed reserve of host RAM), neither of which exists for a side 
 The store here is the same layout in plain torch; a column copy is one `index_copy_` per layer.
 
 Ownership: a `HostEntries` (one branch's columns) is held by exactly one owner at a time, a running
-request's `ReqState.host` or a compressed tree node's `host_entries`; it moves between them, never is
+request's `RecallState.host` or a compressed tree node's `host_entries`; it moves between them, never is
 shared, so no two branches can mutate the same entries: a request continuing a stored history takes a
 copy (`HostPool.copy`), and the node keeps its own for the next one (a fork sibling, a retried turn).
 The pool evicts whole branches least recently used when it needs columns; an emptied branch still

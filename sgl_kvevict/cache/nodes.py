@@ -26,7 +26,7 @@ class CompressedNode(TreeNode):
         super().__init__(priority=priority)
         self.fp = fp  # the fingerprint of the config that produced it (`state.fingerprint`)
         self.positions = positions  # debug: `[L, H, slots]` logical position each slot holds, else None
-        # The producer's per-head policy state, continued by the branch's next turn (`ReqState.layer_state`);
+        # The producer's per-head policy state, continued by the branch's next turn (`PolicyState.layers`);
         # empty when the node was stored by another request first (a duplicate keeps the first one's).
         self.layer_state: list[dict] = []
         self.host_entries: HostEntries | None = None  # its evicted tokens' entries on the host tier, if any

@@ -58,6 +58,7 @@ import torch
 from sgl_kvevict import kernels as K
 from sgl_kvevict.cache import capture, compressor, context, decode_recall, demote, host
 from sgl_kvevict.cache import state as st
+from sgl_kvevict.cache.recall_core import DebugSwap, account, best_entries
 from sgl_kvevict.cache.slots import alloc_slots, free_slots
 
 if TYPE_CHECKING:
@@ -76,36 +77,36 @@ def tick(req: Any) -> None:
     """A decode step of a request with recall on: every `--kv-recall-config` `every` steps its newest window
     queries recall again (a turn's answer may need what its prompt did not look at)."""
     s = st.get(req)
-    if s is None or not s.recall:
+    if s is None or not s.recall.tokens:
         return
     every = s.ctx.settings.recall.every
     if not every:
         return
-    s.recall_steps += 1
-    if s.recall_steps >= every:
-        s.recall_due = True
+    s.recall.steps += 1
+    if s.recall.steps >= every:
+        s.recall.due = True
 
 
 def due_next_step(req: Any) -> bool:
     """Whether the request's next decode step recalls (`tick` will make it due): the scheduler then
     processes the pending step's results first, so the recall sees the request's committed length."""
     s = st.get(req)
-    if s is None or not s.recall or s.host is None and s.host_src is None:
+    if s is None or not s.recall.tokens or s.recall.host is None and s.recall.host_src is None:
         return False
     every = s.ctx.settings.recall.every
-    return bool(every) and s.recall_steps + 1 >= every
+    return bool(every) and s.recall.steps + 1 >= every
 
 
 def due(req: Any) -> bool:
     s = st.get(req)
-    return s is not None and s.recall_due and s.pending is None and not s.after_extend
+    return s is not None and s.recall.due and s.pending is None and not s.after_extend
 
 
 def own(s: st.ReqState, length: int) -> int:
     """How many of the row's newest `length` logical tokens are the turn's own. A turn's recall scores
     with those queries only: a window reaching back into the previous turn would bring back what that
     turn's answer read (its note), not what this turn asks for."""
-    return length - (s.turn_start or 0)
+    return length - (s.recall.turn_start or 0)
 
 
 def safe_recall(req: Any) -> int:
@@ -113,7 +114,7 @@ def safe_recall(req: Any) -> int:
     s = st.get(req)
     if s is None:
         return 0
-    s.recall_due = False
+    s.recall.due = False
     return _degrading(req, s, recall, "recall")
 
 
@@ -128,51 +129,34 @@ def _degrading(req: Any, s: st.ReqState, run: Any, what: str) -> int:
         return 0
 
 
-def page_best(sc: torch.Tensor, page: int) -> torch.Tensor:
-    """Each host entry scored by the best entry of its page (`page` consecutive columns of a head)."""
-    if page <= 1:
-        return sc
-    e = sc.shape[-1]
-    n = -(-e // page)
-    padded = torch.nn.functional.pad(sc, (0, n * page - e), value=float("-inf"))
-    best = padded.view(*sc.shape[:-1], n, page).amax(-1)
-    return best.repeat_interleave(page, dim=-1)[..., :e]
-
-
-def best_entries(sc: torch.Tensor, page: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `r` best host entries per (layer, head), `(page scores, indices)`, best first: by their page's
-    score, then, inside a page, by their own (so a page cut by `r` gives its best entries). An entry
-    scored -inf (a paged recall's padding) keeps -inf: it never beats a kept entry."""
-    ranked = page_best(sc, page).masked_fill(sc == float("-inf"), float("-inf"))  # padding stays out
-    order = sc.argsort(dim=-1, descending=True, stable=True)
-    by_page = ranked.gather(-1, order).argsort(dim=-1, descending=True, stable=True)
-    idx = order.gather(-1, by_page)[..., :r]
-    return ranked.gather(-1, idx), idx
-
-
 def recall(req: Any, s: st.ReqState) -> int:
     """Swap the best host entries into the lowest-scored displaceable kept slots (see the module), with
     the captured window's queries, after the turn's compression. Returns the entries swapped in."""
     demote.take(s)
     kv = req.kv
-    if s.host is None or s.host.count == 0 or s.pending is not None or s.comp_slots == 0:
-        s.recall_skipped += 1  # nothing on the host (or no compacted history to swap into)
+    if (
+        s.recall.host is None
+        or s.recall.host.count == 0
+        or s.pending is not None
+        or s.slot_map.comp_slots == 0
+    ):
+        s.recall.skipped += 1  # nothing on the host (or no compacted history to swap into)
         return 0
     if not compressor.own_region(req, s):
-        s.recall_skipped += 1  # the history sits in shared slots and no own copy could be made
+        s.recall.skipped += 1  # the history sits in shared slots and no own copy could be made
         return 0
     kv_len = int(kv.kv_committed_len)
     lo, hi = _displaceable(s)
-    length = s.tokens_for(kv_len)
+    length = s.slot_map.tokens_for(kv_len)
     # a turn's start scores with its own tokens' window queries; a decode-time recall with the queries of
     # the steps since the last recall only (the answer forming now, not the prompt the start already used)
-    fresh, s.recall_steps = s.recall_steps, 0
+    fresh, s.recall.steps = s.recall.steps, 0
     w = min(capture.count(s.ctx, kv.req_pool_idx, length), kv_len - hi, fresh or own(s, length))
-    r = min(s.recall, hi - lo, s.host.count)
+    r = min(s.recall.tokens, hi - lo, s.recall.host.count)
     if fresh:  # during decode: at most one page per step since the last recall (bounds a step's bytes)
         r = min(r, fresh * s.ctx.settings.recall.page)
     if r <= 0 or w <= 0:
-        s.recall_skipped += 1
+        s.recall.skipped += 1
         return 0
     one = Recall.start(req, s, kv_len, length, lo, hi, r)
     try:
@@ -188,9 +172,9 @@ def recall(req: Any, s: st.ReqState) -> int:
 def safe_append(req: Any) -> int:
     """`append`, degrading the request's recall on a failure. Returns the slots the row grew by."""
     s = st.get(req)
-    if s is None or not s.append_due:
+    if s is None or not s.recall.append_due:
         return 0
-    s.append_due = False
+    s.recall.append_due = False
     return _degrading(req, s, append, "recall (append)")
 
 
@@ -204,18 +188,25 @@ def append(req: Any, s: st.ReqState) -> int:
     the turn's other recalls are unchanged)."""
     demote.take(s)
     kv, rt = req.kv, s.ctx.rt
-    if s.host is None or s.host.count == 0 or s.pending is not None or s.comp_slots == 0:
+    if (
+        s.recall.host is None
+        or s.recall.host.count == 0
+        or s.pending is not None
+        or s.slot_map.comp_slots == 0
+    ):
         return 0
     if kv.kv_allocated_len != kv.kv_committed_len or not compressor.own_region(req, s):
         return 0
     kv_len = int(kv.kv_committed_len)
     lo, hi = _displaceable(s)
-    length = s.tokens_for(kv_len)
+    length = s.slot_map.tokens_for(kv_len)
     w = min(capture.count(s.ctx, kv.req_pool_idx, length), kv_len - hi, own(s, length))
-    a = min(s.recall, s.own_evicted, s.host.count, int(rt.req_to_token.shape[1]) - kv_len)
+    a = min(
+        s.recall.tokens, s.slot_map.own_evicted, s.recall.host.count, int(rt.req_to_token.shape[1]) - kv_len
+    )
     paged = None, 0
     while a > 0:  # a paged append picks from the fetched pages: at least (n - 1) * page + 1 real columns
-        paged = _paged(s.ctx, s.host, a)
+        paged = _paged(s.ctx, s.recall.host, a)
         sums, n_sel = paged
         room = a if sums is None else min(a, (n_sel - 1) * sums.page + 1)
         if room == a:
@@ -239,29 +230,9 @@ def append(req: Any, s: st.ReqState) -> int:
 def _displaceable(s: st.ReqState) -> tuple[int, int]:
     """Row range recall may displace: the compacted history past the sinks (the uncompressed tail, where
     the queries sit, and the sinks are never displaced)."""
-    a = s.anchor_kv
-    n_sink = max(0, min(s.policy.config.sinks - s.anchor_tokens, s.comp_slots))
-    return a + n_sink, a + s.comp_slots
-
-
-class _DebugSwap:
-    """KVEVICT_DEBUG: the row's and the host's logical positions, updated by each exchange (the oracle
-    replays them as a timeline event)."""
-
-    def __init__(self, s: st.ReqState, kv_len: int) -> None:
-        self.pos = demote.positions(s, kv_len).clone()
-        self.hpos = s.host.positions.clone()
-
-    def apply(self, layer: int, didx: torch.Tensor, hidx: torch.Tensor, swap: torch.Tensor) -> None:
-        sl = slice(layer, layer + didx.shape[0])
-        pos, hpos = self.pos[sl], self.hpos[sl]
-        dp, hp = pos.gather(-1, didx), hpos.gather(-1, hidx)
-        pos.scatter_(-1, didx, torch.where(swap, hp, dp))
-        hpos.scatter_(-1, hidx, torch.where(swap, dp, hp))
-
-    def record(self, s: st.ReqState, tokens: int) -> None:
-        s.host.positions = self.hpos
-        s.debug_event(self.pos, tokens)
+    a = s.slot_map.anchor_kv
+    n_sink = max(0, min(s.policy.config.sinks - s.slot_map.anchor_tokens, s.slot_map.comp_slots))
+    return a + n_sink, a + s.slot_map.comp_slots
 
 
 def exchange(
@@ -273,7 +244,7 @@ def exchange(
     row_sc: torch.Tensor,
     host_sc: torch.Tensor,
     r: int,
-    dbg: _DebugSwap | None,
+    dbg: DebugSwap | None,
     cand: torch.Tensor | None = None,
     log: list[Undo] | None = None,
 ) -> torch.Tensor:
@@ -292,7 +263,7 @@ def exchange(
     swap = (hs > -cs) & (hs >= cfg.recall.min_score)
     counts = swap.sum(-1)  # hs falls and the displaced score rises with i, so swap is a prefix
     dev_slots = row_slots[lo:hi][cidx]  # [l, H, r]
-    host_cols = s.host.cols.to(pool.k.device)[hidx.to(pool.k.device)]
+    host_cols = s.recall.host.cols.to(pool.k.device)[hidx.to(pool.k.device)]
     if dbg is not None:
         dbg.apply(layer, (cidx + lo).cpu(), hidx.cpu(), swap.cpu())
     layers = range(layer, layer + int(row_sc.shape[0]))
@@ -309,22 +280,6 @@ def exchange(
             old = stats[li][dev_slots[i], heads]
             stats[li][dev_slots[i], heads] = torch.where(swap[i], float("nan"), old)
     return counts
-
-
-def _account(s: st.ReqState, swapped: int, one_way: bool = False) -> None:
-    """Counters of one recall (a turn's, or a decode-time one): entries in, bytes both ways (an append
-    moves them one way)."""
-    rt, pool = s.ctx.rt, s.ctx.host
-    s.recalled_into_history = s.recalled_into_history or swapped > 0
-    moved = swapped * 2 * rt.head_dim * rt.k_buffer(0).element_size() * (1 if one_way else 2)
-    s.recalled += swapped
-    s.recalled_appended += swapped if one_way else 0
-    s.bytes_moved += moved
-    s.host_peak = max(s.host_peak, s.host.count if s.host is not None else 0)
-    tot = pool.totals
-    tot.recalled += swapped
-    tot.bytes_moved += moved
-    tot.recalls += 1
 
 
 # ---- page summaries: score pages, fetch only the chosen pages' columns ----------------------------
@@ -405,7 +360,7 @@ class Recall:
     cols: torch.Tensor  # the branch's host columns (on the host pool's device)
     sums: host.PageSummaries | None  # None: every host key is scored
     n_sel: int  # pages fetched per head and layer when paged
-    dbg: _DebugSwap | None = None
+    dbg: DebugSwap | None = None
     new: torch.Tensor | None = None  # appending: the fresh device slots (int64) the columns go to
     appended_pos: list[torch.Tensor] = field(default_factory=list)  # debug: their positions, per layer
     swapped: torch.Tensor | None = None  # on the device, read once at the end
@@ -428,13 +383,13 @@ class Recall:
         r: int,
         paged: tuple[host.PageSummaries | None, int] | None = None,
     ) -> Recall:
-        """`paged`: `_paged(s.host, r)` when the caller has it already."""
+        """`paged`: `_paged(s.recall.host, r)` when the caller has it already."""
         pool = s.ctx.host
-        pool.touch(s.host)
-        sums, n_sel = paged if paged is not None else _paged(s.ctx, s.host, r)
+        pool.touch(s.recall.host)
+        sums, n_sel = paged if paged is not None else _paged(s.ctx, s.recall.host, r)
         row_slots = s.ctx.rt.req_to_token[req.kv.req_pool_idx, :m].to(torch.int64)
-        dbg = _DebugSwap(s, m) if st.DEBUG and s.host.positions is not None else None
-        cols = s.host.cols.to(pool.k.device)
+        dbg = DebugSwap(s, m) if st.DEBUG and s.recall.host.positions is not None else None
+        cols = s.recall.host.cols.to(pool.k.device)
         return cls(req, s, m, tokens, lo, hi, r, row_slots, cols, sums, n_sel, dbg)
 
     def layer(self, layer: int, q: torch.Tensor, causal: bool) -> None:
@@ -478,8 +433,10 @@ class Recall:
         if cand is not None:  # the swap wrote displaced entries into the fetched pages: re-summarise them
             now = _host_keys(pool, layer, self.cols[cand.to(pool.k.device)], heads).to(dev).transpose(0, 1)
             K.refresh_pages(*self.sums.at(layer), page_ids, now, valid)
-        elif self.s.host.summaries is not None:  # scored flat: the swapped columns' summaries are stale
-            self.s.host.summaries = None
+        elif (
+            self.s.recall.host.summaries is not None
+        ):  # scored flat: the swapped columns' summaries are stale
+            self.s.recall.host.summaries = None
 
     def append_layer(self, layer: int, host_sc: torch.Tensor, cand: torch.Tensor | None) -> None:
         """Append mode at `layer`: each KV head's best `a` host entries go to the fresh slots `new` (no
@@ -510,8 +467,8 @@ class Recall:
             cols, ok = K.gather_columns(page_ids, sm.page, c2)
             now = _host_keys(pool, layer, self.cols[cols.to(pool.k.device)], heads).to(self.row_slots.device)
             K.refresh_pages(*sm.at(layer), page_ids, now.transpose(0, 1), ok)
-        elif s.host.summaries is not None:
-            s.host.summaries = None
+        elif s.recall.host.summaries is not None:
+            s.recall.host.summaries = None
 
     def rollback(self, what: str) -> None:
         """A failure part-way (some layers swapped): swap those layers back, newest first, so the row and
@@ -527,8 +484,8 @@ class Recall:
             self.done.clear()
         except Exception:
             logger.exception("kvevict: undoing a failed recall failed")
-        if self.s.host is not None:
-            self.s.host.summaries = None
+        if self.s.recall.host is not None:
+            self.s.recall.host.summaries = None
         demote.fail(self.s, what)
 
     def _undo_append(self, layer: int, hidx: torch.Tensor) -> None:
@@ -548,7 +505,7 @@ class Recall:
         swapped = int(self.swapped) if self.swapped is not None else 0
         if self.dbg is not None:
             self.dbg.record(self.s, self.tokens)
-        _account(self.s, swapped)
+        account(self.s, swapped)
         return swapped
 
     def _finish_append(self) -> int:
@@ -569,8 +526,8 @@ class Recall:
         if s.ctx.stats is not None:  # fresh slots: no statistic yet
             for li in range(rt.n_layers):
                 s.ctx.stats[li][self.new] = float("nan")
-        rt.tree.offsets[kv.req_pool_idx] = s.offset
-        e = s.host
+        rt.tree.offsets[kv.req_pool_idx] = s.slot_map.offset
+        e = s.recall.host
         c2 = e.count - a
         pool.give_back(e.cols[c2:])
         e.cols = e.cols[:c2].clone()
@@ -583,9 +540,9 @@ class Recall:
             e.positions = self.dbg.hpos[..., :c2].clone()
             pos = self.dbg.pos
             added = torch.stack(self.appended_pos)  # [L, H, a]
-            s.debug_event(torch.cat([pos[..., :hi], added, pos[..., hi:]], dim=-1), self.tokens)
+            s.debug.event(torch.cat([pos[..., :hi], added, pos[..., hi:]], dim=-1), self.tokens)
         moved = a * pool.heads * rt.n_layers
-        _account(s, moved, one_way=True)
+        account(s, moved, one_way=True)
         return a
 
 
@@ -620,15 +577,15 @@ def after_compress(req: Any, decode: bool) -> int:
         return 0
     grown = 0 if decode else safe_append(req)
     if grown:
-        s.recall_due = False  # the append brought back the turn's best entries
+        s.recall.due = False  # the append brought back the turn's best entries
     stale = disarm(s.ctx, req.kv.req_pool_idx) if req.kv.req_pool_idx is not None else None
     if stale is not None and stale.s is s:  # armed for a forward that did not run it (a retraction)
-        s.recall_due = True
+        s.recall.due = True
     if decode:
         tick(req)
     if not due(req):
         return grown
-    if decode and not s.ctx.graphed and not s.recall_alone and arm(req, s, decode=True):
+    if decode and not s.ctx.graphed and not s.recall.alone and arm(req, s, decode=True):
         return grown
     safe_recall(req)
     return grown
@@ -652,7 +609,7 @@ def arm(req: Any, s: st.ReqState, decode: bool = False) -> bool:
         demote.fail(s, "arming a recall")
         armed = False
     if armed:
-        s.recall_due = False
+        s.recall.due = False
     return armed
 
 
@@ -672,25 +629,25 @@ def _plan_arm(req: Any, s: st.ReqState, decode: bool) -> bool:
         if req.extend_end < len(req.origin_input_ids) + len(req.output_ids):
             return False  # a chunk with more to come: the last chunk's queries recall
     demote.take(s)
-    if s.host is None or s.host.count == 0 or s.comp_slots == 0:
+    if s.recall.host is None or s.recall.host.count == 0 or s.slot_map.comp_slots == 0:
         return False
     lo, hi = _displaceable(s)
     if decode:
-        if kv.cache_protected_len > s.anchor_kv:
+        if kv.cache_protected_len > s.slot_map.anchor_kv:
             return False  # the history is not the request's own yet (`recall` copies it)
-        fresh, s.recall_steps = max(1, s.recall_steps), 0
-        r = min(s.recall, hi - lo, s.host.count, fresh * s.ctx.settings.recall.page)
+        fresh, s.recall.steps = max(1, s.recall.steps), 0
+        r = min(s.recall.tokens, hi - lo, s.recall.host.count, fresh * s.ctx.settings.recall.page)
         if r > 0:
             decode_recall.arm(req, s, lo, hi, r)
         return r > 0
-    m = s.slots_for(int(req.prefix_len))
+    m = s.slot_map.slots_for(int(req.prefix_len))
     if not compressor.own_region(req, s, upto=m):
         return False
-    r = min(s.recall, hi - lo, s.host.count)
+    r = min(s.recall.tokens, hi - lo, s.recall.host.count)
     if r <= 0:
         return False
     s.ctx.armed[row] = Recall.start(req, s, m, int(req.prefix_len), lo, hi, r)
-    s.ctx.host.in_use[row] = s.host  # the LRU must not take what the forward will read and write
+    s.ctx.host.in_use[row] = s.recall.host  # the LRU must not take what the forward will read and write
     return True
 
 
@@ -718,8 +675,8 @@ def finish_step(ctx: KvEvictContext) -> None:
         ctx.graphed = True
         for a in one.arms:
             if a is not None:
-                a.s.recall_due = True
-                a.s.recall_steps = max(a.s.recall_steps, 1)
+                a.s.recall.due = True
+                a.s.recall.steps = max(a.s.recall.steps, 1)
     try:
         decode_recall.finish(ctx, one)
     except Exception:  # the exchanges stand (both pools consistent); the step's accounting is lost

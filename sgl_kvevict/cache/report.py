@@ -1,6 +1,6 @@
 """The per-request report: the numbers a response carries in `meta_info["kvevict"]`.
 
-Device statistics that the policies record (`ReqState.layer_stats`) stay tensors until here: they are
+Device statistics that the policies record (`PolicyState.layer_stats`) stay tensors until here: they are
 read once, when the report is built.
 """
 
@@ -23,31 +23,34 @@ def stats(req: Any) -> dict[str, Any] | None:
         "budget": s.cfg.budget,
         "scope": s.policy.config.scope,
         "kv_tokens": int(req.kv.kv_committed_len),
-        "prefix_kv_tokens": s.anchor_kv,
-        "logical_tokens": s.tokens_for(int(req.kv.kv_committed_len)),
-        "evicted": s.own_evicted - s.inherited_evicted,
-        "reused_evicted": s.reused_evicted,
-        "branch_kv_tokens": int(req.kv.kv_committed_len) - s.anchor_kv,
-        "compressions": s.compressions,
-        "merged": s.merged,
-        "seconds": round(s.seconds, 4),
+        "prefix_kv_tokens": s.slot_map.anchor_kv,
+        "logical_tokens": s.slot_map.tokens_for(int(req.kv.kv_committed_len)),
+        "evicted": s.slot_map.own_evicted - s.slot_map.inherited_evicted,
+        "reused_evicted": s.slot_map.reused_evicted,
+        "branch_kv_tokens": int(req.kv.kv_committed_len) - s.slot_map.anchor_kv,
+        "compressions": s.counters.compressions,
+        "merged": s.policy_state.merged,
+        "seconds": round(s.counters.seconds, 4),
         "failed": s.failed,
     }
-    if s.recall > 0 or s.recalled:
+    if s.recall.tokens > 0 or s.recall.recalled:
         out.update(
-            recall_tokens=s.recall,
-            recalled=s.recalled,
-            appended=s.recalled_appended,
-            bytes_moved=s.bytes_moved,
-            host_tokens=s.host_peak,
-            peak_kv_tokens=max(s.kv_peak, int(req.kv.kv_committed_len)),
-            recall_skipped=s.recall_skipped,
+            recall_tokens=s.recall.tokens,
+            recalled=s.recall.recalled,
+            appended=s.recall.recalled_appended,
+            bytes_moved=s.recall.bytes_moved,
+            host_tokens=s.recall.host_peak,
+            peak_kv_tokens=max(s.counters.kv_peak, int(req.kv.kv_committed_len)),
+            recall_skipped=s.recall.skipped,
         )
     if st.DEBUG:
-        out["prefix_digest"] = s.prefix_digest
-        out["prefix_digest_end"] = s.prefix_digest_end
-        out["kept_timeline"] = s.timeline
-    for name, vals in s.layer_stats.items():  # device statistics are read here: one read per statistic
+        out["prefix_digest"] = s.debug.prefix_digest
+        out["prefix_digest_end"] = s.debug.prefix_digest_end
+        out["kept_timeline"] = s.debug.timeline
+    for (
+        name,
+        vals,
+    ) in s.policy_state.layer_stats.items():  # device statistics are read here: one read per statistic
         out[f"layer_{name}"] = [round(x, 5) for x in _host_floats(vals)]
     return out
 

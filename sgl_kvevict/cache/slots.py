@@ -36,7 +36,7 @@ def target_slots(req: Any, s: st.ReqState, n: int, k: int, own_start: int) -> to
     with nothing changed. Its own tail slots first, then fresh ones; only when the pool cannot give
     those, the tree nodes it alone holds are taken back (as eviction would take them)."""
     rt = s.ctx.rt
-    a = s.anchor_kv
+    a = s.slot_map.anchor_kv
     row = rt.req_to_token[req.kv.req_pool_idx]
     own = row[own_start : a + n].to(torch.int64)
     if own.numel() >= k:
@@ -44,7 +44,7 @@ def target_slots(req: Any, s: st.ReqState, n: int, k: int, own_start: int) -> to
     pool = free_slots(rt)
     if own.numel() + pool >= k:
         return torch.cat([own, alloc_slots(rt, k - own.numel())])
-    anchor = s.anchor if s.anchor is not None else rt.tree.root_node
+    anchor = s.slot_map.anchor if s.slot_map.anchor is not None else rt.tree.root_node
     nodes = _exclusive_tree_nodes(rt, req, anchor)
     taken = sum(len(x.value) for x in nodes)
     if own.numel() + taken + pool < k:

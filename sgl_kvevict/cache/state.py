@@ -1,7 +1,20 @@
 """Per-request compression state, kept on the `Req` object (SGLang's `ReqKvInfo` has `slots=True`).
 
-`ReqState` is the one object that knows how a request's logical tokens map to its KV slots; every hook
-converts through its methods (`slots_for`, `tokens_for`) instead of doing its own arithmetic.
+`ReqState` holds the request's config, policy, server context and lifecycle flags, and one object per
+concern:
+
+- `slot_map` (`SlotMap`): how the request's logical tokens map to its KV slots (anchor, compacted
+  history, evicted counts). It is the one place that knows; every hook converts through its methods
+  (`slots_for`, `tokens_for`, `offset`) instead of doing its own arithmetic.
+- `policy_state` (`PolicyState`): what the policy carries from one compression to the next (per-layer
+  entries, carried scores) and what it measured (merges, per-layer statistics).
+- `recall` (`RecallState`): the host-tier entries the request owns, where it stands in a turn's
+  recalls, and its recall counters.
+- `counters` (`Counters`): compressions, seconds spent, the row's peak slots.
+- `debug` (`DebugTrace`, KVEVICT_DEBUG=1 only): prefix digests and the kept-position timeline.
+
+Moves that change several parts at once (a compression's commit, a recall's append, the anchor moving
+down) are `ReqState` methods (`compacted`, `unevicted`, `move_anchor`).
 
 Row layout of a request under compression (KV space, i.e. positions in its `req_to_token` row):
 
@@ -58,11 +71,10 @@ def fingerprint(cfg: KvConfig, policy: Policy, recall: int = 0) -> str | None:
 
 
 @dataclass
-class ReqState:
-    cfg: KvConfig
-    policy: Policy
-    ctx: KvEvictContext  # the server this request runs on (pools, host tier, capture, settings)
-    fp: str | None = None
+class SlotMap:
+    """How the request's logical tokens map to the slots of its row (the module's row layout), and
+    the conversions between the two."""
+
     anchor: Any = None  # TreeNode at the end of the matched prefix
     anchor_tokens: int = 0
     anchor_kv: int = 0
@@ -71,60 +83,6 @@ class ReqState:
     inherited_evicted: int = 0  # of `own_evicted`, those of a matched branch history (not this request's)
     comp_slots: int = 0
     comp_tokens: int = 0
-    after_extend: bool = False  # the next compression check is the one right after a prefill
-    releasing: bool = False  # released unfinished (retraction): the tree checkpoint gets a slot count
-    failed: bool = False
-    deferred: int = 0  # scheduler steps this request's compression waited (--kv-compress-step-tokens)
-    pending: Any = None  # compressor.Pending: a compression planned over several steps, not committed yet
-    ran: bool = False  # KV was allocated since the last match (a later match is a re-admission)
-    commit: bool = False  # generates nothing: a prefix commit (SGLang's frontend before `fork`), kept whole
-    compressions: int = 0
-    merged_count: LazyCount = field(default_factory=LazyCount)  # D2O's merges; read as `merged`
-    seconds: float = 0.0
-    layer_state: list[dict] = field(default_factory=list)
-    carry_stack: torch.Tensor | None = None  # [L, H, k]: the carried scores the layers' entries view
-    # per layer: floats or 0-dim device tensors (read where reported, `report.stats`)
-    layer_stats: dict[str, list[float | torch.Tensor]] = field(default_factory=dict)
-    prefix_digest: str = ""
-    digest_kv: int = 0  # slots the digests cover: the shared prefix at admission
-    prefix_digest_end: str = ""
-    # debug (KVEVICT_DEBUG=1): logical positions held by row slots [0, m) per layer and KV head, the
-    # logical tokens they stand for, and the events a test oracle replays (see `debug_event`).
-    dbg_pos: torch.Tensor | None = None
-    dbg_tokens: int = 0
-    timeline: list[dict] = field(default_factory=list)
-    # host tier (recall.py): entries per (layer, head) per request, at most this many per turn
-    recall: int = 0
-    recall_due: bool = False  # a prefill ran: recall once its compression has committed
-    append_due: bool = False  # a prefill ran: append recalled columns once its compression committed
-    appended: int = 0  # columns recall appended this turn: the turn's decode budget grows by them
-    host: host_tier.HostEntries | None = None  # the host entries this request owns
-    host_src: CompressedNode | None = None  # the adopted history, whose entries move at first commit
-    host_peak: int = 0
-    kv_peak: int = 0  # the most slots the row held at a decode step's start (appended columns included)
-    recalled: int = 0
-    recalled_appended: int = 0  # of `recalled`, the entries appended (moved one way, not exchanged)
-    bytes_moved: int = 0
-    recall_skipped: int = 0
-    recall_steps: int = 0
-    # logical tokens before this turn's own: recall scores with the turn's queries only (`recall.own`)
-    turn_start: int | None = None
-    # a recall swapped entries into the compacted history since it was last formed: it is no longer
-    # the stored node it was adopted from (the tree must not treat it as a duplicate of that node)
-    recalled_into_history: bool = False
-    # a batched decode-step recall failed with this request in it: from then on it recalls alone, after
-    # its compressions (`recall.safe_recall`), where a failure is its own
-    recall_alone: bool = False
-
-    def drop_host(self) -> None:
-        """Give the request's host entries back to the pool: no stored history took them."""
-        host_tier.release(self.ctx.host, self.host)
-        self.host = None
-
-    @property
-    def merged(self) -> int:
-        """Evicted tokens merged into kept ones (D2O), read here (a host sync), not in the step."""
-        return self.merged_count.value()
 
     @property
     def offset(self) -> int:
@@ -147,40 +105,174 @@ class ReqState:
         """A compression kept `k` of the region's `n` slots, its last `tail` kept ones raw (the region's
         newest tokens): the compacted history ends before them."""
         tokens = self.region_tokens(n)
-        self.recalled_into_history = False  # re-formed: its tokens name a new history
         self.comp_slots = k - tail
         self.comp_tokens = tokens - tail
         self.own_evicted += n - k
 
     def unevicted(self, count: int) -> None:
-        """A recall appended `count` host entries per layer and KV head to the compacted history: the row
-        holds `count` more slots for the same tokens (fewer evicted), until a compression folds them."""
+        """`count` entries per layer and KV head joined the end of the compacted history: the row holds
+        `count` more slots for the same tokens (fewer evicted)."""
         self.comp_slots += count
         self.own_evicted -= count
         self.inherited_evicted = min(self.inherited_evicted, self.own_evicted)
-        self.appended += count
-        self.recalled_into_history = True
+
+    def move_anchor(self, node: Any, tokens: int, slots: int, drop_history: bool) -> None:
+        """The anchor moves down to `node`, `tokens` tokens in `slots` slots further; with `drop_history`
+        the compacted history lies above it and its evictions stop being the request's own."""
+        if drop_history:
+            self.own_evicted -= self.comp_tokens - self.comp_slots
+            self.inherited_evicted = 0
+            self.comp_slots = self.comp_tokens = 0
+        self.anchor = node
+        self.anchor_tokens += tokens
+        self.anchor_kv += slots
+
+
+@dataclass
+class PolicyState:
+    """What the request's policy carries from one compression to the next, and what it measured."""
+
+    layers: list[dict] = field(default_factory=list)  # per layer: the policy's own entries (D2O's tau, ...)
+    carry_stack: torch.Tensor | None = None  # [L, H, k]: the carried scores the layers' entries view
+    merged_count: LazyCount = field(default_factory=LazyCount)  # D2O's merges; read as `merged`
+    # per layer: floats or 0-dim device tensors (read where reported, `report.stats`)
+    layer_stats: dict[str, list[float | torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def merged(self) -> int:
+        """Evicted tokens merged into kept ones (D2O), read here (a host sync), not in the step."""
+        return self.merged_count.value()
+
+    def slots_inserted(self, at: int, count: int) -> None:
+        """`count` slots were inserted at region index `at`: per-slot carried scores make room for them
+        (the new entries carry none yet)."""
         self.carry_stack = None
-        at = self.comp_slots - count  # where the new entries sit: right after the old compacted history
-        for d in self.layer_state:  # per-slot carried scores: the new entries carry none yet
+        for d in self.layers:
             old = d.get("carried")
             if old is not None and old.shape[-1] >= at:
                 pad = old.new_zeros(*old.shape[:-1], count)
                 d["carried"] = torch.cat([old[..., :at], pad, old[..., at:]], dim=-1)
 
+
+@dataclass
+class Counters:
+    """The request's compression numbers (`report.stats`)."""
+
+    compressions: int = 0
+    seconds: float = 0.0  # spent compressing
+    kv_peak: int = 0  # the most slots the row held at a decode step's start (appended columns included)
+
+
+@dataclass
+class DebugTrace:
+    """KVEVICT_DEBUG=1 only: digests of the shared prefix, the logical positions held by the row's slots
+    [0, m) per layer and KV head (`pos`), the logical tokens they stand for (`tokens`), and the events a
+    test oracle replays (`timeline`, see `event`)."""
+
+    prefix_digest: str = ""
+    digest_kv: int = 0  # slots the digests cover: the shared prefix at admission
+    prefix_digest_end: str = ""
+    pos: torch.Tensor | None = None
+    tokens: int = 0
+    timeline: list[dict] = field(default_factory=list)
+
+    def positions(self, kv_len: int) -> torch.Tensor:
+        """`[L, H, kv_len]` logical positions of the row's first `kv_len` slots (tail slots are 1:1)."""
+        pos = self.pos
+        m = 0 if pos is None else pos.shape[-1]
+        if pos is not None and kv_len <= m:
+            return pos[..., :kv_len]
+        tail = torch.arange(self.tokens, self.tokens + kv_len - m, dtype=torch.int64)
+        if pos is None:
+            return tail
+        tail = tail.view(1, 1, -1).expand(pos.shape[0], pos.shape[1], -1)
+        return torch.cat([pos, tail], dim=-1)
+
+    def event(self, pos: torch.Tensor, tokens: int) -> None:
+        """Record that the row now holds `pos` ([L, H, m]) and that logical tokens >= `tokens` follow."""
+        self.pos, self.tokens = pos, tokens
+        # exported as sets (sorted): a recall swap leaves a head's slots out of position order
+        self.timeline.append({"tokens": tokens, "positions": pos.sort(dim=-1).values.tolist()})
+
+
+@dataclass
+class RecallState:
+    """The request's host-tier entries (`demote.py` fills them, `recall.py` brings them back), where it
+    stands in a turn's recalls, and what its recalls did."""
+
+    tokens: int = 0  # entries per layer and KV head a turn may recall (0: recall off)
+    host: host_tier.HostEntries | None = None  # the host entries this request owns
+    host_src: CompressedNode | None = None  # the adopted history, whose entries move at first commit
+    # logical tokens before this turn's own: recall scores with the turn's queries only (`recall.own`)
+    turn_start: int | None = None
+    due: bool = False  # a prefill ran: recall once its compression has committed
+    append_due: bool = False  # a prefill ran: append recalled columns once its compression committed
+    appended: int = 0  # columns recall appended this turn: the turn's decode budget grows by them
+    steps: int = 0  # decode steps since the last recall
+    # a recall swapped entries into the compacted history since it was last formed: it is no longer
+    # the stored node it was adopted from (the tree must not treat it as a duplicate of that node)
+    changed_history: bool = False
+    # a batched decode-step recall failed with this request in it: from then on it recalls alone, after
+    # its compressions (`recall.safe_recall`), where a failure is its own
+    alone: bool = False
+    # counters, reported in `meta_info` (`report.stats`)
+    recalled: int = 0
+    recalled_appended: int = 0  # of `recalled`, the entries appended (moved one way, not exchanged)
+    bytes_moved: int = 0
+    skipped: int = 0
+    host_peak: int = 0
+
+    def drop_host(self, pool: host_tier.HostPool | None) -> None:
+        """Give the request's host entries back to `pool`: no stored history took them."""
+        host_tier.release(pool, self.host)
+        self.host = None
+
+
+@dataclass
+class ReqState:
+    """One request's compression state: what it runs with, where it stands, and one part per concern."""
+
+    cfg: KvConfig
+    policy: Policy
+    ctx: KvEvictContext  # the server this request runs on (pools, host tier, capture, settings)
+    fp: str | None = None  # `fingerprint` of cfg and policy
+    # lifecycle
+    after_extend: bool = False  # the next compression check is the one right after a prefill
+    releasing: bool = False  # released unfinished (retraction): the tree checkpoint gets a slot count
+    failed: bool = False
+    deferred: int = 0  # scheduler steps this request's compression waited (--kv-compress-step-tokens)
+    pending: Any = None  # compressor.Pending: a compression planned over several steps, not committed yet
+    ran: bool = False  # KV was allocated since the last match (a later match is a re-admission)
+    commit: bool = False  # generates nothing: a prefix commit (SGLang's frontend before `fork`), kept whole
+    # the parts
+    slot_map: SlotMap = field(default_factory=SlotMap)
+    policy_state: PolicyState = field(default_factory=PolicyState)
+    counters: Counters = field(default_factory=Counters)
+    debug: DebugTrace = field(default_factory=DebugTrace)
+    recall: RecallState = field(default_factory=RecallState)
+
+    def compacted(self, n: int, k: int, tail: int) -> None:
+        """A compression kept `k` of the region's `n` slots, its last `tail` kept ones raw
+        (`SlotMap.compacted`)."""
+        self.slot_map.compacted(n, k, tail)
+        self.recall.changed_history = False  # re-formed: its tokens name a new history
+
+    def unevicted(self, count: int) -> None:
+        """A recall appended `count` host entries per layer and KV head to the compacted history: the row
+        holds `count` more slots for the same tokens (fewer evicted), until a compression folds them."""
+        self.slot_map.unevicted(count)
+        self.recall.appended += count
+        self.recall.changed_history = True
+        self.policy_state.slots_inserted(self.slot_map.comp_slots - count, count)
+
     def move_anchor(self, node: Any, tokens: int, slots: int, drop_history: bool) -> None:
         """The branch point moved down to `node`, `tokens` tokens held in `slots` slots further. With
         `drop_history` the compressed history the region started with lies above the new anchor: it is
         shared now, and its evictions stop being the request's own."""
+        self.slot_map.move_anchor(node, tokens, slots, drop_history)
         if drop_history:
-            self.own_evicted -= self.comp_tokens - self.comp_slots
-            self.inherited_evicted = 0
-            self.comp_slots = self.comp_tokens = 0
-            self.layer_state = []
-            self.host_src = None  # that history is shared now: its host entries stay with it
-        self.anchor = node
-        self.anchor_tokens += tokens
-        self.anchor_kv += slots
+            self.policy_state.layers = []
+            self.recall.host_src = None  # that history is shared now: its host entries stay with it
 
     @property
     def active(self) -> bool:
@@ -190,26 +282,7 @@ class ReqState:
     def recall_on(self) -> bool:
         """The request's config recalls (a commit request's included: the tree then keeps a branch's
         stored history the branch's own, `tree.last_shared`); `demote.enabled` adds `active`."""
-        return self.recall > 0 and self.ctx.host is not None
-
-    # -- debug timeline -----------------------------------------------------------------------------
-    def debug_positions(self, kv_len: int) -> torch.Tensor:
-        """`[L, H, kv_len]` logical positions of the row's first `kv_len` slots (tail slots are 1:1)."""
-        pos = self.dbg_pos
-        m = 0 if pos is None else pos.shape[-1]
-        if pos is not None and kv_len <= m:
-            return pos[..., :kv_len]
-        tail = torch.arange(self.dbg_tokens, self.dbg_tokens + kv_len - m, dtype=torch.int64)
-        if pos is None:
-            return tail
-        tail = tail.view(1, 1, -1).expand(pos.shape[0], pos.shape[1], -1)
-        return torch.cat([pos, tail], dim=-1)
-
-    def debug_event(self, pos: torch.Tensor, tokens: int) -> None:
-        """Record that the row now holds `pos` ([L, H, m]) and that logical tokens >= `tokens` follow."""
-        self.dbg_pos, self.dbg_tokens = pos, tokens
-        # exported as sets (sorted): a recall swap leaves a head's slots out of position order
-        self.timeline.append({"tokens": tokens, "positions": pos.sort(dim=-1).values.tolist()})
+        return self.recall.tokens > 0 and self.ctx.host is not None
 
 
 # Every live ReqState, weakly: a soak checks that none outlives its request (a leak would grow the RSS).
@@ -233,7 +306,8 @@ def ensure(req: Any, ctx: KvEvictContext) -> ReqState:
             cfg = base
         policy = cfg.build()
         recall = recall_tokens(cfg, ctx) if cfg.active else 0
-        s = ReqState(cfg=cfg, policy=policy, ctx=ctx, fp=fingerprint(cfg, policy, recall), recall=recall)
+        fp = fingerprint(cfg, policy, recall)
+        s = ReqState(cfg=cfg, policy=policy, ctx=ctx, fp=fp, recall=RecallState(tokens=recall))
         LIVE[id(s)] = s
         s.commit = getattr(req.sampling_params, "max_new_tokens", None) == 0
         setattr(req, ATTR, s)
@@ -266,27 +340,26 @@ def on_match(req: Any, ctx: KvEvictContext, region: Any, prefix_pos: torch.Tenso
     branch's history, re-compressed with the new tokens under one budget), the node's compacted slots
     and evicted tokens become the request's own, and so does the policy state stored with it."""
     s = ensure(req, ctx)
-    s.anchor, s.anchor_tokens, s.anchor_kv = region.anchor, region.anchor_tokens, region.anchor_kv
-    s.own_evicted = s.inherited_evicted = s.comp_slots = s.comp_tokens = 0
-    s.recalled_into_history = False
-    s.appended = 0
-    s.reused_evicted = region.tokens - region.kv
+    m = s.slot_map = SlotMap(region.anchor, region.anchor_tokens, region.anchor_kv)
+    m.reused_evicted = region.tokens - region.kv
+    s.recall.changed_history = False
+    s.recall.appended = 0
     s.releasing = False
     s.pending = None  # planned against slots the request no longer holds
     # Per-head policy state (D2O's tau) survives a retraction; per-slot entries do not (the slots change).
-    s.layer_state = [{k: v for k, v in d.items() if k != "carried"} for d in s.layer_state]
+    s.policy_state.layers = [{k: v for k, v in d.items() if k != "carried"} for d in s.policy_state.layers]
     first = region.first
-    s.host_src = None
+    s.recall.host_src = None
     if first is not None and is_compressed(first):
-        s.host_src = first  # its host entries, if any, move to the request at its first commit
-        s.comp_slots, s.comp_tokens = len(first.value), len(first.key)
-        s.own_evicted = s.inherited_evicted = s.comp_tokens - s.comp_slots
-        s.layer_state = copy_layer_state(first.layer_state)
+        s.recall.host_src = first  # its host entries, if any, move to the request at its first commit
+        m.comp_slots, m.comp_tokens = len(first.value), len(first.key)
+        m.own_evicted = m.inherited_evicted = m.comp_tokens - m.comp_slots
+        s.policy_state.layers = copy_layer_state(first.layer_state)
     if prefix_pos is not None:
         if not s.ran:  # a waiting request is matched again at every scheduling pass: keep the last
-            s.timeline = []
+            s.debug.timeline = []
         s.ran = False
-        s.debug_event(prefix_pos, region.tokens)
+        s.debug.event(prefix_pos, region.tokens)
     return s
 
 

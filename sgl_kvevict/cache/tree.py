@@ -250,8 +250,10 @@ class KvEvictRadixCache(RadixCache):
                 self._path_positions(path) if st.DEBUG else None,
             )
             if st.DEBUG:  # the shared prefix before the branch point: compression must never change it
-                s.digest_kv = s.anchor_kv
-                s.prefix_digest = self.prefix_digest(self.path_device_indices(node)[: s.anchor_kv])
+                s.debug.digest_kv = s.slot_map.anchor_kv
+                s.debug.prefix_digest = self.prefix_digest(
+                    self.path_device_indices(node)[: s.slot_map.anchor_kv]
+                )
         if tokens == kv:
             return MatchResult(
                 device_prefix_len=kv, last_device_node=node, last_host_node=node, best_match_node=node
@@ -426,18 +428,18 @@ class KvEvictRadixCache(RadixCache):
 
     def checkpoint(self, req: Req, *, up_to: int) -> None:
         s = st.get(req)
-        if self.disable or s is None or s.offset == 0:
+        if self.disable or s is None or s.slot_map.offset == 0:
             super().checkpoint(req, up_to=up_to)  # its re-match carries no request: normal only
             if s is not None and s.commit and req.finished():
                 self._mark_shared(req.last_node)
             return
         # release_kv_cache passes a slot count (owned_kv_len); a running request's checkpoint its extend_end.
-        kv_end = up_to if req.finished() or s.releasing else s.slots_for(up_to)
-        tokens_end = s.tokens_for(kv_end)
+        kv_end = up_to if req.finished() or s.releasing else s.slot_map.slots_for(up_to)
+        tokens_end = s.slot_map.tokens_for(kv_end)
         token_ids = req.full_untruncated_fill_ids[:tokens_end]
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         priority = req.priority or 0
-        node, kpos, tpos = s.anchor, s.anchor_kv, s.anchor_tokens
+        node, kpos, tpos = s.slot_map.anchor, s.slot_map.anchor_kv, s.slot_map.anchor_tokens
         if node is None:
             node = self.root_node
         to_free: list[torch.Tensor] = []
@@ -446,35 +448,40 @@ class KvEvictRadixCache(RadixCache):
             return RadixKey(token_ids[a:b], req.extra_key, cache_salt=req.cache_salt)
 
         if (
-            s.comp_tokens > 0
-            and s.recalled_into_history
-            and self._stored_history(node, rkey(tpos, tpos + s.comp_tokens), s.fp) is not None
+            s.slot_map.comp_tokens > 0
+            and s.recall.changed_history
+            and self._stored_history(node, rkey(tpos, tpos + s.slot_map.comp_tokens), s.fp) is not None
         ):
             # a recall changed the adopted history in place: the node stored with its tokens holds what
             # it was before, so it is no duplicate of this one; the request keeps its own copy (and its
             # host entries), and the node stays as it was
             self.relock(req, node, kpos)
             return
-        if s.comp_tokens > 0:  # (may hold 0 slots: e.g. streaming keeps only the newest tokens)
-            cval = row[kpos : kpos + s.comp_slots].to(torch.int64)
-            cpos = s.debug_positions(kpos + s.comp_slots)[..., kpos:] if st.DEBUG else None
-            res = self._insert_compressed(node, rkey(tpos, tpos + s.comp_tokens), cval, priority, s.fp, cpos)
+        if s.slot_map.comp_tokens > 0:  # (may hold 0 slots: e.g. streaming keeps only the newest tokens)
+            cval = row[kpos : kpos + s.slot_map.comp_slots].to(torch.int64)
+            cpos = s.debug.positions(kpos + s.slot_map.comp_slots)[..., kpos:] if st.DEBUG else None
+            res = self._insert_compressed(
+                node, rkey(tpos, tpos + s.slot_map.comp_tokens), cval, priority, s.fp, cpos
+            )
             if res is None:  # a different history with the same tokens is stored: keep it, free ours
-                s.drop_host()
+                s.recall.drop_host(s.ctx.host)
                 self.relock(req, node, kpos)
                 return
             cnode, dup = res
             if not dup:  # the policy's per-head state continues in the branch's next turn
-                cnode.layer_state = st.copy_layer_state(s.layer_state, s.comp_slots)
+                cnode.layer_state = st.copy_layer_state(s.policy_state.layers, s.slot_map.comp_slots)
             if req.finished() or s.releasing:
                 self._hand_over_host(s, cnode)
             if dup:  # free our copy, never slots the tree owns (an adopted branch history is the node itself)
-                own = torch.arange(kpos, kpos + s.comp_slots, device=row.device) >= req.kv.cache_protected_len
+                own = (
+                    torch.arange(kpos, kpos + s.slot_map.comp_slots, device=row.device)
+                    >= req.kv.cache_protected_len
+                )
                 mask = (cnode.value != cval) & own
                 if mask.any():
                     to_free.append(cval[mask].clone())
-                row[kpos : kpos + s.comp_slots] = cnode.value.to(row.dtype)
-            node, kpos, tpos = cnode, kpos + s.comp_slots, tpos + s.comp_tokens
+                row[kpos : kpos + s.slot_map.comp_slots] = cnode.value.to(row.dtype)
+            node, kpos, tpos = cnode, kpos + s.slot_map.comp_slots, tpos + s.slot_map.comp_tokens
         if tokens_end > tpos:
             tval = row[kpos:kv_end].to(torch.int64)
             _, last = self._insert_helper(node, rkey(tpos, tokens_end), tval.clone(), priority, 0)
@@ -493,8 +500,8 @@ class KvEvictRadixCache(RadixCache):
     def _hand_over_host(s: st.ReqState, cnode: CompressedNode) -> None:
         """A stored history owns the host entries of the request that produced it (they move). A
         duplicate node keeps its own; the request's go back to the pool."""
-        mine = s.host
-        s.host = None
+        mine = s.recall.host
+        s.recall.host = None
         if mine is None:
             return
         held = cnode.host_entries
@@ -568,9 +575,9 @@ class KvEvictRadixCache(RadixCache):
             s.pending = None  # a plan over slots the request gives up is never committed
         if s is not None and not req.finished():
             return  # retraction: the request comes back, with its counters, failure flag and policy state
-        if st.DEBUG and s is not None and s.anchor is not None:
-            s.prefix_digest_end = self.prefix_digest(
-                self.req_to_token_pool.req_to_token[row, : s.digest_kv]
+        if st.DEBUG and s is not None and s.slot_map.anchor is not None:
+            s.debug.prefix_digest_end = self.prefix_digest(
+                self.req_to_token_pool.req_to_token[row, : s.debug.digest_kv]
                 if row is not None
                 else self._empty_device_indices
             )
@@ -580,5 +587,5 @@ class KvEvictRadixCache(RadixCache):
             except Exception:
                 logger.exception("kvevict: could not report stats for request %s", req.rid)
         if s is not None:  # host entries no stored history took
-            s.drop_host()
+            s.recall.drop_host(s.ctx.host)
         st.drop(req)

@@ -53,21 +53,21 @@ def prepare(req: Any, phase: Phase) -> Job | None:
     counts = fires(req, s, phase)
     if counts is None:
         return None
-    return Job(req, s, phase, s.anchor_kv, *counts, kv.cache_protected_len)
+    return Job(req, s, phase, s.slot_map.anchor_kv, *counts, kv.cache_protected_len)
 
 
 def fires(req: Any, s: st.ReqState, phase: Phase) -> tuple[int, int, int, int] | None:
     """`(n, n_sink, n_recent, budget)` of the request's region when its policy's trigger fires, else None."""
     cfg = s.policy.config
-    n = req.kv.kv_committed_len - s.anchor_kv
+    n = req.kv.kv_committed_len - s.slot_map.anchor_kv
     if n <= 0:
         return None
-    n_sink = max(0, min(cfg.sinks - s.anchor_tokens, n))
+    n_sink = max(0, min(cfg.sinks - s.slot_map.anchor_tokens, n))
     n_recent = max(0, min(cfg.recent, n - n_sink))
-    budget = s.cfg.resolve_budget(s.region_tokens(n), n_sink + n_recent)
+    budget = s.cfg.resolve_budget(s.slot_map.region_tokens(n), n_sink + n_recent)
     if phase == "decode":  # the columns a recall appended this turn stay until the turn ends
-        budget += s.appended
-    if not s.policy.should_compress(n, n_sink, n_recent, s.comp_slots, budget, phase):
+        budget += s.recall.appended
+    if not s.policy.should_compress(n, n_sink, n_recent, s.slot_map.comp_slots, budget, phase):
         return None
     return n, n_sink, n_recent, budget
 

@@ -65,7 +65,7 @@ def _context(tree_cache: Any) -> KvEvictContext | None:
 
 def _offset(req: Any) -> int:
     s = st.get(req)
-    return s.offset if s is not None else 0
+    return s.slot_map.offset if s is not None else 0
 
 
 def alloc_for_extend(original, batch, *args, **kwargs):
@@ -102,19 +102,19 @@ def _after_extend_alloc(ctx: KvEvictContext | None, reqs: list, offs: list[int])
         if s is None:
             continue
         s.ran = True
-        if s.turn_start is None:  # the turn's first chunk: what it matched is the history before it
-            s.turn_start = int(r.prefix_len)
+        if s.recall.turn_start is None:  # the turn's first chunk: what it matched is the history before it
+            s.recall.turn_start = int(r.prefix_len)
         if not s.active:
             continue
         s.after_extend = True
-        s.recall_due = s.recall > 0
-        s.append_due = s.recall > 0 and ctx.settings.recall.append == "on"
-        s.recall_steps = 0
-        needs_window = "attn" in s.policy.needs or s.recall > 0
+        s.recall.due = s.recall.tokens > 0
+        s.recall.append_due = s.recall.tokens > 0 and ctx.settings.recall.append == "on"
+        s.recall.steps = 0
+        needs_window = "attn" in s.policy.needs or s.recall.tokens > 0
         if needs_window and not capture.ensure(ctx, row, s.policy.config.window, r.prefix_len):
             if "attn" not in s.policy.needs:  # only recall needed the queries: compress without it
-                s.recall = 0
-                s.recall_due = False
+                s.recall.tokens = 0
+                s.recall.due = False
                 continue
             s.failed = True  # no capture slot: nothing to score with, so no compression at all
             rt.totals.capture_refused += 1
@@ -126,7 +126,7 @@ def _after_extend_alloc(ctx: KvEvictContext | None, reqs: list, offs: list[int])
                 s.policy.config.window,
             )
             continue
-        if s.recall_due:
+        if s.recall.due:
             recall.arm(r, s)  # it recalls inside its prefill, layer by layer (else after its compression)
 
 
@@ -165,7 +165,7 @@ def _compress_batch(batch, ctx: KvEvictContext | None = None) -> None:
             freed[i] -= recall.after_compress(r, phase == "decode")  # a recall may append slots
             s = st.get(r)
             if s is not None:
-                s.kv_peak = max(s.kv_peak, int(r.kv.kv_committed_len))
+                s.counters.kv_peak = max(s.counters.kv_peak, int(r.kv.kv_committed_len))
     rt.totals.step_seconds_max = max(rt.totals.step_seconds_max, time.perf_counter() - t0)
     if any(freed):
         delta = torch.tensor(freed, dtype=batch.seq_lens_cpu.dtype)
@@ -248,7 +248,7 @@ def release_kv_cache(req, tree_cache, *args, **kwargs):
                 tot = s.ctx.rt.totals
                 tot.step_seconds_max = max(tot.step_seconds_max, time.perf_counter() - t0)
         return None
-    if s.offset > 0 and not kwargs.get("checkpoint", True) and not req.skip_radix_cache_insert:
+    if s.slot_map.offset > 0 and not kwargs.get("checkpoint", True) and not req.skip_radix_cache_insert:
         s.releasing = True
         return (req, tree_cache, *args), {**kwargs, "checkpoint": True}
     return None
@@ -262,7 +262,7 @@ def _drop_in_flight_token(req: Any, s: st.ReqState) -> None:
     rt, kv = s.ctx.rt, req.kv
     if rt is None or not req.output_ids or kv.kv_allocated_len != kv.kv_committed_len:
         return
-    keep = s.slots_for(len(req.origin_input_ids) + len(req.output_ids) - 1)
+    keep = s.slot_map.slots_for(len(req.origin_input_ids) + len(req.output_ids) - 1)
     if not kv.cache_protected_len <= keep < kv.kv_committed_len:
         return
     row = kv.req_pool_idx
@@ -320,10 +320,10 @@ def process_batch_result(original, scheduler, batch, *args, **kwargs):
 
 def owned_kv_len(original, req, *args, **kwargs):
     s = st.get(req)
-    if s is None or s.offset == 0 or req.finished_len is None:
+    if s is None or s.slot_map.offset == 0 or req.finished_len is None:
         return original(req, *args, **kwargs)
     owned_tokens = len(req.origin_input_ids) + len(req.output_ids_through_stop)
-    return min(req.kv.kv_committed_len, s.slots_for(owned_tokens))
+    return min(req.kv.kv_committed_len, s.slot_map.slots_for(owned_tokens))
 
 
 def release_overallocated(original, req, start_p, end_p, tree_cache, *args, **kwargs):
@@ -405,9 +405,9 @@ def _req_view(req: Any) -> dict[str, Any]:
             "policy": s.cfg.policy,
             "pending": s.pending is not None,
             "deferred": s.deferred,
-            "compressions": s.compressions,
+            "compressions": s.counters.compressions,
             "failed": s.failed,
-            "offset": s.offset,
+            "offset": s.slot_map.offset,
         }
     return view
 

@@ -1,0 +1,68 @@
+"""What a turn's recall (`recall.py`) and a decode step's (`decode_recall.py`) share: how host entries
+rank (by their page's best score), how a recall is counted, and the logical positions an exchange moves
+(KVEVICT_DEBUG)."""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_kvevict.cache import demote
+from sgl_kvevict.cache import state as st
+
+
+def page_best(sc: torch.Tensor, page: int) -> torch.Tensor:
+    """Each host entry scored by the best entry of its page (`page` consecutive columns of a head)."""
+    if page <= 1:
+        return sc
+    e = sc.shape[-1]
+    n = -(-e // page)
+    padded = torch.nn.functional.pad(sc, (0, n * page - e), value=float("-inf"))
+    best = padded.view(*sc.shape[:-1], n, page).amax(-1)
+    return best.repeat_interleave(page, dim=-1)[..., :e]
+
+
+def best_entries(sc: torch.Tensor, page: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `r` best host entries per (layer, head), `(page scores, indices)`, best first: by their page's
+    score, then, inside a page, by their own (so a page cut by `r` gives its best entries). An entry
+    scored -inf (a paged recall's padding) keeps -inf: it never beats a kept entry."""
+    ranked = page_best(sc, page).masked_fill(sc == float("-inf"), float("-inf"))  # padding stays out
+    order = sc.argsort(dim=-1, descending=True, stable=True)
+    by_page = ranked.gather(-1, order).argsort(dim=-1, descending=True, stable=True)
+    idx = order.gather(-1, by_page)[..., :r]
+    return ranked.gather(-1, idx), idx
+
+
+class DebugSwap:
+    """KVEVICT_DEBUG: the row's and the host's logical positions, updated by each exchange (the oracle
+    replays them as a timeline event)."""
+
+    def __init__(self, s: st.ReqState, kv_len: int) -> None:
+        self.pos = demote.positions(s, kv_len).clone()
+        self.hpos = s.recall.host.positions.clone()
+
+    def apply(self, layer: int, didx: torch.Tensor, hidx: torch.Tensor, swap: torch.Tensor) -> None:
+        sl = slice(layer, layer + didx.shape[0])
+        pos, hpos = self.pos[sl], self.hpos[sl]
+        dp, hp = pos.gather(-1, didx), hpos.gather(-1, hidx)
+        pos.scatter_(-1, didx, torch.where(swap, hp, dp))
+        hpos.scatter_(-1, hidx, torch.where(swap, dp, hp))
+
+    def record(self, s: st.ReqState, tokens: int) -> None:
+        s.recall.host.positions = self.hpos
+        s.debug.event(self.pos, tokens)
+
+
+def account(s: st.ReqState, swapped: int, one_way: bool = False) -> None:
+    """Counters of one recall (a turn's, or a decode-time one): entries in, bytes both ways (an append
+    moves them one way)."""
+    rt, pool = s.ctx.rt, s.ctx.host
+    s.recall.changed_history = s.recall.changed_history or swapped > 0
+    moved = swapped * 2 * rt.head_dim * rt.k_buffer(0).element_size() * (1 if one_way else 2)
+    s.recall.recalled += swapped
+    s.recall.recalled_appended += swapped if one_way else 0
+    s.recall.bytes_moved += moved
+    s.recall.host_peak = max(s.recall.host_peak, s.recall.host.count if s.recall.host is not None else 0)
+    tot = pool.totals
+    tot.recalled += swapped
+    tot.bytes_moved += moved
+    tot.recalls += 1
