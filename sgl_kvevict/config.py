@@ -352,15 +352,15 @@ class RecallTuning(BaseModel):
     )
     summary: Literal["minmax", "mean", "off"] = Field(
         "minmax",
-        description="how a recall finds the host entries it needs: score per-page key summaries, then fetch "
-        "only the best pages' columns (minmax: per-channel key bounds; mean: the mean key, half the bytes), "
-        "or off: score every host key",
+        description="how a turn's recall finds the host entries it needs: score per-page key summaries, then "
+        "fetch only the best pages' columns (minmax: per-channel key bounds; mean: the mean key, half the "
+        "bytes), or off: score every host key (a decode step's recall always does)",
     )
     fetch_pages: int = Field(
         DEFAULT_RECALL_FETCH_PAGES,
         ge=1,
         le=MAX_RECALL_FETCH_PAGES,
-        description="pages a paged recall fetches at least, per layer and KV head, chosen by their summaries "
+        description="pages a turn's paged recall fetches at least, per layer and KV head, chosen by their summaries "
         "(it fetches 2R/page when that is more): the host keys a recall reads besides the summaries",
     )
     append: Literal["on", "off"] = Field(
