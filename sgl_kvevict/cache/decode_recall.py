@@ -36,7 +36,7 @@ import torch
 
 from sgl_kvevict import kernels as K
 from sgl_kvevict.cache import state as st
-from sgl_kvevict.cache.recall_core import DebugSwap, account, best_entries
+from sgl_kvevict.cache.recall_core import DebugSwap, account, best_entries, mark_stale
 
 if TYPE_CHECKING:
     from sgl_kvevict.cache.context import KvEvictContext
@@ -129,24 +129,9 @@ class StepPlan:
         dev_slots = torch.where(moved, slots.unsqueeze(1).expand(b, h, w).gather(-1, pos), 0)
         host_cols = self.cols.unsqueeze(1).expand(b, h, c).gather(-1, hidx)
         host_cols = torch.where(moved, host_cols, self.scratch)
-        pairs = (
-            dev_slots.transpose(0, 1).reshape(1, h, b * r),
-            host_cols.transpose(0, 1).reshape(1, h, b * r),
-        )
-        K.host_swap(
-            [rt.k_buffer(layer)],
-            [rt.v_buffer(layer)],
-            pairs[0],
-            pool.k[layer : layer + 1],
-            pool.v[layer : layer + 1],
-            pairs[1],
-        )
+        _swap(ctx, layer, dev_slots, host_cols)
         self._record(rt.n_layers, layer, pos, hidx, dev_slots, host_cols, moved)
-        stats = ctx.stats
-        if stats is not None:  # a recalled slot's ||v W_O|| is another value's: stale
-            heads = torch.arange(h, device=dev).view(1, h, 1)
-            old = stats[layer][dev_slots, heads]
-            stats[layer][dev_slots, heads] = torch.where(moved, torch.nan, old)
+        mark_stale(ctx.stats, layer, dev_slots, moved)
 
     def _record(self, n_layers: int, layer: int, *recs: torch.Tensor) -> None:
         if self.pos is None:
@@ -163,14 +148,19 @@ class StepPlan:
 
     def undo(self, ctx: KvEvictContext) -> None:
         """Swap back what the layers so far exchanged, newest first (a swap is its own inverse)."""
-        rt, pool = ctx.rt, ctx.host
-        h, n = pool.heads, self.batch * self.swaps
         for layer in reversed(range(self.layers_done)):
-            dev_slots = self.dev_slots[layer].transpose(0, 1).reshape(1, h, n)
-            host_cols = self.host_cols[layer].transpose(0, 1).reshape(1, h, n)
-            args = [rt.k_buffer(layer)], [rt.v_buffer(layer)], dev_slots, pool.k[layer : layer + 1]
-            K.host_swap(*args, pool.v[layer : layer + 1], host_cols)
+            _swap(ctx, layer, self.dev_slots[layer], self.host_cols[layer])
         self.layers_done = 0
+
+
+def _swap(ctx: KvEvictContext, layer: int, dev_slots: torch.Tensor, host_cols: torch.Tensor) -> None:
+    """Exchange the batch's pairs `dev_slots` <-> `host_cols` (`[B, H, R]`) at `layer`: one
+    `kernels.host_swap` call with the batch folded into the pairs of each KV head."""
+    rt, pool = ctx.rt, ctx.host
+    b, h, r = dev_slots.shape
+    pairs = [x.transpose(0, 1).reshape(1, h, b * r) for x in (dev_slots, host_cols)]
+    kv = [rt.k_buffer(layer)], [rt.v_buffer(layer)]
+    K.host_swap(*kv, pairs[0], pool.k[layer : layer + 1], pool.v[layer : layer + 1], pairs[1])
 
 
 def arm(req: Any, s: st.ReqState, lo: int, hi: int, r: int) -> None:
@@ -240,7 +230,7 @@ def finish(ctx: KvEvictContext, one: StepPlan) -> int:
             continue
         n = int(counts[i])
         total += n
-        if n and a.s.recall.host is not None:
+        if n:
             a.s.recall.host.summaries = None
         if st.DEBUG and a.s.recall.host.positions is not None:
             _debug_positions(a, one, i, done)

@@ -58,7 +58,7 @@ import torch
 from sgl_kvevict import kernels as K
 from sgl_kvevict.cache import capture, compressor, context, decode_recall, demote, host
 from sgl_kvevict.cache import state as st
-from sgl_kvevict.cache.recall_core import DebugSwap, account, best_entries
+from sgl_kvevict.cache.recall_core import DebugSwap, account, best_entries, mark_stale
 from sgl_kvevict.cache.slots import alloc_slots, free_slots
 
 if TYPE_CHECKING:
@@ -273,12 +273,8 @@ def exchange(
     K.host_swap(*args)
     if log is not None:
         log.append(Swapped(args))
-    stats = s.ctx.stats
-    if stats is not None:  # a recalled slot's ||v W_O|| is another value's: stale
-        heads = torch.arange(rt.n_kv_heads, device=dev_slots.device).unsqueeze(-1)
-        for i, li in enumerate(layers):
-            old = stats[li][dev_slots[i], heads]
-            stats[li][dev_slots[i], heads] = torch.where(swap[i], float("nan"), old)
+    for i, li in enumerate(layers):
+        mark_stale(s.ctx.stats, li, dev_slots[i], swap[i])
     return counts
 
 
@@ -728,15 +724,13 @@ def before_attention(layer_mod, q, k, v, forward_batch, *args, **kwargs):
 
 
 def _batch_rows(ctx: context.KvEvictContext, forward_batch: Any) -> list[tuple[int, int, int]]:
-    """`(row, first token, tokens)` per request of the batch, computed once per forward (at its first
-    layer with a recall armed; its later layers find them in the context)."""
+    """`(row, first token, tokens)` per request of an extend batch, computed once per forward (at its
+    first layer with a recall armed; its later layers find them in the context). A decode step's recall
+    is `decode_recall`'s, which needs none of this."""
     held = ctx.forward_rows
     if held is not None and held[0]() is forward_batch:
         return held[1]
-    if forward_batch.forward_mode.is_decode():
-        lens = [1] * int(forward_batch.req_pool_indices.shape[0])
-    else:
-        lens = forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist()
+    lens = forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist()
     starts = [0, *itertools.accumulate(lens)][: len(lens)]
     rows = list(zip(forward_batch.req_pool_indices.tolist(), starts, lens, strict=True))
     ctx.forward_rows = (weakref.ref(forward_batch), rows)

@@ -32,6 +32,16 @@ def best_entries(sc: torch.Tensor, page: int, r: int) -> tuple[torch.Tensor, tor
     return ranked.gather(-1, idx), idx
 
 
+def mark_stale(stats: torch.Tensor | None, layer: int, dev_slots: torch.Tensor, moved: torch.Tensor) -> None:
+    """A recalled slot's ||v W_O|| (`slotstats`, `[layers, slots, KV heads]`) is another value's: NaN
+    (stale) where `moved`. `dev_slots`, `moved`: `[..., KV heads, r]`."""
+    if stats is None:
+        return
+    heads = torch.arange(dev_slots.shape[-2], device=dev_slots.device).unsqueeze(-1)
+    old = stats[layer][dev_slots, heads]
+    stats[layer][dev_slots, heads] = torch.where(moved, torch.nan, old)
+
+
 class DebugSwap:
     """KVEVICT_DEBUG: the row's and the host's logical positions, updated by each exchange (the oracle
     replays them as a timeline event)."""
