@@ -179,3 +179,55 @@ def test_a_failure_inside_the_step_puts_everything_back(monkeypatch):
         s.recall.steps = 1
         assert recall.after_compress(req, decode=True) == 0  # alone: recalled now, not armed
         assert req.kv.req_pool_idx not in p.ctx.decode_armed and s.recall.recalled > 0
+
+
+def _layer_inputs(p: Pools, one: decode_recall.StepPlan, q: torch.Tensor) -> tuple:
+    """`choose`'s arguments at layer 0, gathered as `StepPlan.layer` gathers them."""
+    slots = p.ctx.rt.req_to_token.index_select(0, one.rows)[:, : one.width].to(torch.int64)
+    keys_row = p.ctx.rt.k_buffer(0)[slots]
+    keys_host = p.ctx.host.k[0][one.cols]
+    return q[0], keys_row, keys_host, slots, one.bounds(), p.ctx.rt.scale
+
+
+def _one_layer(one: decode_recall.StepPlan, ctx, layer: int, q_layer: torch.Tensor) -> None:
+    one.layer(ctx, layer, q_layer)
+
+
+def test_a_layer_compiles_to_one_graph_equal_to_eager():
+    """A layer of the step (`StepPlan.layer`: the gather from both pools, every decision, the exchange and
+    its records) traced whole by `torch.compile(fullgraph=True)`: a Python branch on a tensor's value would
+    break the graph and fail here. On two identical pool sets, the compiled step leaves the rows, host
+    columns and records equal to the eager step's, and entries did move."""
+    runs = []
+    for compiled in (False, True):
+        p, reqs, q = _ready(2, 3, 0.0, recalls=(R, 2))
+        for req in reqs:
+            decode_recall.arm(req, st.get(req), *_bounds(req))
+        one = decode_recall.plan(p.ctx, reqs)
+        torch._dynamo.reset()
+        step = torch.compile(_one_layer, fullgraph=True, backend="aot_eager") if compiled else _one_layer
+        for ly in range(L):
+            step(one, p.ctx, ly, q[ly])
+        runs.append((_held(p, reqs), one.moved.clone(), one.host_cols.clone(), one.dev_slots.clone()))
+        decode_recall.finish(p.ctx, one)
+    (held_e, *rec_e), (held_c, *rec_c) = runs
+    assert rec_e[0].any() and not rec_e[0].all()
+    for x, y in zip(held_e + rec_e, held_c + rec_c, strict=True):
+        assert torch.equal(x, y)
+
+
+def test_the_graph_check_catches_a_planted_branch_on_a_value():
+    """The check above can fail: a layer's decision (`choose`) with a Python branch on a tensor's value (what a
+    per-request recall does: stop when nothing beats the row) does not compile to one graph. (A host
+    read alone may compile, as an unbacked size: the sync count above is that check.)"""
+    p, reqs, q = _ready(1, 3, 0.0)
+    decode_recall.arm(reqs[0], st.get(reqs[0]), *_bounds(reqs[0]))
+    args = _layer_inputs(p, decode_recall.plan(p.ctx, reqs), q)
+
+    def with_branch(*a):
+        ex = decode_recall.choose(*a)
+        return ex if ex.moved.any() else ex._replace(dev_slots=ex.dev_slots * 0)
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="(?i)graph break|data.dependent|item|unsupported"):
+        torch.compile(with_branch, fullgraph=True, backend="aot_eager", dynamic=False)(*args)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -49,6 +49,77 @@ def bucket(n: int, cap: int | None = None) -> int:
     """The fixed size a plan rounds `n` up to (powers of two from `MIN_WIDTH`), at most `cap`."""
     out = max(MIN_WIDTH, 1 << max(0, int(n) - 1).bit_length())
     return out if cap is None else min(out, cap)
+
+
+class StepBounds(NamedTuple):
+    """What a plan fixes for every layer of the step: per batch row, its entries before the step's token
+    (`m`), the displaceable range `[lo, hi)`, its swaps `r` and its host columns `cols` `[B, C]` (`n_cols`
+    real); for all rows, the page, the swaps per head `swaps`, the score floor and the scratch column."""
+
+    m: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    r: torch.Tensor
+    cols: torch.Tensor
+    n_cols: torch.Tensor
+    page: int
+    swaps: int
+    min_score: float
+    scratch: int
+
+
+class Exchange(NamedTuple):
+    """One layer's decision, `[B, H, R]` each: the displaced row positions, the branch's host indices, the
+    device slots and host columns to exchange (slot 0 and the scratch column where nothing moves), and
+    whether the pair moves (a prefix of each row and head)."""
+
+    pos: torch.Tensor
+    hidx: torch.Tensor
+    dev_slots: torch.Tensor
+    host_cols: torch.Tensor
+    moved: torch.Tensor
+
+
+def choose(
+    q: torch.Tensor,
+    keys_row: torch.Tensor,
+    keys_host: torch.Tensor,
+    slots: torch.Tensor,
+    b: StepBounds,
+    scale: float,
+) -> Exchange:
+    """Which entries a layer exchanges, from the step's queries `q` `[B, Hq, D]`, the rows' keys
+    `[B, W, H, D]` (in slots `[B, W]`) and the branch's host keys `[B, C, H, D]`: device math only, on
+    shapes the plan fixed, so it compiles to one graph (`tests/test_decode_recall.py` checks it under
+    `torch.compile(fullgraph=True)`)."""
+    n, w, h, d = keys_row.shape
+    c, r, dev = keys_host.shape[1], b.swaps, q.device
+    in_row = torch.arange(w, device=dev) < b.m.unsqueeze(-1)
+    in_host = torch.arange(c, device=dev) < b.n_cols.unsqueeze(-1)
+    qf = q.float().view(n, h, -1, d)  # [B, H, G, D]: query heads grouped by KV head
+    logits = torch.cat(
+        [
+            torch.einsum("bhgd,bchd->bhgc", qf, keys_host.float()).masked_fill(
+                ~in_host[:, None, None], -torch.inf
+            ),
+            torch.einsum("bhgd,bwhd->bhgw", qf, keys_row.float()).masked_fill(
+                ~in_row[:, None, None], -torch.inf
+            ),
+        ],
+        dim=-1,
+    ).mul_(scale)
+    p = torch.softmax(logits, dim=-1).amax(dim=2)  # [B, H, C + W]: an entry's best query head
+    # padding stays out of the ranking (a page's best would otherwise rank its padded entries too)
+    host_sc, row_sc = p[..., :c].masked_fill(~in_host[:, None], -torch.inf), p[..., c:]
+    hs, hidx = best_entries(host_sc, b.page, r)  # [B, H, R], best first
+    cols = torch.arange(w, device=dev)
+    displaceable = (cols >= b.lo.unsqueeze(-1)) & (cols < b.hi.unsqueeze(-1))
+    cs, pos = (-row_sc.masked_fill(~displaceable[:, None], torch.inf)).topk(r, dim=-1)
+    first_r = torch.arange(r, device=dev) < b.r.view(n, 1, 1)
+    moved = (hs > -cs) & (hs >= b.min_score) & first_r  # a prefix of each (row, head)
+    dev_slots = torch.where(moved, slots.unsqueeze(1).expand(n, h, w).gather(-1, pos), 0)
+    host_cols = b.cols.unsqueeze(1).expand(n, h, c).gather(-1, hidx)
+    return Exchange(pos, hidx, dev_slots, torch.where(moved, host_cols, b.scratch), moved)
 
 
 @dataclass(eq=False)
@@ -99,39 +170,27 @@ class StepPlan:
     def layer(self, ctx: KvEvictContext, layer: int, q: torch.Tensor) -> None:
         """Score and exchange at `layer` with the step's queries `q` `[B, Hq, D]`; fixed shapes only."""
         rt, pool = ctx.rt, ctx.host
-        b, w, c, r = self.batch, self.width, int(self.cols.shape[1]), self.swaps
-        h = pool.heads
-        dev = q.device
-        slots = rt.req_to_token.index_select(0, self.rows)[:, :w].to(torch.int64)  # [B, W]
-        in_row = torch.arange(w, device=dev) < self.m.unsqueeze(-1)
-        in_host = torch.arange(c, device=dev) < self.n_cols.unsqueeze(-1)
-        keys_row = rt.k_buffer(layer)[slots].float()  # [B, W, H, D]
-        keys_host = pool.k[layer][self.cols.to(pool.k.device)].to(dev).float()  # [B, C, H, D]
-        qf = q[:b].float().view(b, h, -1, q.shape[-1])  # [B, H, G, D]: query heads grouped by KV head
-        logits = torch.cat(
-            [
-                torch.einsum("bhgd,bchd->bhgc", qf, keys_host).masked_fill(
-                    ~in_host[:, None, None], -torch.inf
-                ),
-                torch.einsum("bhgd,bwhd->bhgw", qf, keys_row).masked_fill(~in_row[:, None, None], -torch.inf),
-            ],
-            dim=-1,
-        ).mul_(rt.scale)
-        p = torch.softmax(logits, dim=-1).amax(dim=2)  # [B, H, C + W]: an entry's best query head
-        # padding stays out of the ranking (a page's best would otherwise rank its padded entries too)
-        host_sc, row_sc = p[..., :c].masked_fill(~in_host[:, None], -torch.inf), p[..., c:]
-        hs, hidx = best_entries(host_sc, self.page, r)  # [B, H, R], best first
-        cols = torch.arange(w, device=dev)
-        displaceable = (cols >= self.lo.unsqueeze(-1)) & (cols < self.hi.unsqueeze(-1))
-        cs, pos = (-row_sc.masked_fill(~displaceable[:, None], torch.inf)).topk(r, dim=-1)
-        first_r = torch.arange(r, device=dev) < self.r.view(b, 1, 1)
-        moved = (hs > -cs) & (hs >= self.min_score) & first_r  # a prefix of each (row, head)
-        dev_slots = torch.where(moved, slots.unsqueeze(1).expand(b, h, w).gather(-1, pos), 0)
-        host_cols = self.cols.unsqueeze(1).expand(b, h, c).gather(-1, hidx)
-        host_cols = torch.where(moved, host_cols, self.scratch)
-        _swap(ctx, layer, dev_slots, host_cols)
-        self._record(rt.n_layers, layer, pos, hidx, dev_slots, host_cols, moved)
-        mark_stale(ctx.stats, layer, dev_slots, moved)
+        slots = rt.req_to_token.index_select(0, self.rows)[:, : self.width].to(torch.int64)  # [B, W]
+        keys_row = rt.k_buffer(layer)[slots]  # [B, W, H, D]
+        keys_host = pool.k[layer][self.cols.to(pool.k.device)].to(q.device)  # [B, C, H, D]
+        ex = choose(q[: self.batch], keys_row, keys_host, slots, self.bounds(), rt.scale)
+        _swap(ctx, layer, ex.dev_slots, ex.host_cols)
+        self._record(rt.n_layers, layer, ex.pos, ex.hidx, ex.dev_slots, ex.host_cols, ex.moved)
+        mark_stale(ctx.stats, layer, ex.dev_slots, ex.moved)
+
+    def bounds(self) -> StepBounds:
+        return StepBounds(
+            self.m,
+            self.lo,
+            self.hi,
+            self.r,
+            self.cols,
+            self.n_cols,
+            self.page,
+            self.swaps,
+            self.min_score,
+            self.scratch,
+        )
 
     def _record(self, n_layers: int, layer: int, *recs: torch.Tensor) -> None:
         if self.pos is None:
