@@ -231,3 +231,25 @@ def test_the_graph_check_catches_a_planted_branch_on_a_value():
     torch._dynamo.reset()
     with pytest.raises(Exception, match="(?i)graph break|data.dependent|item|unsupported"):
         torch.compile(with_branch, fullgraph=True, backend="aot_eager", dynamic=False)(*args)
+
+
+def test_plans_of_one_bucket_refill_the_same_tensors(monkeypatch):
+    """A graph captured for a bucket replays on fixed addresses: a second plan of the same bucket (batch,
+    row width, host columns, swaps) refills the first one's tensors, inputs and records, and still
+    exchanges what the per-request recall would (the first test); another batch size gets its own; a
+    server keeps at most `MAX_BUCKETS` of them."""
+    p, reqs, q = _ready(2, 3, 0.0)
+    first = _step(p, reqs, q)
+    decode_recall.finish(p.ctx, first)
+    ptrs = [x.data_ptr() for x in (first.rows, first.cols, first.r, first.moved, first.host_cols)]
+    second = _step(p, reqs, -q)
+    assert second.buf is first.buf and second.layers_done == L
+    assert [
+        x.data_ptr() for x in (second.rows, second.cols, second.r, second.moved, second.host_cols)
+    ] == ptrs
+    decode_recall.finish(p.ctx, second)
+    monkeypatch.setattr(decode_recall, "MAX_BUCKETS", 1)
+    decode_recall.arm(reqs[0], st.get(reqs[0]), *_bounds(reqs[0]))
+    alone = decode_recall.plan(p.ctx, reqs[:1])
+    assert alone.buf is not first.buf and alone.batch == 1
+    assert list(p.ctx.step_buffers.values()) == [alone.buf]

@@ -29,7 +29,7 @@ read graph-safe too). Both are written against the interfaces and not exercised 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("sgl_kvevict")
 MIN_WIDTH = 64  # the smallest row-width and host-column bucket
+MAX_BUCKETS = 32  # the buckets whose device tensors a server keeps (`buffers`)
 
 
 def bucket(n: int, cap: int | None = None) -> int:
@@ -136,32 +137,77 @@ class DecodeArm:
 
 
 @dataclass(eq=False)
+class StepBuffers:
+    """One bucket's device tensors (see `buffers`): the plan's inputs, `[B]` and `[B, C]`, and its records,
+    `[L, B, H, R]` per layer (displaced row positions, branch column indices, device slots, host columns,
+    whether the pair moved). Allocated once per bucket and refilled by each plan of it, so a CUDA graph
+    captured for the bucket reads and writes the same addresses at every replay."""
+
+    rows: torch.Tensor
+    m: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    r: torch.Tensor
+    n_cols: torch.Tensor
+    cols: torch.Tensor
+    pos: torch.Tensor
+    hidx: torch.Tensor
+    dev_slots: torch.Tensor
+    host_cols: torch.Tensor
+    moved: torch.Tensor
+
+    @classmethod
+    def allocate(
+        cls, bucket_key: tuple[int, int, int, int], layers: int, heads: int, dev: torch.device
+    ) -> StepBuffers:
+        b, _w, c, r = bucket_key
+        ints = [torch.zeros(b, dtype=torch.int64, device=dev) for _ in range(6)]
+        recs = [torch.zeros(layers, b, heads, r, dtype=torch.int64, device=dev) for _ in range(4)]
+        moved = torch.zeros(layers, b, heads, r, dtype=torch.bool, device=dev)
+        return cls(*ints, torch.zeros(b, c, dtype=torch.int64, device=dev), *recs, moved)
+
+
+def buffers(ctx: KvEvictContext, bucket_key: tuple[int, int, int, int]) -> StepBuffers:
+    """The bucket's `StepBuffers` (batch, row width, host columns, swaps), kept for the `MAX_BUCKETS` most
+    recently used buckets."""
+    held = ctx.step_buffers
+    buf = held.pop(bucket_key, None)
+    if buf is None:
+        buf = StepBuffers.allocate(bucket_key, ctx.rt.n_layers, ctx.host.heads, ctx.rt.req_to_token.device)
+        while len(held) >= MAX_BUCKETS:
+            held.pop(next(iter(held)))
+    held[bucket_key] = buf  # most recent last
+    return buf
+
+
+@dataclass(eq=False)
 class StepPlan:
     """A decode step's recall for a batch, as device tensors of fixed shapes (see the module)."""
 
     arms: list[DecodeArm | None]  # per batch row (host side, for `finish`)
-    rows: torch.Tensor  # [B] request rows
-    m: torch.Tensor  # [B] row entries before the step's token
-    lo: torch.Tensor  # [B]
-    hi: torch.Tensor  # [B]
-    r: torch.Tensor  # [B] swaps allowed per layer and KV head (0: the row does not recall)
-    cols: torch.Tensor  # [B, C] host columns (scratch past a branch's count)
-    n_cols: torch.Tensor  # [B]
+    buf: StepBuffers  # the bucket's tensors, refilled for this step
     width: int  # W
     swaps: int  # R
     page: int
     min_score: float
     scratch: int
-    # records, per layer: displaced row positions, branch column indices, device slots, host columns,
-    # and whether the pair moved; all [L, B, H, R]
-    pos: torch.Tensor = None
-    hidx: torch.Tensor = None
-    dev_slots: torch.Tensor = None
-    host_cols: torch.Tensor = None
-    moved: torch.Tensor = None
+    row_ids: list[int]  # the batch's request rows on the host (-1: none)
     layers_done: int = 0
     failed: bool = False
-    row_ids: list[int] = field(default_factory=list)  # `rows` on the host
+
+    # the step's inputs and records, in the bucket's tensors
+    rows = property(lambda self: self.buf.rows)  # [B] request rows
+    m = property(lambda self: self.buf.m)  # [B] row entries before the step's token
+    lo = property(lambda self: self.buf.lo)  # [B]
+    hi = property(lambda self: self.buf.hi)  # [B]
+    r = property(lambda self: self.buf.r)  # [B] swaps allowed per layer and KV head (0: no recall)
+    cols = property(lambda self: self.buf.cols)  # [B, C] host columns (scratch past a branch's count)
+    n_cols = property(lambda self: self.buf.n_cols)  # [B]
+    pos = property(lambda self: self.buf.pos)  # [L, B, H, R] displaced row positions
+    hidx = property(lambda self: self.buf.hidx)  # [L, B, H, R] branch column indices
+    dev_slots = property(lambda self: self.buf.dev_slots)  # [L, B, H, R]
+    host_cols = property(lambda self: self.buf.host_cols)  # [L, B, H, R]
+    moved = property(lambda self: self.buf.moved)  # [L, B, H, R] whether the pair moved
 
     @property
     def batch(self) -> int:
@@ -175,7 +221,7 @@ class StepPlan:
         keys_host = pool.k[layer][self.cols.to(pool.k.device)].to(q.device)  # [B, C, H, D]
         ex = choose(q[: self.batch], keys_row, keys_host, slots, self.bounds(), rt.scale)
         _swap(ctx, layer, ex.dev_slots, ex.host_cols)
-        self._record(rt.n_layers, layer, ex.pos, ex.hidx, ex.dev_slots, ex.host_cols, ex.moved)
+        self._record(layer, ex)
         mark_stale(ctx.stats, layer, ex.dev_slots, ex.moved)
 
     def bounds(self) -> StepBounds:
@@ -192,16 +238,8 @@ class StepPlan:
             self.scratch,
         )
 
-    def _record(self, n_layers: int, layer: int, *recs: torch.Tensor) -> None:
-        if self.pos is None:
-            shape = (n_layers, *recs[0].shape)
-            self.pos, self.hidx, self.dev_slots, self.host_cols = (
-                torch.zeros(shape, dtype=torch.int64, device=x.device) for x in recs[:4]
-            )
-            self.moved = torch.zeros(shape, dtype=torch.bool, device=recs[4].device)
-        for buf, x in zip(
-            (self.pos, self.hidx, self.dev_slots, self.host_cols, self.moved), recs, strict=True
-        ):
+    def _record(self, layer: int, ex: Exchange) -> None:
+        for buf, x in zip((self.pos, self.hidx, self.dev_slots, self.host_cols, self.moved), ex, strict=True):
             buf[layer].copy_(x)
         self.layers_done = layer + 1
 
@@ -239,7 +277,6 @@ def plan(ctx: KvEvictContext, reqs: list[Any]) -> StepPlan | None:
     if not any(arms):
         return None
     rt, pool, tuning = ctx.rt, ctx.host, ctx.settings.recall
-    dev = rt.req_to_token.device
     lens = [int(r.kv.kv_committed_len) for r in reqs]
     live = [a for a in arms if a is not None]
     width = bucket(max(max(lens), max(a.hi for a in live)), cap=int(rt.req_to_token.shape[1]))
@@ -250,17 +287,19 @@ def plan(ctx: KvEvictContext, reqs: list[Any]) -> StepPlan | None:
     for i, a in enumerate(arms):
         if a is not None:
             cols[i, : a.cols.numel()] = a.cols
-    ints = [[a.lo if a else 0, a.hi if a else 0, a.r if a else 0, a.cols.numel() if a else 0] for a in arms]
-    t = torch.tensor(ints, dtype=torch.int64).to(dev)
+    per_row = [
+        [row if row is not None else 0, n, a.lo if a else 0, a.hi if a else 0, a.r if a else 0]
+        for row, n, a in zip(rows, lens, arms, strict=True)
+    ]
+    ints = torch.tensor(per_row, dtype=torch.int64).T
+    buf = buffers(ctx, (len(reqs), width, n_cols, swaps))
+    for dst, src in zip((buf.rows, buf.m, buf.lo, buf.hi, buf.r), ints, strict=True):
+        dst.copy_(src)
+    buf.n_cols.copy_(torch.tensor([a.cols.numel() if a else 0 for a in arms]))
+    buf.cols.copy_(cols)
     return StepPlan(
         arms=arms,
-        rows=torch.tensor([row if row is not None else 0 for row in rows], dtype=torch.int64).to(dev),
-        m=torch.tensor(lens, dtype=torch.int64).to(dev),
-        lo=t[:, 0],
-        hi=t[:, 1],
-        r=t[:, 2],
-        cols=cols.to(dev),
-        n_cols=t[:, 3],
+        buf=buf,
         width=width,
         swaps=swaps,
         page=tuning.page,
