@@ -222,6 +222,17 @@ def test_multi_turn_under_eviction_equals_hf(runs, model, policy: str):
     check(model, f"session/{policy}", turns)
 
 
+def test_decode_steps_recall_in_fixed_shapes_without_a_host_sync(runs, oracle_server: Server):
+    """The recall session's decode steps ran the fixed-shape recall (`cache/decode_recall.py`, the form a
+    CUDA graph can hold) on the real server, and nothing inside them would make the host wait for a GPU:
+    under KVEVICT_DEBUG each layer of the step runs under `SyncCounter`, which counts scalar reads,
+    data-dependent shapes and `tolist()`."""
+    host = oracle_server.server_info()["internal_states"][0]["kvevict"]["host"]
+    assert host["decode_steps"] > 0, "no decode step recalled in fixed shapes"
+    assert host["decode_step_syncs"] == 0
+    assert host["recall_failures"] == 0
+
+
 SPLIT = ["snapkv", "lagkv", "criticalkv"]
 
 

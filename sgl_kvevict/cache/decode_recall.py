@@ -319,6 +319,7 @@ def finish(ctx: KvEvictContext, one: StepPlan) -> int:
     if one.failed or one.layers_done == 0:
         return 0
     done, pool = one.layers_done, ctx.host
+    pool.totals.decode_steps += 1
     counts = one.moved[:done].sum(dim=(0, 2, 3)).tolist()  # the one host read of the step's recall
     real = sum(int(a.cols.numel()) for a in one.arms if a is not None)
     pool.totals.keys_read += real * pool.heads * pool.dim * pool.k.element_size() * done

@@ -81,6 +81,8 @@ class HostTotals:
     branches_dropped: int = 0  # branches whose columns the LRU took back
     columns_dropped: int = 0
     demote_refused: int = 0  # evictions that could not be demoted (pool full even after the LRU)
+    decode_steps: int = 0  # decode steps whose fixed-shape recall ran (`decode_recall`)
+    decode_step_syncs: int = 0  # KVEVICT_DEBUG only: host syncs counted inside them (`syncs.SyncCounter`)
 
 
 class HostPool:

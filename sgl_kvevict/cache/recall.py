@@ -47,6 +47,7 @@ over a consistent set of entries), only the history is restored.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import weakref
@@ -60,6 +61,7 @@ from sgl_kvevict.cache import capture, compressor, context, decode_recall, demot
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.recall_core import DebugSwap, account, best_entries, mark_stale
 from sgl_kvevict.cache.slots import alloc_slots, free_slots
+from sgl_kvevict.cache.syncs import SyncCounter
 
 if TYPE_CHECKING:
     from sgl_kvevict.cache.context import KvEvictContext
@@ -698,7 +700,11 @@ def before_attention(layer_mod, q, k, v, forward_batch, *args, **kwargs):
         one = ctx.step_plan
         if one is not None and not one.failed:
             try:
-                one.layer(ctx, layer, q.view(-1, rt.n_q_heads, rt.head_dim))
+                # KVEVICT_DEBUG: count what would make the host wait for a GPU (the tests expect none)
+                with SyncCounter() if st.DEBUG else contextlib.nullcontext() as syncs:
+                    one.layer(ctx, layer, q.view(-1, rt.n_q_heads, rt.head_dim))
+                if syncs is not None:
+                    ctx.host.totals.decode_step_syncs += syncs.total
             except Exception:  # the batch's decode recall only: its earlier layers are swapped back
                 logger.exception("kvevict: a decode step's recall failed")
                 decode_recall.fail(ctx, one)
