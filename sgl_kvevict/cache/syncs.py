@@ -4,6 +4,8 @@ a real server use it."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -50,10 +52,11 @@ class SyncCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def __enter__(self):
-        counter, orig = self, torch.Tensor.tolist
+        counter, orig, owner = self, torch.Tensor.tolist, threading.get_ident()
 
         def tolist(t, *a, **k):
-            counter._add("Tensor.tolist")
+            if threading.get_ident() == owner:  # like the dispatch mode, this thread's calls only
+                counter._add("Tensor.tolist")
             return orig(t, *a, **k)
 
         self._tolist = orig
