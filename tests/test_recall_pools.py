@@ -313,6 +313,27 @@ def test_page_max_ranks_an_entry_by_its_pages_best():
     assert idx.tolist() == [[[1, 0, 2]]] and vals[0, 0, 2] == float("-inf")  # ranked last, never swapped
 
 
+@pytest.mark.parametrize(("e", "page", "r"), [(7, 3, 4), (64, 8, 8), (61, 8, 20), (200, 5, 64), (9, 1, 9)])
+def test_best_entries_equal_a_sort_by_page_then_entry(e: int, page: int, r: int):
+    """`best_entries` sorts only the `r` best pages; a naive sort of every entry by (its page's best, its
+    own score) picks the same entries in the same order, with padding (-inf) last and never in range
+    trouble. Distinct scores, so no tie decides."""
+    g = torch.Generator().manual_seed(e * 31 + page)
+    sc = torch.randperm(2 * 3 * e, generator=g).float().view(2, 3, e) / (6 * e)  # distinct
+    sc[torch.rand(2, 3, e, generator=g) < 0.25] = float("-inf")  # padding anywhere
+    vals, idx = recall_core.best_entries(sc, page, r)
+    for lh in range(6):
+        row = sc.view(6, e)[lh].tolist()
+        page_of = [max(row[i // page * page : i // page * page + page]) for i in range(e)]
+        key = [(page_of[i] if row[i] > float("-inf") else float("-inf"), row[i]) for i in range(e)]
+        want = sorted(range(e), key=lambda i: key[i], reverse=True)[:r]
+        got = idx.view(6, r)[lh].tolist()
+        real = [i for i in want if row[i] > float("-inf")]
+        assert got[: len(real)] == real
+        assert all(0 <= i < e for i in got)
+        assert vals.view(6, r)[lh].tolist() == [key[i][0] for i in real] + [float("-inf")] * (r - len(real))
+
+
 @pytest.mark.parametrize(
     ("where", "calls_before"), [("host_swap", 0), ("host_swap", 2), ("refresh_pages", 1)]
 )

@@ -24,12 +24,27 @@ def page_best(sc: torch.Tensor, page: int) -> torch.Tensor:
 def best_entries(sc: torch.Tensor, page: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The `r` best host entries per (layer, head), `(page scores, indices)`, best first: by their page's
     score, then, inside a page, by their own (so a page cut by `r` gives its best entries). An entry
-    scored -inf (a paged recall's padding) keeps -inf: it never beats a kept entry."""
-    ranked = page_best(sc, page).masked_fill(sc == float("-inf"), float("-inf"))  # padding stays out
-    order = sc.argsort(dim=-1, descending=True, stable=True)
-    by_page = ranked.gather(-1, order).argsort(dim=-1, descending=True, stable=True)
-    idx = order.gather(-1, by_page)[..., :r]
-    return ranked.gather(-1, idx), idx
+    scored -inf (a paged recall's padding) keeps -inf: it never beats a kept entry.
+
+    `r` entries come from at most `r` pages, so only the `r` best pages are sorted (by their entries), not
+    every entry: a decode step's recall runs this at every layer over all of a branch's host entries."""
+    if page <= 1:
+        ranked = sc
+        idx = sc.argsort(dim=-1, descending=True, stable=True)[..., :r]
+        return ranked.gather(-1, idx), idx
+    lead, e = sc.shape[:-1], sc.shape[-1]
+    n = -(-e // page)
+    pages = torch.nn.functional.pad(sc, (0, n * page - e), value=float("-inf")).view(*lead, n, page)
+    best, top = pages.amax(-1).topk(min(r, n), dim=-1)  # the best pages, best first: [..., k]
+    k = top.shape[-1]
+    inside = pages.gather(-2, top.unsqueeze(-1).expand(*lead, k, page))  # their entries' own scores
+    own, at = inside.sort(dim=-1, descending=True, stable=True)  # inside a page, by their own
+    cand = (top.unsqueeze(-1) * page + at).flatten(-2)  # [..., k * page] entry indices, page by page
+    ranked = best.unsqueeze(-1).expand(*lead, k, page).flatten(-2)
+    ranked = ranked.masked_fill(own.flatten(-2) == float("-inf"), float("-inf"))  # padding stays out
+    order = ranked.argsort(dim=-1, descending=True, stable=True)[..., :r]  # -inf entries last
+    # a page's padding past the last entry ranks -inf, last: an index in range stands for it (never moved)
+    return ranked.gather(-1, order), cand.gather(-1, order).clamp_(max=e - 1)
 
 
 def mark_stale(stats: torch.Tensor | None, layer: int, dev_slots: torch.Tensor, moved: torch.Tensor) -> None:
