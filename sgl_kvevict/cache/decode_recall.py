@@ -81,6 +81,11 @@ class Exchange(NamedTuple):
     moved: torch.Tensor
 
 
+def _heads_first(keys: torch.Tensor) -> torch.Tensor:
+    """`[B, N, H, D]` keys as fp32 `[B, H, N, D]` in one copy: the layout a batched product reads as is."""
+    return keys.permute(0, 2, 1, 3).to(torch.float32, memory_format=torch.contiguous_format)
+
+
 def choose(
     q: torch.Tensor,
     keys_row: torch.Tensor,
@@ -100,10 +105,10 @@ def choose(
     qf = q.float().view(n, h, -1, d)  # [B, H, G, D]: query heads grouped by KV head
     logits = torch.cat(
         [
-            torch.einsum("bhgd,bchd->bhgc", qf, keys_host.float()).masked_fill(
+            torch.einsum("bhgd,bhcd->bhgc", qf, _heads_first(keys_host)).masked_fill(
                 ~in_host[:, None, None], -torch.inf
             ),
-            torch.einsum("bhgd,bwhd->bhgw", qf, keys_row.float()).masked_fill(
+            torch.einsum("bhgd,bhwd->bhgw", qf, _heads_first(keys_row)).masked_fill(
                 ~in_row[:, None, None], -torch.inf
             ),
         ],
