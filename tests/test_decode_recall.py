@@ -141,7 +141,7 @@ def test_the_op_sequence_follows_the_shapes_not_the_data():
             for ly in range(L):
                 one.layer(p.ctx, ly, q[ly])
         assert syncs.total == 0, syncs.counts
-        runs.append((ops.ops, one.moved.clone(), (one.width, one.cols.shape, one.swaps)))
+        runs.append((ops.ops, one.moved.clone(), (one.width, one.bounds.cols.shape, one.bounds.swaps)))
         decode_recall.finish(p.ctx, one)
     (ops_a, moved_a, shape_a), (ops_b, moved_b, shape_b) = runs
     assert shape_a == shape_b
@@ -183,10 +183,10 @@ def test_a_failure_inside_the_step_puts_everything_back(monkeypatch):
 
 def _layer_inputs(p: Pools, one: decode_recall.StepPlan, q: torch.Tensor) -> tuple:
     """`choose`'s arguments at layer 0, gathered as `StepPlan.layer` gathers them."""
-    slots = p.ctx.rt.req_to_token.index_select(0, one.rows)[:, : one.width].to(torch.int64)
+    slots = p.ctx.rt.req_to_token.index_select(0, one.buf.rows)[:, : one.width].to(torch.int64)
     keys_row = p.ctx.rt.k_buffer(0)[slots]
-    keys_host = p.ctx.host.k[0][one.cols]
-    return q[0], keys_row, keys_host, slots, one.bounds(), p.ctx.rt.scale
+    keys_host = p.ctx.host.k[0][one.buf.cols]
+    return q[0], keys_row, keys_host, slots, one.bounds, p.ctx.rt.scale
 
 
 def _one_layer(one: decode_recall.StepPlan, ctx, layer: int, q_layer: torch.Tensor) -> None:
@@ -241,11 +241,11 @@ def test_plans_of_one_bucket_refill_the_same_tensors(monkeypatch):
     p, reqs, q = _ready(2, 3, 0.0)
     first = _step(p, reqs, q)
     decode_recall.finish(p.ctx, first)
-    ptrs = [x.data_ptr() for x in (first.rows, first.cols, first.r, first.moved, first.host_cols)]
+    ptrs = [x.data_ptr() for x in (first.buf.rows, first.buf.cols, first.buf.r, first.moved, first.host_cols)]
     second = _step(p, reqs, -q)
     assert second.buf is first.buf and second.layers_done == L
     assert [
-        x.data_ptr() for x in (second.rows, second.cols, second.r, second.moved, second.host_cols)
+        x.data_ptr() for x in (second.buf.rows, second.buf.cols, second.buf.r, second.moved, second.host_cols)
     ] == ptrs
     decode_recall.finish(p.ctx, second)
     monkeypatch.setattr(decode_recall, "MAX_BUCKETS", 1)

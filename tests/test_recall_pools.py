@@ -302,9 +302,11 @@ def test_evicted_indices_are_the_complement():
 
 def test_page_max_ranks_an_entry_by_its_pages_best():
     sc = torch.tensor([[[0.1, 0.9, 0.2, 0.3, 0.05, 0.0, 0.4]]])  # one layer, one head, 7 host entries
-    assert torch.equal(recall_core.page_best(sc, 1), sc)
+    vals, idx = recall_core.best_entries(sc, 1, 7)
+    assert torch.equal(vals, sc.gather(-1, idx))  # pages of 1: an entry ranks by its own score
     want = torch.tensor([[[0.9, 0.9, 0.9, 0.3, 0.3, 0.3, 0.4]]])  # pages of 3, the last one partial
-    assert torch.equal(recall_core.page_best(sc, 3), want)
+    vals, idx = recall_core.best_entries(sc, 3, 7)
+    assert torch.equal(vals, want.gather(-1, idx))  # every entry ranks by its page's best
     vals, idx = recall_core.best_entries(sc, 3, 4)
     assert idx.tolist() == [[[1, 2, 0, 6]]]  # the attended entry brings its page, best first; then the next
     assert torch.allclose(vals, torch.tensor([[[0.9, 0.9, 0.9, 0.4]]]))

@@ -191,57 +191,34 @@ class StepPlan:
 
     arms: list[DecodeArm | None]  # per batch row (host side, for `finish`)
     buf: StepBuffers  # the bucket's tensors, refilled for this step
+    bounds: StepBounds  # what every layer reads: views of `buf`'s inputs and the plan's constants
     width: int  # W
-    swaps: int  # R
-    page: int
-    min_score: float
-    scratch: int
     row_ids: list[int]  # the batch's request rows on the host (-1: none)
     layers_done: int = 0
     failed: bool = False
 
-    # the step's inputs and records, in the bucket's tensors
-    rows = property(lambda self: self.buf.rows)  # [B] request rows
-    m = property(lambda self: self.buf.m)  # [B] row entries before the step's token
-    lo = property(lambda self: self.buf.lo)  # [B]
-    hi = property(lambda self: self.buf.hi)  # [B]
-    r = property(lambda self: self.buf.r)  # [B] swaps allowed per layer and KV head (0: no recall)
-    cols = property(lambda self: self.buf.cols)  # [B, C] host columns (scratch past a branch's count)
-    n_cols = property(lambda self: self.buf.n_cols)  # [B]
-    pos = property(lambda self: self.buf.pos)  # [L, B, H, R] displaced row positions
-    hidx = property(lambda self: self.buf.hidx)  # [L, B, H, R] branch column indices
-    dev_slots = property(lambda self: self.buf.dev_slots)  # [L, B, H, R]
-    host_cols = property(lambda self: self.buf.host_cols)  # [L, B, H, R]
-    moved = property(lambda self: self.buf.moved)  # [L, B, H, R] whether the pair moved
+    # the step's records, in the bucket's tensors, [L, B, H, R]: displaced row positions, branch column
+    # indices, device slots, host columns, and whether the pair moved
+    pos = property(lambda self: self.buf.pos)
+    hidx = property(lambda self: self.buf.hidx)
+    dev_slots = property(lambda self: self.buf.dev_slots)
+    host_cols = property(lambda self: self.buf.host_cols)
+    moved = property(lambda self: self.buf.moved)
 
     @property
     def batch(self) -> int:
-        return int(self.rows.shape[0])
+        return int(self.buf.rows.shape[0])
 
     def layer(self, ctx: KvEvictContext, layer: int, q: torch.Tensor) -> None:
         """Score and exchange at `layer` with the step's queries `q` `[B, Hq, D]`; fixed shapes only."""
         rt, pool = ctx.rt, ctx.host
-        slots = rt.req_to_token.index_select(0, self.rows)[:, : self.width].to(torch.int64)  # [B, W]
+        slots = rt.req_to_token.index_select(0, self.buf.rows)[:, : self.width].to(torch.int64)  # [B, W]
         keys_row = rt.k_buffer(layer)[slots]  # [B, W, H, D]
-        keys_host = pool.k[layer][self.cols.to(pool.k.device)].to(q.device)  # [B, C, H, D]
-        ex = choose(q[: self.batch], keys_row, keys_host, slots, self.bounds(), rt.scale)
+        keys_host = pool.k[layer][self.buf.cols.to(pool.k.device)].to(q.device)  # [B, C, H, D]
+        ex = choose(q[: self.batch], keys_row, keys_host, slots, self.bounds, rt.scale)
         _swap(ctx, layer, ex.dev_slots, ex.host_cols)
         self._record(layer, ex)
         mark_stale(ctx.stats, layer, ex.dev_slots, ex.moved)
-
-    def bounds(self) -> StepBounds:
-        return StepBounds(
-            self.m,
-            self.lo,
-            self.hi,
-            self.r,
-            self.cols,
-            self.n_cols,
-            self.page,
-            self.swaps,
-            self.min_score,
-            self.scratch,
-        )
 
     def _record(self, layer: int, ex: Exchange) -> None:
         for buf, x in zip((self.pos, self.hidx, self.dev_slots, self.host_cols, self.moved), ex, strict=True):
@@ -293,23 +270,22 @@ def plan(ctx: KvEvictContext, reqs: list[Any]) -> StepPlan | None:
         if a is not None:
             cols[i, : a.cols.numel()] = a.cols
     per_row = [
-        [row if row is not None else 0, n, a.lo if a else 0, a.hi if a else 0, a.r if a else 0]
+        [row if row is not None else 0, n, *((a.lo, a.hi, a.r, a.cols.numel()) if a else (0, 0, 0, 0))]
         for row, n, a in zip(rows, lens, arms, strict=True)
     ]
-    ints = torch.tensor(per_row, dtype=torch.int64).T
     buf = buffers(ctx, (len(reqs), width, n_cols, swaps))
-    for dst, src in zip((buf.rows, buf.m, buf.lo, buf.hi, buf.r), ints, strict=True):
+    inputs = (buf.rows, buf.m, buf.lo, buf.hi, buf.r, buf.n_cols)
+    for dst, src in zip(inputs, torch.tensor(per_row, dtype=torch.int64).T, strict=True):
         dst.copy_(src)
-    buf.n_cols.copy_(torch.tensor([a.cols.numel() if a else 0 for a in arms]))
     buf.cols.copy_(cols)
+    bounds = StepBounds(
+        buf.m, buf.lo, buf.hi, buf.r, buf.cols, buf.n_cols, tuning.page, swaps, tuning.min_score, pool.scratch
+    )
     return StepPlan(
         arms=arms,
         buf=buf,
+        bounds=bounds,
         width=width,
-        swaps=swaps,
-        page=tuning.page,
-        min_score=tuning.min_score,
-        scratch=pool.scratch,
         row_ids=[row if row is not None else -1 for row in rows],
     )
 
@@ -345,7 +321,7 @@ def finish(ctx: KvEvictContext, one: StepPlan) -> int:
 def _debug_positions(a: DecodeArm, one: StepPlan, i: int, layers: int) -> None:
     """KVEVICT_DEBUG: the moved pairs of batch row `i` exchange their logical positions (row and host),
     and the row's positions become a timeline event (the oracle replays it)."""
-    dbg = DebugSwap(a.s, int(one.m[i]))
+    dbg = DebugSwap(a.s, int(one.buf.m[i]))
     moved, pos, hidx = (x[:layers, i].cpu() for x in (one.moved, one.pos, one.hidx))
     for layer in range(layers):
         for h in range(moved.shape[1]):

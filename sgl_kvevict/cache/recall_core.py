@@ -10,17 +10,6 @@ from sgl_kvevict.cache import demote
 from sgl_kvevict.cache import state as st
 
 
-def page_best(sc: torch.Tensor, page: int) -> torch.Tensor:
-    """Each host entry scored by the best entry of its page (`page` consecutive columns of a head)."""
-    if page <= 1:
-        return sc
-    e = sc.shape[-1]
-    n = -(-e // page)
-    padded = torch.nn.functional.pad(sc, (0, n * page - e), value=float("-inf"))
-    best = padded.view(*sc.shape[:-1], n, page).amax(-1)
-    return best.repeat_interleave(page, dim=-1)[..., :e]
-
-
 def best_entries(sc: torch.Tensor, page: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The `r` best host entries per (layer, head), `(page scores, indices)`, best first: by their page's
     score, then, inside a page, by their own (so a page cut by `r` gives its best entries). An entry
