@@ -9,6 +9,7 @@ import torch
 
 from sgl_kvevict.cache import compressor, decode_recall, demote, host, recall
 from sgl_kvevict.cache import state as st
+from sgl_kvevict.cache.retrieval_heads import RecallHeads
 from sgl_kvevict.config import RecallTuning, ServerSettings
 from sgl_kvevict.tools.pools import Pools, SyncCounter
 
@@ -253,3 +254,31 @@ def test_plans_of_one_bucket_refill_the_same_tensors(monkeypatch):
     alone = decode_recall.plan(p.ctx, reqs[:1])
     assert alone.buf is not first.buf and alone.batch == 1
     assert list(p.ctx.step_buffers.values()) == [alone.buf]
+
+
+def test_a_step_recalls_only_in_the_retrieval_heads():
+    """With `ctx.recall_heads` (the model's retrieval heads), a step moves in those (layer, KV head) pairs
+    exactly what the step moves there without it, and nothing elsewhere: a layer without one is skipped
+    (its records say nothing moved), a head outside the mask keeps its row and host columns. Checked on
+    two identical pool sets, and the ungated step did move outside the mask (so the gate is tested)."""
+    mask = torch.tensor([[True, False], [False, False], [False, True]])
+    runs = []
+    for gated in (False, True):
+        p, reqs, q = _ready(2, 3, 0.0)
+        p.ctx.recall_heads = RecallHeads.of(mask, "cpu") if gated else None
+        before = _held(p, reqs)
+        before = [x.clone() for x in before]
+        one = _step(p, reqs, q)
+        runs.append((p, reqs, before, one.moved.clone(), _held(p, reqs)))
+        decode_recall.finish(p.ctx, one)
+    (_, _, _, moved_all, held_all), (p, reqs, before, moved, held) = runs
+    inside = mask[:, None, :, None].expand_as(moved_all)
+    assert moved_all[~inside].any() and moved_all[inside].any()
+    assert torch.equal(moved, moved_all & inside)
+    assert RecallHeads.of(mask, "cpu").layers == {0, 2}
+    # `_held`: per request, per layer: row K, row V, host K, host V ([n, H, D] each)
+    for k, (b, a, g) in enumerate(zip(before, held_all, held, strict=True)):
+        layer = (k // 4) % L
+        for h in range(H):
+            want = a[:, h] if mask[layer, h] else b[:, h]
+            assert torch.equal(g[:, h], want)

@@ -42,6 +42,8 @@ class KvEvictContext:
     )  # request row -> its recall.Recall in the next forward
     decode_armed: dict[int, Any] = field(default_factory=dict)  # request row -> decode_recall.DecodeArm
     step_plan: Any = None  # decode_recall.StepPlan of the next (or the last, until finished) decode forward
+    # retrieval_heads.RecallHeads: where a decode step recalls (the model's retrieval heads); None: everywhere
+    recall_heads: Any = None
     # (batch, row width, host columns, swaps) -> decode_recall.StepBuffers, the bucket's device tensors
     step_buffers: dict[tuple[int, int, int, int], Any] = field(default_factory=dict)
     # Set once a decode forward ran without the recall hook (a CUDA graph replay runs no Python):

@@ -128,6 +128,15 @@ def choose(
     return Exchange(pos, hidx, dev_slots, torch.where(moved, host_cols, b.scratch), moved)
 
 
+def only_heads(ex: Exchange, heads: torch.Tensor, scratch: int) -> Exchange:
+    """`ex` with nothing moving outside `heads` `[H]` (bool): their pairs become slot 0 and the scratch
+    column, as every pair that does not move."""
+    moved = ex.moved & heads[None, :, None]
+    return Exchange(
+        ex.pos, ex.hidx, torch.where(moved, ex.dev_slots, 0), torch.where(moved, ex.host_cols, scratch), moved
+    )
+
+
 @dataclass(eq=False)
 class DecodeArm:
     """One request's recall in the next decode step: rows `[lo, hi)` may be displaced, at most `r` entries
@@ -210,12 +219,19 @@ class StepPlan:
         return int(self.buf.rows.shape[0])
 
     def layer(self, ctx: KvEvictContext, layer: int, q: torch.Tensor) -> None:
-        """Score and exchange at `layer` with the step's queries `q` `[B, Hq, D]`; fixed shapes only."""
-        rt, pool = ctx.rt, ctx.host
+        """Score and exchange at `layer` with the step's queries `q` `[B, Hq, D]`; fixed shapes only. Only
+        in the model's retrieval heads (`ctx.recall_heads`): a layer without one records that nothing
+        moved (which layers those are is the model's, the same at every step)."""
+        rt, pool, heads = ctx.rt, ctx.host, ctx.recall_heads
+        if heads is not None and layer not in heads.layers:
+            self._record_none(layer)
+            return
         slots = rt.req_to_token.index_select(0, self.buf.rows)[:, : self.width].to(torch.int64)  # [B, W]
         keys_row = rt.k_buffer(layer)[slots]  # [B, W, H, D]
         keys_host = pool.k[layer][self.buf.cols.to(pool.k.device)].to(q.device)  # [B, C, H, D]
         ex = choose(q[: self.batch], keys_row, keys_host, slots, self.bounds, rt.scale)
+        if heads is not None:
+            ex = only_heads(ex, heads.mask[layer], self.bounds.scratch)
         _swap(ctx, layer, ex.dev_slots, ex.host_cols)
         self._record(layer, ex)
         mark_stale(ctx.stats, layer, ex.dev_slots, ex.moved)
@@ -223,6 +239,12 @@ class StepPlan:
     def _record(self, layer: int, ex: Exchange) -> None:
         for buf, x in zip((self.pos, self.hidx, self.dev_slots, self.host_cols, self.moved), ex, strict=True):
             buf[layer].copy_(x)
+        self.layers_done = layer + 1
+
+    def _record_none(self, layer: int) -> None:
+        self.moved[layer].zero_()
+        self.dev_slots[layer].zero_()
+        self.host_cols[layer].fill_(self.bounds.scratch)
         self.layers_done = layer + 1
 
     def undo(self, ctx: KvEvictContext) -> None:
@@ -303,7 +325,9 @@ def finish(ctx: KvEvictContext, one: StepPlan) -> int:
     pool.totals.decode_steps += 1
     counts = one.moved[:done].sum(dim=(0, 2, 3)).tolist()  # the one host read of the step's recall
     real = sum(int(a.cols.numel()) for a in one.arms if a is not None)
-    pool.totals.keys_read += real * pool.heads * pool.dim * pool.k.element_size() * done
+    heads = ctx.recall_heads
+    read = done if heads is None else sum(layer < done for layer in heads.layers)  # the layers that scored
+    pool.totals.keys_read += real * pool.heads * pool.dim * pool.k.element_size() * read
     total = 0
     for i, a in enumerate(one.arms):
         if a is None or a.s.recall.host is None:
