@@ -282,3 +282,23 @@ def test_a_step_recalls_only_in_the_retrieval_heads():
         for h in range(H):
             want = a[:, h] if mask[layer, h] else b[:, h]
             assert torch.equal(g[:, h], want)
+
+
+def test_a_request_recalling_alone_during_decode_keeps_to_the_retrieval_heads():
+    """The other decode-time path (a request that recalls alone after a failure, or every request once a
+    CUDA graph ran without the hook: `recall.recall` after the step's compression) keeps to the same
+    heads: outside them rows and host columns stay as they were, inside them entries did move."""
+    mask = torch.tensor([[False, True], [False, False], [True, False]])
+    p, reqs, _ = _ready(1, 2, 0.0)
+    p.ctx.recall_heads = RecallHeads.of(mask, "cpu")
+    before = [x.clone() for x in _held(p, reqs)]
+    s = st.get(reqs[0])
+    s.recall.alone, s.recall.steps = True, 1
+    assert recall.after_compress(reqs[0], decode=True) == 0 and s.recall.recalled > 0
+    changed = set()
+    for k, (b, a) in enumerate(zip(before, _held(p, reqs), strict=True)):
+        layer = (k // 4) % L
+        for h in range(H):
+            if not torch.equal(a[:, h], b[:, h]):
+                changed.add((layer, h))
+    assert changed and all(mask[layer, h] for layer, h in changed)

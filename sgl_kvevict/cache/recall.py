@@ -161,8 +161,12 @@ def recall(req: Any, s: st.ReqState) -> int:
         s.recall.skipped += 1
         return 0
     one = Recall.start(req, s, kv_len, length, lo, hi, r)
+    heads = s.ctx.recall_heads if fresh else None  # during decode: the retrieval heads only
+    one.only = None if heads is None else heads.mask
     try:
         for layer in range(s.ctx.rt.n_layers):
+            if heads is not None and layer not in heads.layers:
+                continue
             q = s.ctx.capture.get(kv.req_pool_idx, layer, length)[:, -w:]  # [Hq, w, D], the row's last w
             one.layer(layer, q, causal=True)
     except Exception:
@@ -249,13 +253,15 @@ def exchange(
     dbg: DebugSwap | None,
     cand: torch.Tensor | None = None,
     log: list[Undo] | None = None,
+    only: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per layer (from `layer`, as many as the scores have) and KV head: the `r` best-ranked host entries
     that beat the lowest-scored kept entries of `[lo, hi)` swap places with them (`kernels.host_swap`).
     `row_sc` `[l, H, len(row_slots)]`, `host_sc` `[l, H, c]`: every host entry (`cand` None), or the
     candidates `cand` `[l, H, c]` (indices into the branch's columns, whole pages in a row). Each swap is
     appended to `log` as it is written (a swap is its own inverse: `Recall.rollback` replays the log
-    backwards). Returns the `[l, H]` swapped counts (on the device: no host sync)."""
+    backwards). `only` `[L, H]` (bool): the heads that may exchange at all. Returns the `[l, H]` swapped
+    counts (on the device: no host sync)."""
     rt, pool, cfg = s.ctx.rt, s.ctx.host, s.ctx.settings
     hs, hidx = best_entries(host_sc, cfg.recall.page, r)  # [l, H, r], best first
     if cand is not None:
@@ -263,6 +269,8 @@ def exchange(
     cs, cidx = (-row_sc[..., lo:hi]).topk(r, dim=-1)  # lowest-scored displaceable kept entries
     # the i-th best host entry beats the i-th worst kept one, with a query's attention behind it
     swap = (hs > -cs) & (hs >= cfg.recall.min_score)
+    if only is not None:  # `[L, H]`: the heads that may recall (a decode-time recall's retrieval heads)
+        swap &= only[layer : layer + int(row_sc.shape[0])].to(swap.device).unsqueeze(-1)
     counts = swap.sum(-1)  # hs falls and the displaced score rises with i, so swap is a prefix
     dev_slots = row_slots[lo:hi][cidx]  # [l, H, r]
     host_cols = s.recall.host.cols.to(pool.k.device)[hidx.to(pool.k.device)]
@@ -359,6 +367,9 @@ class Recall:
     sums: host.PageSummaries | None  # None: every host key is scored
     n_sel: int  # pages fetched per head and layer when paged
     dbg: DebugSwap | None = None
+    only: torch.Tensor | None = (
+        None  # [L, H] bool: the only heads that may exchange (decode: retrieval heads)
+    )
     new: torch.Tensor | None = None  # appending: the fresh device slots (int64) the columns go to
     appended_pos: list[torch.Tensor] = field(default_factory=list)  # debug: their positions, per layer
     swapped: torch.Tensor | None = None  # on the device, read once at the end
@@ -426,6 +437,7 @@ class Recall:
             self.dbg,
             None if cand is None else cand[None],
             self.done,
+            self.only,
         )
         self.swapped = counts.sum() if self.swapped is None else self.swapped + counts.sum()
         if cand is not None:  # the swap wrote displaced entries into the fetched pages: re-summarise them
