@@ -537,7 +537,13 @@ def build_tree_cache(ctx: Any) -> Any:
     cache = KvEvictRadixCache(params, params.req_to_token_pool.req_to_token.shape[0])
     cache.release_report = on_release_report
     rt = runtime.attach(cache, ctx)
-    cache.ctx.recall_heads = recall_heads(ctx, rt, cache.ctx)
+    kv = cache.ctx
+    kv.recall_heads = recall_heads(ctx, rt, kv)
+    if kv.host is not None and kv.settings.recall.every > 0:
+        every_head = rt.n_layers * rt.n_kv_heads
+        kv.host.totals.decode_heads = (
+            every_head if kv.recall_heads is None else int(kv.recall_heads.mask.sum())
+        )
     if getattr(params, "enable_metrics", False):
         from sgl_kvevict.serve.metrics import Metrics, labels_for
 
