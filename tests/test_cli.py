@@ -413,7 +413,10 @@ def test_operator_json_settings_are_published(monkeypatch, capsys):
 
     from sgl_kvevict.config import SETTINGS_ENV_VAR, ServerSettings
 
-    recall = '{"page": 4, "summary": "off", "fetch_pages": 8, "append": "off", "every": 0, "min_score": 0}'
+    recall = (
+        '{"page": 4, "summary": "off", "fetch_pages": 8, "append": "off", "every": 0, "head_score": 0.5, '
+        '"min_score": 0}'
+    )
     args = ["--kv-policy", "snapkv", "--kv-overrides", "off", "--kv-recall-tokens", "8", "--kv-recall-config"]
     code, err = check_in_process(monkeypatch, capsys, [*args, recall])
     assert code == 0, err
@@ -425,6 +428,7 @@ def test_operator_json_settings_are_published(monkeypatch, capsys):
         "fetch_pages": 8,
         "append": "off",
         "every": 0,
+        "head_score": 0.5,
         "min_score": 0.0,
     }
 
@@ -446,6 +450,14 @@ def test_operator_json_settings_are_published(monkeypatch, capsys):
         (
             ["--kv-recall-config", '{"min_score": 1.5}'],
             ["--kv-recall-config", "min_score", "less than or equal"],
+        ),
+        (
+            ["--kv-recall-config", '{"head_score": -0.1}'],
+            ["--kv-recall-config", "head_score", "greater than or equal to 0"],
+        ),
+        (
+            ["--kv-recall-config", '{"head_score": NaN}'],
+            ["--kv-recall-config", "head_score"],
         ),
         (["--kv-recall-config", '{"fetch_pages": 2.5}'], ["--kv-recall-config", "fetch_pages", "integer"]),
         (["--kv-recall-config", '{"pages": 4}'], ["--kv-recall-config", "pages", "not permitted"]),
