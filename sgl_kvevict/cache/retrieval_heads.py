@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,7 +81,7 @@ def cached_scores(model_path: str | Path, cache_dir: Path) -> torch.Tensor:
     logger.info("sgl-kvevict: measuring the retrieval heads of %s (once per model)", path)
     scores = induction_scores(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")  # servers starting together each write their own
     tmp.write_text(json.dumps({"model": str(path), "kv_heads": scores.tolist()}))
     tmp.replace(out)
     return scores
