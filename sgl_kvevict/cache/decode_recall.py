@@ -93,11 +93,12 @@ def choose(
     slots: torch.Tensor,
     b: StepBounds,
     scale: float,
+    heads: torch.Tensor | None = None,
 ) -> Exchange:
     """Which entries a layer exchanges, from the step's queries `q` `[B, Hq, D]`, the rows' keys
-    `[B, W, H, D]` (in slots `[B, W]`) and the branch's host keys `[B, C, H, D]`: device math only, on
-    shapes the plan fixed, so it compiles to one graph (`tests/test_decode_recall.py` checks it under
-    `torch.compile(fullgraph=True)`)."""
+    `[B, W, H, D]` (in slots `[B, W]`) and the branch's host keys `[B, C, H, D]`, in the KV heads `heads`
+    `[H]` (bool; None: every head): device math only, on shapes the plan fixed, so it compiles to one
+    graph (`tests/test_decode_recall.py` checks it under `torch.compile(fullgraph=True)`)."""
     n, w, h, d = keys_row.shape
     c, r, dev = keys_host.shape[1], b.swaps, q.device
     in_row = torch.arange(w, device=dev) < b.m.unsqueeze(-1)
@@ -123,18 +124,11 @@ def choose(
     cs, pos = (-row_sc.masked_fill(~displaceable[:, None], torch.inf)).topk(r, dim=-1)
     first_r = torch.arange(r, device=dev) < b.r.view(n, 1, 1)
     moved = (hs > -cs) & (hs >= b.min_score) & first_r  # a prefix of each (row, head)
+    if heads is not None:
+        moved &= heads[None, :, None]
     dev_slots = torch.where(moved, slots.unsqueeze(1).expand(n, h, w).gather(-1, pos), 0)
     host_cols = b.cols.unsqueeze(1).expand(n, h, c).gather(-1, hidx)
     return Exchange(pos, hidx, dev_slots, torch.where(moved, host_cols, b.scratch), moved)
-
-
-def only_heads(ex: Exchange, heads: torch.Tensor, scratch: int) -> Exchange:
-    """`ex` with nothing moving outside `heads` `[H]` (bool): their pairs become slot 0 and the scratch
-    column, as every pair that does not move."""
-    moved = ex.moved & heads[None, :, None]
-    return Exchange(
-        ex.pos, ex.hidx, torch.where(moved, ex.dev_slots, 0), torch.where(moved, ex.host_cols, scratch), moved
-    )
 
 
 @dataclass(eq=False)
@@ -229,9 +223,8 @@ class StepPlan:
         slots = rt.req_to_token.index_select(0, self.buf.rows)[:, : self.width].to(torch.int64)  # [B, W]
         keys_row = rt.k_buffer(layer)[slots]  # [B, W, H, D]
         keys_host = pool.k[layer][self.buf.cols.to(pool.k.device)].to(q.device)  # [B, C, H, D]
-        ex = choose(q[: self.batch], keys_row, keys_host, slots, self.bounds, rt.scale)
-        if heads is not None:
-            ex = only_heads(ex, heads.mask[layer], self.bounds.scratch)
+        in_heads = None if heads is None else heads.mask[layer]
+        ex = choose(q[: self.batch], keys_row, keys_host, slots, self.bounds, rt.scale, in_heads)
         _swap(ctx, layer, ex.dev_slots, ex.host_cols)
         self._record(layer, ex)
         mark_stale(ctx.stats, layer, ex.dev_slots, ex.moved)

@@ -367,9 +367,8 @@ class Recall:
     sums: host.PageSummaries | None  # None: every host key is scored
     n_sel: int  # pages fetched per head and layer when paged
     dbg: DebugSwap | None = None
-    only: torch.Tensor | None = (
-        None  # [L, H] bool: the only heads that may exchange (decode: retrieval heads)
-    )
+    # [L, H] bool: the only heads that may exchange (a decode-time recall's retrieval heads); None: every head
+    only: torch.Tensor | None = None
     new: torch.Tensor | None = None  # appending: the fresh device slots (int64) the columns go to
     appended_pos: list[torch.Tensor] = field(default_factory=list)  # debug: their positions, per layer
     swapped: torch.Tensor | None = None  # on the device, read once at the end

@@ -4,8 +4,8 @@ Why: a decode step ranks host entries by the step's own query, per layer and KV 
 read far back; there the host entries a query scores best match its generic part (a template, the
 filler turns' question) and bringing them back only costs. A few heads copy from far back: given a
 token, they attend to what followed its earlier occurrence (induction, or retrieval, heads). On the
-long recall scenario, a decode step recalling in those heads only answered what recalling in every head
-answered (`docs/benchmarks.md`), for a fraction of the step's work.
+long recall scenario, a decode step recalling in those heads only answered within one of recalling in
+every head, per policy (`docs/benchmarks.md`), for a fraction of the step's work.
 
 The score is the model's, not a request's: random tokens repeated twice, and a head's score is the
 attention a token of the second copy gives the token after its first occurrence (mean over the copy and
