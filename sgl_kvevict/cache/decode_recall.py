@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from sgl_kvevict import kernels as K
+from sgl_kvevict.cache import retrieval_heads
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.recall_core import DebugSwap, account, best_entries, mark_stale
 
@@ -217,7 +218,7 @@ class StepPlan:
         in the model's retrieval heads (`ctx.recall_heads`): a layer without one records that nothing
         moved (which layers those are is the model's, the same at every step)."""
         rt, pool, heads = ctx.rt, ctx.host, ctx.recall_heads
-        if heads is not None and layer not in heads.layers:
+        if not retrieval_heads.scores_at(heads, layer):
             self._record_none(layer)
             return
         slots = rt.req_to_token.index_select(0, self.buf.rows)[:, : self.width].to(torch.int64)  # [B, W]
@@ -318,8 +319,7 @@ def finish(ctx: KvEvictContext, one: StepPlan) -> int:
     pool.totals.decode_steps += 1
     counts = one.moved[:done].sum(dim=(0, 2, 3)).tolist()  # the one host read of the step's recall
     real = sum(int(a.cols.numel()) for a in one.arms if a is not None)
-    heads = ctx.recall_heads
-    read = done if heads is None else sum(layer < done for layer in heads.layers)  # the layers that scored
+    read = sum(retrieval_heads.scores_at(ctx.recall_heads, layer) for layer in range(done))  # that scored
     pool.totals.keys_read += real * pool.heads * pool.dim * pool.k.element_size() * read
     total = 0
     for i, a in enumerate(one.arms):

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sgl_kvevict import kernels as K
-from sgl_kvevict.cache import capture, compressor, context, decode_recall, demote, host
+from sgl_kvevict.cache import capture, compressor, context, decode_recall, demote, host, retrieval_heads
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.recall_core import DebugSwap, account, best_entries, mark_stale
 from sgl_kvevict.cache.slots import alloc_slots, free_slots
@@ -165,7 +165,7 @@ def recall(req: Any, s: st.ReqState) -> int:
     one.only = None if heads is None else heads.mask
     try:
         for layer in range(s.ctx.rt.n_layers):
-            if heads is not None and layer not in heads.layers:
+            if not retrieval_heads.scores_at(heads, layer):
                 continue
             q = s.ctx.capture.get(kv.req_pool_idx, layer, length)[:, -w:]  # [Hq, w, D], the row's last w
             one.layer(layer, q, causal=True)

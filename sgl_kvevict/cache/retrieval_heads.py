@@ -106,3 +106,8 @@ class RecallHeads:
     def of(cls, mask: torch.Tensor, device: torch.device | str) -> RecallHeads:
         layers = frozenset(int(i) for i in mask.any(dim=-1).nonzero().flatten().tolist())
         return cls(mask.to(device), layers)
+
+
+def scores_at(heads: RecallHeads | None, layer: int) -> bool:
+    """Whether a decode step's recall scores at `layer`: a layer with a retrieval head (None: every layer)."""
+    return heads is None or layer in heads.layers

@@ -488,19 +488,26 @@ def verify_installed() -> list[str]:
 
 
 def recall_heads(ctx: Any, rt: Any, kv: KvEvictContext) -> Any:
-    """Where a decode step recalls (`KvEvictContext.recall_heads`): the model's retrieval heads, measured
-    once per model (`cache/retrieval_heads.py`); None (every head) when recall is off, `head_score` is 0,
-    decode does not recall, or the scores cannot be measured (logged: the server still serves)."""
+    """Where a decode step recalls (`KvEvictContext.recall_heads`), and how many (layer, KV head) pairs
+    that is (the server total `decode_heads`): the model's retrieval heads, measured once per model
+    (`cache/retrieval_heads.py`); None (every head) when `head_score` is 0 or the scores cannot be
+    measured (logged: the server still serves), or when no decode step recalls."""
+    tuning = kv.settings.recall
+    if kv.host is None or tuning.every <= 0:
+        return None
+    heads = _measured_heads(ctx, rt, tuning.head_score) if tuning.head_score > 0 else None
+    kv.host.totals.decode_heads = rt.n_layers * rt.n_kv_heads if heads is None else int(heads.mask.sum())
+    return heads
+
+
+def _measured_heads(ctx: Any, rt: Any, min_score: float) -> Any:
     from sgl_kvevict.cache import retrieval_heads
     from sgl_kvevict.model import cache_root
 
-    tuning = kv.settings.recall
-    if kv.host is None or tuning.head_score <= 0 or tuning.every <= 0:
-        return None
     path = ctx.model_config.model_path
     try:
         scores = retrieval_heads.cached_scores(path, cache_root() / retrieval_heads.CACHE_FOLDER)
-        mask = retrieval_heads.mask(scores, tuning.head_score, int(ctx.tp_rank), rt.tp_size)
+        mask = retrieval_heads.mask(scores, min_score, int(ctx.tp_rank), rt.tp_size)
         if tuple(mask.shape) != (rt.n_layers, rt.n_kv_heads):
             raise ValueError(
                 f"scores {tuple(scores.shape)} for {rt.n_layers} layers x {rt.n_kv_heads} KV heads"
@@ -514,7 +521,7 @@ def recall_heads(ctx: Any, rt: Any, kv: KvEvictContext) -> Any:
         "sgl-kvevict: a decode step recalls in %d of %d (layer, KV head) pairs (induction score >= %g)",
         int(mask.sum()),
         mask.numel(),
-        tuning.head_score,
+        min_score,
     )
     return retrieval_heads.RecallHeads.of(mask, rt.req_to_token.device)
 
@@ -539,11 +546,6 @@ def build_tree_cache(ctx: Any) -> Any:
     rt = runtime.attach(cache, ctx)
     kv = cache.ctx
     kv.recall_heads = recall_heads(ctx, rt, kv)
-    if kv.host is not None and kv.settings.recall.every > 0:
-        every_head = rt.n_layers * rt.n_kv_heads
-        kv.host.totals.decode_heads = (
-            every_head if kv.recall_heads is None else int(kv.recall_heads.mask.sum())
-        )
     if getattr(params, "enable_metrics", False):
         from sgl_kvevict.serve.metrics import Metrics, labels_for
 
