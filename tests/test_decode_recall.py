@@ -253,7 +253,86 @@ def test_plans_of_one_bucket_refill_the_same_tensors(monkeypatch):
     decode_recall.arm(reqs[0], st.get(reqs[0]), *_bounds(reqs[0]))
     alone = decode_recall.plan(p.ctx, reqs[:1])
     assert alone.buf is not first.buf and alone.batch == 1
-    assert list(p.ctx.step_buffers.values()) == [alone.buf]
+    assert list(p.ctx.step_buffers.values()) == [[alone.buf]]
+
+
+def _steps(p: Pools, reqs, qs: list[torch.Tensor], overlap: bool) -> tuple[list, list[torch.Tensor]]:
+    """Decode steps through the scheduler's calls (`recall.plan_step`, the forward's layers,
+    `recall.finish_step`). With `overlap`, as SGLang's overlap scheduler orders them: step k+1 is planned
+    and run before step k's results are processed. Returns the plans and each step's records as the
+    step left them."""
+    plans, records = [], []
+    for k, q in enumerate(qs):
+        for req in reqs:
+            decode_recall.arm(req, st.get(req), *_bounds(req))
+        recall.plan_step(p.ctx, reqs)
+        one = p.ctx.step_plan
+        for ly in range(L):
+            one.layer(p.ctx, ly, q[ly])
+        plans.append(one)
+        records += [x.clone() for x in (one.moved, one.pos, one.hidx)]
+        if overlap and k > 0:
+            recall.finish_step(p.ctx)  # step k-1's results
+            rows = {req.kv.req_pool_idx for req in reqs}
+            assert set(p.ctx.host.in_use) == rows, "the step in flight lost its hold on the host entries"
+        if not overlap:
+            recall.finish_step(p.ctx)
+    if overlap:
+        recall.finish_step(p.ctx)
+        assert all(
+            torch.equal(a, b) for a, b in zip(records[-3:], (one.moved, one.pos, one.hidx), strict=True)
+        )
+    return plans, records
+
+
+def test_overlapped_steps_recall_as_sequential_steps_do():
+    """Under the overlap scheduler a decode step is planned and run before the previous step's records
+    are read: each step in flight gets its own buffers (the first step's records survive the second), the
+    second step's hold on the host entries survives the first one's finish, and pools, records and
+    counts end as with the steps one after another. The overlapped steps are counted as such."""
+    runs = []
+    for overlap in (False, True):
+        p, reqs, q = _ready(2, 2, 0.0)
+        plans, records = _steps(p, reqs, [q, -q], overlap)
+        if overlap:  # and the first step's records were read after the second step ran
+            assert plans[0].buf is not plans[1].buf and torch.equal(plans[0].moved, records[0])
+        counts = [st.get(r).recall.recalled for r in reqs]
+        runs.append((_held(p, reqs), records, counts, p.ctx.host.totals.decode_steps_overlapped))
+        assert not p.ctx.host.in_use and not p.ctx.steps_in_flight and p.ctx.step_plan is None
+    (held_a, rec_a, n_a, over_a), (held_b, rec_b, n_b, over_b) = runs
+    assert rec_a[0].any() and rec_a[3].any(), "a step moved nothing: the check would be empty"
+    assert n_a == n_b and (over_a, over_b) == (0, 1)
+    for a, b in zip(held_a + rec_a, held_b + rec_b, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_request_found_finished_gets_its_overlapped_step_undone():
+    """The overlap scheduler finds a request finished only after its next step ran: that step's exchanges
+    for it go back (`recall.drop_finished`, before its last compression), so its row and host columns
+    hold what they held after its real last step; the other request's exchanges stand."""
+    p, reqs, q = _ready(2, 2, 0.0)
+    for req in reqs:
+        decode_recall.arm(req, st.get(req), *_bounds(req))
+    recall.plan_step(p.ctx, reqs)
+    for ly in range(L):
+        p.ctx.step_plan.layer(p.ctx, ly, q[ly])
+    per_req = 4 * L  # `_held` lists each request's row and host columns, in request order
+    after_first = [x.clone() for x in _held(p, reqs)[:per_req]]
+    for req in reqs:
+        decode_recall.arm(req, st.get(req), *_bounds(req))
+    recall.plan_step(p.ctx, reqs)
+    second = p.ctx.step_plan
+    for ly in range(L):
+        second.layer(p.ctx, ly, -q[ly])
+    assert second.moved[:, 0].any() and second.moved[:, 1].any(), "the second step moved nothing"
+    other = [x.clone() for x in _held(p, reqs)[per_req:]]
+    recall.finish_step(p.ctx)
+    recall.drop_finished(reqs[0], st.get(reqs[0]))
+    for a, b in zip(after_first + other, _held(p, reqs), strict=True):
+        assert torch.equal(a, b)
+    assert second.arms[0] is None and not second.moved[:, 0].any()
+    recall.finish_step(p.ctx)
+    assert not p.ctx.steps_in_flight
 
 
 def test_a_step_recalls_only_in_the_retrieval_heads():

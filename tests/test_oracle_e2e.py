@@ -224,11 +224,15 @@ def test_multi_turn_under_eviction_equals_hf(runs, model, policy: str):
 
 def test_decode_steps_recall_in_fixed_shapes_without_a_host_sync(runs, oracle_server: Server):
     """The recall session's decode steps ran the fixed-shape recall (`cache/decode_recall.py`, the form a
-    CUDA graph can hold) on the real server, and nothing inside them would make the host wait for a GPU:
+    CUDA graph can hold) on the real server, under the overlap scheduler (SGLang's default), and nothing
+    inside them would make the host wait for a GPU:
     under KVEVICT_DEBUG each layer of the step runs under `SyncCounter`, which counts scalar reads,
     data-dependent shapes and `tolist()`."""
     host = oracle_server.server_info()["internal_states"][0]["kvevict"]["host"]
     assert host["decode_steps"] > 0, "no decode step recalled in fixed shapes"
+    # the overlap scheduler ran some of them overlapped (planned before the previous step's results were
+    # processed), and the session stayed exact against the model (`test_multi_turn_under_eviction_equals_hf`)
+    assert host["decode_steps_overlapped"] > 0, "every recalling decode step was drained (overlap off)"
     # in the model's retrieval heads only (measured at start: not every head, not none)
     assert 0 < host["decode_heads"] < 30 * 3
     assert host["decode_step_syncs"] == 0

@@ -18,6 +18,7 @@ How each place reaches it:
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,11 +42,15 @@ class KvEvictContext:
         default_factory=dict
     )  # request row -> its recall.Recall in the next forward
     decode_armed: dict[int, Any] = field(default_factory=dict)  # request row -> decode_recall.DecodeArm
-    step_plan: Any = None  # decode_recall.StepPlan of the next (or the last, until finished) decode forward
+    step_plan: Any = None  # decode_recall.StepPlan the next decode forward runs (None: it recalls nothing)
+    # One entry per prepared decode step whose results are not processed yet, oldest first: its StepPlan
+    # or None. Under the overlap scheduler step N+1 is prepared (and run) before step N's results are
+    # processed, so two may be in flight; each is finished when its own step's results are.
+    steps_in_flight: deque[Any] = field(default_factory=deque)
     # retrieval_heads.RecallHeads: where a decode step recalls (the model's retrieval heads); None: everywhere
     recall_heads: Any = None
-    # (batch, row width, host columns, swaps) -> decode_recall.StepBuffers, the bucket's device tensors
-    step_buffers: dict[tuple[int, int, int, int], Any] = field(default_factory=dict)
+    # (batch, row width, host columns, swaps) -> the bucket's decode_recall.StepBuffers (one per step in flight)
+    step_buffers: dict[tuple[int, int, int, int], list[Any]] = field(default_factory=dict)
     # Set once a decode forward ran without the recall hook (a CUDA graph replay runs no Python):
     # decode-time recalls then run after the step's compression instead.
     graphed: bool = False

@@ -177,15 +177,19 @@ class StepBuffers:
 
 
 def buffers(ctx: KvEvictContext, bucket_key: tuple[int, int, int, int]) -> StepBuffers:
-    """The bucket's `StepBuffers` (batch, row width, host columns, swaps), kept for the `MAX_BUCKETS` most
-    recently used buckets."""
+    """A `StepBuffers` of the bucket (batch, row width, host columns, swaps) that no step in flight holds:
+    under the overlap scheduler a step is planned before the previous step's records are read, so a
+    bucket keeps one set per step in flight (two). Kept for the `MAX_BUCKETS` most recently used buckets."""
     held = ctx.step_buffers
-    buf = held.pop(bucket_key, None)
+    sets = held.pop(bucket_key, [])
+    busy = {id(p.buf) for p in ctx.steps_in_flight if p is not None}
+    buf = next((b for b in sets if id(b) not in busy), None)
     if buf is None:
         buf = StepBuffers.allocate(bucket_key, ctx.rt.n_layers, ctx.host.heads, ctx.rt.req_to_token.device)
-        while len(held) >= MAX_BUCKETS:
-            held.pop(next(iter(held)))
-    held[bucket_key] = buf  # most recent last
+        sets.append(buf)
+    while len(held) >= MAX_BUCKETS:
+        held.pop(next(iter(held)))
+    held[bucket_key] = sets  # most recent last
     return buf
 
 
@@ -200,6 +204,7 @@ class StepPlan:
     row_ids: list[int]  # the batch's request rows on the host (-1: none)
     layers_done: int = 0
     failed: bool = False
+    overlapped: bool = False  # planned while the previous decode step's results were still pending
 
     # the step's records, in the bucket's tensors, [L, B, H, R]: displaced row positions, branch column
     # indices, device slots, host columns, and whether the pair moved
@@ -246,6 +251,15 @@ class StepPlan:
         for layer in reversed(range(self.layers_done)):
             _swap(ctx, layer, self.dev_slots[layer], self.host_cols[layer])
         self.layers_done = 0
+
+    def undo_row(self, ctx: KvEvictContext, i: int) -> None:
+        """Swap back batch row `i`'s exchanges and forget its arm: the overlap scheduler ran this step for
+        a request that had already finished (found only once the step was launched), and without overlap
+        that step never exists. Device ops only, ordered after the step on its stream."""
+        for layer in reversed(range(self.layers_done)):
+            _swap(ctx, layer, self.dev_slots[layer, i : i + 1], self.host_cols[layer, i : i + 1])
+        self.moved[:, i].zero_()
+        self.arms[i] = None
 
 
 def _swap(ctx: KvEvictContext, layer: int, dev_slots: torch.Tensor, host_cols: torch.Tensor) -> None:
@@ -308,15 +322,24 @@ def plan(ctx: KvEvictContext, reqs: list[Any]) -> StepPlan | None:
 
 def finish(ctx: KvEvictContext, one: StepPlan) -> int:
     """After the step: the records become each recalling request's counters (and, with KVEVICT_DEBUG,
-    its position timeline); the branch's page summaries are stale where entries moved. Returns the
+    its position timeline); the branch's page summaries are stale where entries moved. The step's hold
+    on its branches' host entries ends, unless a later step in flight armed the same row. Returns the
     entries swapped in, over the batch."""
-    for i, a in enumerate(one.arms):
-        if a is not None:
-            ctx.host.in_use.pop(one.row_ids[i], None)
+    later = {
+        row
+        for p in ctx.steps_in_flight
+        if p is not None
+        for row, a in zip(p.row_ids, p.arms, strict=True)
+        if a
+    }
+    for row, a in zip(one.row_ids, one.arms, strict=True):
+        if a is not None and row not in later:
+            ctx.host.in_use.pop(row, None)
     if one.failed or one.layers_done == 0:
         return 0
     done, pool = one.layers_done, ctx.host
     pool.totals.decode_steps += 1
+    pool.totals.decode_steps_overlapped += one.overlapped
     counts = one.moved[:done].sum(dim=(0, 2, 3)).tolist()  # the one host read of the step's recall
     real = sum(int(a.cols.numel()) for a in one.arms if a is not None)
     read = sum(retrieval_heads.scores_at(ctx.recall_heads, layer) for layer in range(done))  # that scored

@@ -82,6 +82,7 @@ class HostTotals:
     columns_dropped: int = 0
     demote_refused: int = 0  # evictions that could not be demoted (pool full even after the LRU)
     decode_steps: int = 0  # decode steps whose fixed-shape recall ran (`decode_recall`)
+    decode_steps_overlapped: int = 0  # of them, planned before the previous step's results were processed
     decode_step_syncs: int = 0  # KVEVICT_DEBUG only: host syncs counted inside them (`syncs.SyncCounter`)
     decode_heads: int = 0  # (layer, KV head) pairs a decode step recalls in (this rank's; retrieval heads)
 

@@ -89,16 +89,6 @@ def tick(req: Any) -> None:
         s.recall.due = True
 
 
-def due_next_step(req: Any) -> bool:
-    """Whether the request's next decode step recalls (`tick` will make it due): the scheduler then
-    processes the pending step's results first, so the recall sees the request's committed length."""
-    s = st.get(req)
-    if s is None or not s.recall.tokens or s.recall.host is None and s.recall.host_src is None:
-        return False
-    every = s.ctx.settings.recall.every
-    return bool(every) and s.recall.steps + 1 >= every
-
-
 def due(req: Any) -> bool:
     s = st.get(req)
     return s is not None and s.recall.due and s.pending is None and not s.after_extend
@@ -660,19 +650,41 @@ def _plan_arm(req: Any, s: st.ReqState, decode: bool) -> bool:
     return True
 
 
+# A guard only: one decode step is prepared ahead of the one whose results are processed (overlap).
+MAX_STEPS_IN_FLIGHT = 4
+
+
 def plan_step(ctx: KvEvictContext, reqs: list[Any]) -> None:
     """The scheduler, last thing before a decode forward: the batch's armed decode recalls as one
-    fixed-shape plan for the forward's layers (`decode_recall.plan`)."""
-    finish_step(ctx)
+    fixed-shape plan for the forward's layers (`decode_recall.plan`), queued until the step's results
+    are processed (`finish_step`). Under the overlap scheduler the previous step's plan is still queued:
+    nothing here waits for it (its records live in their own buffers)."""
+    plan = None
     if ctx.decode_armed and ctx.host is not None:
-        ctx.step_plan = decode_recall.plan(ctx, reqs)
+        plan = decode_recall.plan(ctx, reqs)
+        if plan is not None:
+            plan.overlapped = bool(ctx.steps_in_flight)
+    while len(ctx.steps_in_flight) >= MAX_STEPS_IN_FLIGHT:  # results that never came: do not hold on
+        logger.warning(
+            "kvevict: a decode step's results were never processed; its recall records are read now"
+        )
+        _finish(ctx, ctx.steps_in_flight.popleft())
+    ctx.step_plan = plan
+    ctx.steps_in_flight.append(plan)
 
 
 def finish_step(ctx: KvEvictContext) -> None:
-    """The scheduler, after a decode forward: its recall's records become counters (`decode_recall.finish`).
-    A plan no layer ran means the forward ran without the hook (a CUDA graph replay runs no Python):
+    """The scheduler, processing a decode step's results: that step's recall records (the oldest step in
+    flight) become counters (`decode_recall.finish`)."""
+    if ctx.steps_in_flight:
+        _finish(ctx, ctx.steps_in_flight.popleft())
+
+
+def _finish(ctx: KvEvictContext, one: decode_recall.StepPlan | None) -> None:
+    """A plan no layer ran means the forward ran without the hook (a CUDA graph replay runs no Python):
     decode-time recalls then run after each step's compression instead (`after_compress`)."""
-    one, ctx.step_plan = ctx.step_plan, None
+    if ctx.step_plan is one:
+        ctx.step_plan = None
     if one is None:
         return
     if one.layers_done == 0 and not one.failed:
@@ -695,6 +707,22 @@ def finish_step(ctx: KvEvictContext) -> None:
                 demote.fail(a.s, "recall (after a decode step)")
 
 
+def drop_finished(req: Any, s: st.ReqState) -> None:
+    """A request found finished while a later decode step (launched under the overlap scheduler) still
+    holds its recall: that step's exchanges for it go back before its last compression, since without
+    overlap that step never runs. Its history then goes into the tree as without overlap."""
+    for one in s.ctx.steps_in_flight:
+        if one is None:
+            continue
+        for i, a in enumerate(one.arms):
+            if a is not None and a.s is s:
+                try:
+                    one.undo_row(s.ctx, i)
+                except Exception:
+                    decode_recall.fail(s.ctx, one)
+                    logger.exception("kvevict: undoing a finished request's in-flight recall failed")
+
+
 def before_attention(layer_mod, q, k, v, forward_batch, *args, **kwargs):
     """BEFORE hook on RadixAttention.forward: armed requests recall at this layer, before its attention."""
     if q is None:
@@ -709,7 +737,7 @@ def before_attention(layer_mod, q, k, v, forward_batch, *args, **kwargs):
     layer = layer_mod.layer_id - rt.start_layer
     if mode.is_decode():
         one = ctx.step_plan
-        if one is not None and not one.failed:
+        if one is not None and not one.failed and one.layers_done == layer:  # each layer once, in order
             try:
                 # KVEVICT_DEBUG: count what would make the host wait for a GPU (the tests expect none)
                 with SyncCounter() if st.DEBUG else contextlib.nullcontext() as syncs:

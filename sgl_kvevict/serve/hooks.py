@@ -239,6 +239,7 @@ def release_kv_cache(req, tree_cache, *args, **kwargs):
     if s is None or not req.kv.holds_kv:
         return None
     if req.finished():
+        recall.drop_finished(req, s)
         # An aborted or disconnected request's history is not worth a last compression: nobody continues it.
         if s.active and not isinstance(req.finished_reason, FINISH_ABORT):
             _drop_in_flight_token(req, s)
@@ -287,17 +288,17 @@ DRAINED = Drained()
 
 
 def get_next_batch_to_run(original, scheduler, *args, **kwargs):
-    """Overlap off for exactly the steps that compress or recall: when a request of the step whose
-    results are still pending is due to compress (`trigger.due`) or to recall during decode
-    (`recall.due_next_step`), process those results first, as the
+    """Overlap off for exactly the steps that compress: when a request of the step whose results are
+    still pending is due to compress (`trigger.due`), process those results first, as the
     non-overlapped loop does, then prepare the next step. Its compression then sees the same requests
     (finished ones gone) and the same tree (a prefill's prompt inserted, so a shared prefix stays
-    uncompressed and reusable) as without overlap; every other step keeps overlapping."""
+    uncompressed and reusable) as without overlap; every other step keeps overlapping, a decode step
+    that recalls included (its records are read when its own results are: `recall.finish_step`)."""
     q = getattr(scheduler, "result_queue", None)
     ctx = _context(getattr(scheduler, "tree_cache", None))
     if q and ctx is not None and ctx.rt is not None and q[0][0] is not DRAINED:
         try:
-            drain = any(trigger.due(r) or recall.due_next_step(r) for r in q[0][0].reqs)
+            drain = any(trigger.due(r) for r in q[0][0].reqs)
         except Exception:
             logger.exception("kvevict: compression check before an overlapped step failed")
             drain = False
@@ -313,8 +314,9 @@ def process_batch_result(original, scheduler, batch, *args, **kwargs):
     if batch is DRAINED:  # processed already, before this step was prepared
         return None
     ctx = _context(getattr(scheduler, "tree_cache", None))
-    if ctx is not None:  # the step's decode recall, read back before its requests finish
-        recall.finish_step(ctx)
+    mode = getattr(batch, "forward_mode", None)
+    if ctx is not None and mode is not None and mode.is_decode():
+        recall.finish_step(ctx)  # the step's recall, read before its requests finish
     return original(scheduler, batch, *args, **kwargs)
 
 
