@@ -235,8 +235,12 @@ def test_frontend_fork_shares_the_context(kv_server: Server):
 
 # ---- 6. a failing policy degrades only its request ------------------------------------------------
 def test_policy_failure_leaves_request_uncompressed_and_server_healthy(kv_server: Server):
+    """Both sides start from an empty tree, so they prefill the same lengths: where the CPU's bf16
+    products depend on a batch's shape (AMX), a request that found the chat template's prefix cached
+    would prefill fewer tokens and could flip a near-tied token."""
     ids = chat_ids([{"role": "user", "content": long_text(600, seed=41) + "\nWhat is the last line?"}])
     failures0 = kv_server.server_info()["internal_states"][0]["kvevict"]["policy_failures"]
+    kv_server.flush()
     out = kv_server.generate(input_ids=ids, max_new_tokens=16, kv={"policy": "test_raise", "budget": 64})
     info = kvinfo(out)
     assert info["failed"] and info["evicted"] == 0 and info["kv_tokens"] == info["logical_tokens"]
