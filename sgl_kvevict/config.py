@@ -373,6 +373,13 @@ class RecallTuning(BaseModel):
         "slots appended to the row, displacing nothing; the turn decodes over its budget plus them, and "
         "its next compression folds them back",
     )
+    prefill: Literal["both", "swap"] = Field(
+        "both",
+        description="both: each turn's prefill attends over the branch's device and host entries (the full "
+        "cache's prefill: its compression and append then rank with the full cache's queries), reading "
+        "the host entries once per layer; swap: its queries swap host entries into the row layer by "
+        "layer and it attends over the row only",
+    )
     every: int = Field(
         DEFAULT_RECALL_EVERY,
         ge=0,

@@ -282,6 +282,10 @@ REGISTRIES: dict[str, str] = {
 # Another module's attribute set from outside it: only test machinery, each named here.
 PATCHES: dict[tuple[str, str], str] = {
     ("sgl_kvevict.tools.testing", "sgl_kvevict.cache.recall.exchange"): "the recall fault policy's failure",
+    (
+        "sgl_kvevict.tools.testing",
+        "sgl_kvevict.cache.exact_prefill.attend_row",
+    ): "the same, in a prefill over both tiers",
 }
 # Module-level instances of the module's own class that hold nothing that changes (markers, stand-ins).
 CONSTANT_INSTANCES = {"sgl_kvevict.cache.tree.MARK", "sgl_kvevict.serve.hooks.DRAINED"}

@@ -260,7 +260,10 @@ def test_fork_branches_of_one_stored_history_each_recall(recall_server: Server):
         assert g["recalled"] > 0 and g["host_tokens"] >= held, g
     state = host_state(recall_server)
     assert state["recall_failures"] == before["recall_failures"], state
-    assert state["copied"] - before["copied"] >= 4 * held, state  # a copy per branch
+    # a copy per branch of the fork; the fourth question finds the node's entries too, copied or, when
+    # the pool (1,500 columns, 1,473 used after the fork) cannot copy without dropping a live
+    # history, taken as they are
+    assert state["copied"] - before["copied"] >= 3 * held, state
     recall_server.flush()
     state = host_state(recall_server)
     assert state["host_used"] == 0 and state["host_branches"] == 0, state
@@ -287,14 +290,17 @@ def test_host_cap_drops_the_least_recently_used_branch(recall_server: Server):
 
 
 def test_a_failure_inside_recall_leaves_the_turn_as_without_recall(recall_server: Server):
-    """`test_recall_fault` (SnapKV, test-only) fails inside each turn's recall right after a swap that
-    moved entries, before that layer's attention: the swap is undone, recall is off for that request, the
+    """`test_recall_fault` (SnapKV, test-only) fails inside each turn's recall: at the first layer of its
+    prefill over both tiers, once computed and before it replaces SGLang's output (with `prefill` `swap`:
+    right after a swap that moved entries, which is undone); recall is then off for that request, the
     failure is counted and logged, and the session runs token for token as with recall off (same KV, so
     the same tokens), turn after turn. The server keeps recalling for everyone else, and nothing leaks."""
     turns = [FACT, *fillers(61, 3), "What is the vault code? Answer with the number only."]
     faulty = {"policy": "test_recall_fault", "budget": BUDGET, "config": {"scope": "branch"}}
     failures0 = host_state(recall_server)["recall_failures"]
-    logged0 = recall_server.log_path.read_text(errors="replace").count("deliberate failure after swapping")
+    logged0 = recall_server.log_path.read_text(errors="replace").count(
+        "test_recall_fault: deliberate failure"
+    )
     recall_server.flush()  # both from an empty tree: a prefix reused from another session's prefill
     bad, _ = session(recall_server, faulty, turns)  # can round differently (other matmul shapes)
     recall_server.flush()
@@ -302,7 +308,7 @@ def test_a_failure_inside_recall_leaves_the_turn_as_without_recall(recall_server
     assert [r["output_ids"] for r in bad] == [r["output_ids"] for r in off]
     assert all(not r["failed"] and r.get("recalled", 0) == 0 for r in bad), bad
     assert [r["kv_tokens"] for r in bad] == [r["kv_tokens"] for r in off]
-    logged = recall_server.log_path.read_text(errors="replace").count("deliberate failure after swapping")
+    logged = recall_server.log_path.read_text(errors="replace").count("test_recall_fault: deliberate failure")
     failed_turns = host_state(recall_server)["recall_failures"] - failures0
     assert failed_turns >= 2 and logged - logged0 == failed_turns, (failed_turns, logged, logged0)
     good, _ = session(recall_server, SNAP, turns)  # everyone else still recalls

@@ -17,6 +17,7 @@ How each place reaches it:
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ class KvEvictContext:
         default_factory=dict
     )  # request row -> its recall.Recall in the next forward
     decode_armed: dict[int, Any] = field(default_factory=dict)  # request row -> decode_recall.DecodeArm
+    exact_armed: dict[int, Any] = field(default_factory=dict)  # request row -> exact_prefill.ExactArm
     step_plan: Any = None  # decode_recall.StepPlan the next decode forward runs (None: it recalls nothing)
     # One entry per prepared decode step whose results are not processed yet, oldest first: its StepPlan
     # or None. Under the overlap scheduler step N+1 is prepared (and run) before step N's results are
@@ -55,7 +57,7 @@ class KvEvictContext:
     # decode-time recalls then run after the step's compression instead.
     graphed: bool = False
     # The forward batch the recall hook last ran in (weakly held) and its requests' `(row, first token,
-    # tokens)`, so that they are computed once per forward (`recall._batch_rows`).
+    # tokens)`, so that they are computed once per forward (`batch_rows`).
     forward_rows: tuple[weakref.ref, list[tuple[int, int, int]]] | None = None
 
     def __post_init__(self) -> None:
@@ -100,3 +102,17 @@ def of_forward(forward_batch: Any) -> KvEvictContext | None:
     else:
         pool = forward_batch.req_to_token_pool
     return find(pool)
+
+
+def batch_rows(ctx: KvEvictContext, forward_batch: Any) -> list[tuple[int, int, int]]:
+    """`(row, first token, tokens)` per request of an extend batch, computed once per forward (at its
+    first layer with a recall armed; its later layers find them in the context). The prefill's recall
+    and its attention over both tiers use them; a decode step's recall (`decode_recall`) needs none."""
+    held = ctx.forward_rows
+    if held is not None and held[0]() is forward_batch:
+        return held[1]
+    lens = forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist()
+    starts = [0, *itertools.accumulate(lens)][: len(lens)]
+    rows = list(zip(forward_batch.req_pool_indices.tolist(), starts, lens, strict=True))
+    ctx.forward_rows = (weakref.ref(forward_batch), rows)
+    return rows

@@ -83,6 +83,8 @@ class HostTotals:
     demote_refused: int = 0  # evictions that could not be demoted (pool full even after the LRU)
     decode_steps: int = 0  # decode steps whose fixed-shape recall ran (`decode_recall`)
     decode_steps_overlapped: int = 0  # of them, planned before the previous step's results were processed
+    prefills_both_tiers: int = 0  # prefill chunks that attended over the host entries too (`exact_prefill`)
+    prefill_bytes_read: int = 0  # host keys and values those chunks read
     decode_step_syncs: int = 0  # KVEVICT_DEBUG only: host syncs counted inside them (`syncs.SyncCounter`)
     decode_heads: int = 0  # (layer, KV head) pairs a decode step recalls in (this rank's; retrieval heads)
 

@@ -48,16 +48,23 @@ over a consistent set of entries), only the history is restored.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
-import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from sgl_kvevict import kernels as K
-from sgl_kvevict.cache import capture, compressor, context, decode_recall, demote, host, retrieval_heads
+from sgl_kvevict.cache import (
+    capture,
+    compressor,
+    context,
+    decode_recall,
+    demote,
+    exact_prefill,
+    host,
+    retrieval_heads,
+)
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.recall_core import DebugSwap, account, best_entries, mark_stale
 from sgl_kvevict.cache.slots import alloc_slots, free_slots
@@ -616,6 +623,7 @@ def disarm(ctx: KvEvictContext, row: int) -> Recall | decode_recall.DecodeArm | 
     """Drop the recall armed for a request row (if any), and its hold on the branch's host entries."""
     if ctx.host is not None:
         ctx.host.in_use.pop(row, None)
+    ctx.exact_armed.pop(row, None)
     one = ctx.armed.pop(row, None)
     return ctx.decode_armed.pop(row, None) if one is None else one
 
@@ -624,12 +632,16 @@ def _plan_arm(req: Any, s: st.ReqState, decode: bool) -> bool:
     kv, row = req.kv, req.kv.req_pool_idx
     if not demote.enabled(s) or s.pending is not None or row is None:
         return False
-    if not decode and req.extend_end is not None:
+    both = not decode and s.ctx.settings.recall.prefill == "both"  # every chunk: each writes exact K/V
+    if not decode and not both and req.extend_end is not None:
         if req.extend_end < len(req.origin_input_ids) + len(req.output_ids):
             return False  # a chunk with more to come: the last chunk's queries recall
     demote.take(s)
     if s.recall.host is None or s.recall.host.count == 0 or s.slot_map.comp_slots == 0:
         return False
+    if both:
+        m = s.slot_map.slots_for(int(req.prefix_len))
+        return compressor.own_region(req, s, upto=m) and exact_prefill.arm(req, s)
     lo, hi = _displaceable(s)
     if decode:
         if kv.cache_protected_len > s.slot_map.anchor_kv:
@@ -749,7 +761,7 @@ def before_attention(layer_mod, q, k, v, forward_batch, *args, **kwargs):
                 decode_recall.fail(ctx, one)
         return None
     last = layer == rt.n_layers - 1
-    for row, start, n in _batch_rows(ctx, forward_batch):
+    for row, start, n in context.batch_rows(ctx, forward_batch):
         one = ctx.armed.get(row)
         if one is None:
             continue
@@ -766,17 +778,3 @@ def before_attention(layer_mod, q, k, v, forward_batch, *args, **kwargs):
             disarm(ctx, row)
             one.rollback("recall")
     return None
-
-
-def _batch_rows(ctx: context.KvEvictContext, forward_batch: Any) -> list[tuple[int, int, int]]:
-    """`(row, first token, tokens)` per request of an extend batch, computed once per forward (at its
-    first layer with a recall armed; its later layers find them in the context). A decode step's recall
-    is `decode_recall`'s, which needs none of this."""
-    held = ctx.forward_rows
-    if held is not None and held[0]() is forward_batch:
-        return held[1]
-    lens = forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist()
-    starts = [0, *itertools.accumulate(lens)][: len(lens)]
-    rows = list(zip(forward_batch.req_pool_indices.tolist(), starts, lens, strict=True))
-    ctx.forward_rows = (weakref.ref(forward_batch), rows)
-    return rows

@@ -40,6 +40,7 @@ from sgl_kvevict.cache import (
     compressor,
     context,
     engine,
+    exact_prefill,
     recall,
     report,
     runtime,
@@ -464,6 +465,11 @@ HOOKS: list[tuple[str, Any, HookType]] = [
     ("sglang.srt.layers.radix_attention.RadixAttention.forward", capture.before_attention, HookType.BEFORE),
     ("sglang.srt.layers.radix_attention.RadixAttention.forward", slotstats.before_attention, HookType.BEFORE),
     ("sglang.srt.layers.radix_attention.RadixAttention.forward", recall.before_attention, HookType.BEFORE),
+    (
+        "sglang.srt.layers.radix_attention.RadixAttention.forward",
+        exact_prefill.after_attention,
+        HookType.AFTER,
+    ),
     ("sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run", get_next_batch_to_run, HookType.AROUND),
     ("sglang.srt.managers.scheduler.Scheduler.process_batch_result", process_batch_result, HookType.AROUND),
     (

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from sgl_kvevict.cache import context, recall
+from sgl_kvevict.cache import context, exact_prefill, recall
 from sgl_kvevict.policies import REGISTRY, LayerView, Policy, register
 from sgl_kvevict.policies.knorm import KNormPolicy
 from sgl_kvevict.policies.snapkv import SnapKVPolicy
@@ -46,7 +46,8 @@ class StagedFaultPolicy(KNormPolicy):
 
 class RecallFaultPolicy(SnapKVPolicy):
     """SnapKV whose every recall fails right after its first swap that moved entries (see
-    `_failing_exchange`), or its append's first layer (`_failing_append`): what was written is undone.
+    `_failing_exchange`), its append's first layer (`_failing_append`), or its prefill over both tiers'
+    first layer (`_failing_both_tiers`): what was written is undone, and nothing replaced SGLang's output.
     A turn must then run exactly as with recall off, since the failure comes before any attention reads
     the row."""
 
@@ -64,6 +65,21 @@ def _failing_exchange(real: Callable[..., torch.Tensor]) -> Callable[..., torch.
         return counts
 
     return exchange
+
+
+def _failing_both_tiers(real: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The prefill over both tiers fails at its first layer, once computed, before its output replaces
+    SGLang's: the turn then runs as with recall off."""
+
+    def attend_row(one: Any, layer: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = real(one, layer, *args, **kwargs)
+        if one.s.policy.name == RecallFaultPolicy.name:
+            raise RuntimeError(
+                f"test_recall_fault: deliberate failure after attending over both tiers at layer {layer}"
+            )
+        return out
+
+    return attend_row
 
 
 def _failing_append(real: Callable[..., None]) -> Callable[..., None]:
@@ -85,5 +101,7 @@ def load() -> None:
             register(cls)
     if recall.exchange.__module__ != __name__:  # not yet the failing wrapper defined here
         recall.exchange = _failing_exchange(recall.exchange)
+    if exact_prefill.attend_row.__module__ != __name__:
+        exact_prefill.attend_row = _failing_both_tiers(exact_prefill.attend_row)
     if recall.Recall.append_layer.__module__ != __name__:
         recall.Recall.append_layer = _failing_append(recall.Recall.append_layer)

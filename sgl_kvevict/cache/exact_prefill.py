@@ -1,0 +1,167 @@
+"""A turn's prefill over both tiers: its new tokens attend to the branch's whole history, the entries the
+device holds and those the host holds, as with the full cache.
+
+Why: a turn's prefill queries decide what the turn keeps (the policy's compression after the prefill
+scores with the turn's last queries) and what comes back (the append ranks the host entries by them).
+Computed over the compressed row alone, from the second layer on those queries come from a history with
+the fact missing, and they rank what the question's words match (on the long recall scenario, the filler
+turns' closing question). Computed over both tiers they are the full cache's queries, and so is
+everything the turn writes (its K/V, its first answer token).
+
+How: SGLang runs every prefill eagerly. After its attention at each layer (`after_attention`, an AFTER hook
+on `RadixAttention.forward`), each armed request's rows of the output are recomputed over the row's
+slots (the history it holds, then its new tokens, causally) and the branch's host columns at that
+layer, and replace SGLang's (`attend`). Neither pool is written: the host keys and values are read
+once per layer, and the device holds no more KV than before (on a GPU the layer's host block is copied in
+for the product and dropped). Every chunk of a chunked prefill is armed, so the K/V it writes is exact.
+A failure turns the request's recall off (logged, counted); its rows keep SGLang's output.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from sgl_kvevict.cache import context, demote
+from sgl_kvevict.cache import state as st
+
+if TYPE_CHECKING:
+    from sgl_kvevict.cache.context import KvEvictContext
+
+logger = logging.getLogger("sgl_kvevict")
+QUERY_BLOCK = 256  # queries per product: bounds the score tensor at [Hq, 256, history] fp32
+
+
+@dataclass(eq=False)
+class ExactArm:
+    """One request's prefill chunk over both tiers: the branch's host columns as they are when armed."""
+
+    req: Any
+    s: st.ReqState
+    cols: torch.Tensor
+
+
+def attend(
+    q: torch.Tensor,
+    k_row: torch.Tensor,
+    v_row: torch.Tensor,
+    k_host: torch.Tensor,
+    v_host: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of a chunk's `n` queries `q` `[n, Hq, D]` over the host entries `[C, H, D]` (all visible)
+    and the row `[m + n, H, D]`, whose last `n` slots are the chunk's own tokens (causal). Returns
+    `[n, Hq, D]` in fp32. The order of the keys does not matter: each head's softmax is over a set."""
+    n, hq, d = q.shape
+    h = k_row.shape[1]
+    m = k_row.shape[0] - n
+    kh, vh = (x.float().permute(1, 0, 2) for x in (k_host, v_host))  # [H, C, D]
+    kr, vr = (x.float().permute(1, 0, 2) for x in (k_row, v_row))  # [H, m + n, D]
+    out = torch.empty(n, hq, v_row.shape[-1], dtype=torch.float32, device=q.device)
+    cols = torch.arange(m + n, device=q.device)
+    for i in range(0, n, QUERY_BLOCK):
+        j = min(n, i + QUERY_BLOCK)
+        qb = q[i:j].float().view(j - i, h, hq // h, d).permute(1, 2, 0, 3)  # [H, G, b, D]
+        on_host = torch.einsum("hgbd,hcd->hgbc", qb, kh)
+        on_row = torch.einsum("hgbd,hwd->hgbw", qb, kr)
+        seen = cols.unsqueeze(0) <= (m + torch.arange(i, j, device=q.device)).unsqueeze(1)  # [b, m + n]
+        on_row = on_row.masked_fill(~seen, -torch.inf)
+        p = torch.softmax(torch.cat([on_host, on_row], dim=-1) * scale, dim=-1)
+        c = kh.shape[1]
+        o = torch.einsum("hgbc,hcd->hgbd", p[..., :c], vh) + torch.einsum("hgbw,hwd->hgbd", p[..., c:], vr)
+        out[i:j] = o.permute(2, 0, 1, 3).reshape(j - i, hq, -1)
+    return out
+
+
+def arm(req: Any, s: st.ReqState) -> bool:
+    """Arm the request's next prefill chunk over both tiers (the scheduler, once its slots are allocated
+    and its branch's host entries taken, `demote.take`). False when the branch holds nothing there."""
+    host = s.recall.host
+    if host is None or host.count == 0:
+        return False
+    row = req.kv.req_pool_idx
+    s.ctx.host.touch(host)  # read by this turn: the most recently used branch
+    s.ctx.exact_armed[row] = ExactArm(req, s, host.cols.clone())
+    s.ctx.host.in_use[row] = host  # the LRU must not take what the forward reads
+    return True
+
+
+def disarm(ctx: KvEvictContext, row: int) -> ExactArm | None:
+    one = ctx.exact_armed.pop(row, None)
+    if one is not None and ctx.host is not None:
+        ctx.host.in_use.pop(row, None)
+    return one
+
+
+def after_attention(result, layer_mod, q, k, v, forward_batch, *args, **kwargs):
+    """AFTER hook on RadixAttention.forward: armed requests' rows of a prefill's attention output, over
+    both tiers."""
+    ctx = context.of_forward(forward_batch)
+    if ctx is None or not ctx.exact_armed or q is None or not isinstance(result, torch.Tensor):
+        return result
+    if not forward_batch.forward_mode.is_extend():
+        return result
+    rt = ctx.rt
+    layer = layer_mod.layer_id - rt.start_layer
+    last = layer == rt.n_layers - 1
+    seq_lens = forward_batch.seq_lens_cpu
+    out = result.view(result.shape[0], rt.n_q_heads, -1)
+    for i, (row, start, n) in enumerate(context.batch_rows(ctx, forward_batch)):
+        one = ctx.exact_armed.get(row)
+        if one is None:
+            continue
+        if one.req.kv.req_pool_idx != row or st.get(one.req) is not one.s or one.req.finished():
+            disarm(ctx, row)  # armed for a request that is gone
+            continue
+        try:
+            if layer_mod.logit_cap:
+                raise ValueError("a layer with a logit cap: the product here does not cap")
+            if layer == 0 and st.DEBUG:
+                _debug_both_tiers(one, int(seq_lens[i]) - n)
+            slots = rt.req_to_token[row, : int(seq_lens[i])].to(torch.int64)
+            got = attend_row(
+                one, layer, q[start : start + n].view(n, rt.n_q_heads, rt.head_dim), slots, layer_mod.scaling
+            )
+            out[start : start + n] = got.to(out.dtype)
+            if last:
+                disarm(ctx, row)
+                _finish(one, int(seq_lens[i]))
+        except Exception:
+            disarm(ctx, row)
+            demote.fail(one.s, "a prefill over both tiers")
+    return result
+
+
+def attend_row(one: ExactArm, layer: int, q: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
+    """`attend` for one armed request at `layer`: its row's `slots` and its branch's host columns."""
+    rt, pool = one.s.ctx.rt, one.s.ctx.host
+    cols = one.cols.to(pool.k.device)
+    k_host, v_host = (buf[layer][cols].to(q.device) for buf in (pool.k, pool.v))
+    return attend(q, rt.k_buffer(layer)[slots], rt.v_buffer(layer)[slots], k_host, v_host, scale)
+
+
+def _finish(one: ExactArm, kv_len: int) -> None:
+    """Counters (host bytes read), and under KVEVICT_DEBUG the row's own positions as the event that
+    governs the tokens after the chunk (they attend to the row only)."""
+    s, pool, rt = one.s, one.s.ctx.host, one.s.ctx.rt
+    pool.totals.prefill_bytes_read += (
+        int(one.cols.numel()) * 2 * rt.n_kv_heads * rt.head_dim * pool.k.element_size() * rt.n_layers
+    )
+    pool.totals.prefills_both_tiers += 1
+    if st.DEBUG:
+        s.debug.event(s.debug.positions(kv_len), s.slot_map.tokens_for(kv_len))
+
+
+def _debug_both_tiers(one: ExactArm, m: int) -> None:
+    """KVEVICT_DEBUG: the chunk's queries see the row's first `m` slots and every host entry; recorded as
+    an event of their union (the oracle replays it), without changing what the row holds."""
+    s = one.s
+    host_pos = s.recall.host.positions
+    row_pos = demote.positions(s, m)
+    both = row_pos if host_pos is None else torch.cat([row_pos, host_pos[..., : one.cols.numel()]], dim=-1)
+    s.debug.timeline.append(
+        {"tokens": s.slot_map.tokens_for(m), "positions": both.sort(dim=-1).values.tolist()}
+    )
