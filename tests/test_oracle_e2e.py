@@ -233,6 +233,8 @@ def test_decode_steps_recall_in_fixed_shapes_without_a_host_sync(runs, oracle_se
     # the overlap scheduler ran some of them overlapped (planned before the previous step's results were
     # processed), and the session stayed exact against the model (`test_multi_turn_under_eviction_equals_hf`)
     assert host["decode_steps_overlapped"] > 0, "every recalling decode step was drained (overlap off)"
+    # and its turns' prefills attended over both tiers (the default), exact too
+    assert host["prefills_both_tiers"] > 0 and host["prefill_bytes_read"] > 0
     # in the model's retrieval heads only (measured at start: not every head, not none)
     assert 0 < host["decode_heads"] < 30 * 3
     assert host["decode_step_syncs"] == 0
