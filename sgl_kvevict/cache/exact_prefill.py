@@ -109,13 +109,8 @@ def after_attention(result, layer_mod, q, k, v, forward_batch, *args, **kwargs):
     last = layer == rt.n_layers - 1
     seq_lens = forward_batch.seq_lens_cpu
     out = result.view(result.shape[0], rt.n_q_heads, -1)
-    for i, (row, start, n) in enumerate(context.batch_rows(ctx, forward_batch)):
-        one = ctx.exact_armed.get(row)
-        if one is None:
-            continue
-        if one.req.kv.req_pool_idx != row or st.get(one.req) is not one.s or one.req.finished():
-            disarm(ctx, row)  # armed for a request that is gone
-            continue
+    rows = context.batch_rows(ctx, forward_batch)
+    for i, row, start, n, one in st.live_arms(ctx.exact_armed, rows, lambda r: disarm(ctx, r)):
         try:
             if layer_mod.logit_cap:
                 raise ValueError("a layer with a logit cap: the product here does not cap")

@@ -761,13 +761,8 @@ def before_attention(layer_mod, q, k, v, forward_batch, *args, **kwargs):
                 decode_recall.fail(ctx, one)
         return None
     last = layer == rt.n_layers - 1
-    for row, start, n in context.batch_rows(ctx, forward_batch):
-        one = ctx.armed.get(row)
-        if one is None:
-            continue
-        if one.req.kv.req_pool_idx != row or st.get(one.req) is not one.s or one.req.finished():
-            disarm(ctx, row)  # armed for a request that is gone
-            continue
+    rows = context.batch_rows(ctx, forward_batch)
+    for _, row, start, n, one in st.live_arms(ctx.armed, rows, lambda r: disarm(ctx, r)):
         try:
             qv = q[start : start + n].reshape(n, rt.n_q_heads, rt.head_dim)[-PREFILL_QUERIES:]
             one.layer(layer, qv.transpose(0, 1), causal=False)

@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -291,6 +292,22 @@ LIVE: weakref.WeakValueDictionary[int, ReqState] = weakref.WeakValueDictionary()
 
 def get(req: Any) -> ReqState | None:
     return getattr(req, ATTR, None)
+
+
+def live_arms(
+    armed: dict[int, Any], rows: list[tuple[int, int, int]], drop: Callable[[int], Any]
+) -> Iterator[tuple[int, int, int, int, Any]]:
+    """`(batch index, row, first token, tokens, arm)` for the forward's rows that hold an arm (anything
+    with `req` and `s`) in `armed`. An arm left for a request that is gone (the row changed hands, the
+    request's state was replaced, or it finished) is dropped (`drop(row)`) and skipped."""
+    for i, (row, start, n) in enumerate(rows):
+        one = armed.get(row)
+        if one is None:
+            continue
+        if one.req.kv.req_pool_idx != row or get(one.req) is not one.s or one.req.finished():
+            drop(row)
+            continue
+        yield i, row, start, n, one
 
 
 def ensure(req: Any, ctx: KvEvictContext) -> ReqState:
