@@ -14,7 +14,8 @@ slots (the history it holds, then its new tokens, causally) and the branch's hos
 layer, and replace SGLang's (`attend`). Neither pool is written: the host keys and values are read
 once per layer, and the device holds no more KV than before (on a GPU the layer's host block is copied in
 for the product and dropped). Every chunk of a chunked prefill is armed, so the K/V it writes is exact.
-A failure turns the request's recall off (logged, counted); its rows keep SGLang's output.
+A failure turns the request's recall off (logged, counted): from the failing layer on its rows keep
+SGLang's output (the layers before stay as computed over both tiers).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ if TYPE_CHECKING:
     from sgl_kvevict.cache.context import KvEvictContext
 
 logger = logging.getLogger("sgl_kvevict")
-QUERY_BLOCK = 256  # queries per product: bounds the score tensor at [Hq, 256, history] fp32
+QUERY_BLOCK = 256  # queries per product at most
+SCORE_BYTES = 64 << 20  # and fewer where the history is long: one product's fp32 scores stay below this
 
 
 @dataclass(eq=False)
@@ -62,8 +64,9 @@ def attend(
     kr, vr = (x.float().permute(1, 0, 2) for x in (k_row, v_row))  # [H, m + n, D]
     out = torch.empty(n, hq, v_row.shape[-1], dtype=torch.float32, device=q.device)
     cols = torch.arange(m + n, device=q.device)
-    for i in range(0, n, QUERY_BLOCK):
-        j = min(n, i + QUERY_BLOCK)
+    block = max(1, min(QUERY_BLOCK, SCORE_BYTES // (4 * hq * (kh.shape[1] + m + n))))
+    for i in range(0, n, block):
+        j = min(n, i + block)
         qb = q[i:j].float().view(j - i, h, hq // h, d).permute(1, 2, 0, 3)  # [H, G, b, D]
         on_host = torch.einsum("hgbd,hcd->hgbc", qb, kh)
         on_row = torch.einsum("hgbd,hwd->hgbw", qb, kr)
