@@ -414,8 +414,8 @@ def test_operator_json_settings_are_published(monkeypatch, capsys):
     from sgl_kvevict.config import SETTINGS_ENV_VAR, ServerSettings
 
     recall = (
-        '{"page": 4, "summary": "off", "fetch_pages": 8, "append": "off", "every": 0, "head_score": 0.5, '
-        '"min_score": 0}'
+        '{"page": 4, "summary": "off", "fetch_pages": 8, "append": "off", "prefill": "swap", "every": 0, '
+        '"head_score": 0.5, "min_score": 0}'
     )
     args = ["--kv-policy", "snapkv", "--kv-overrides", "off", "--kv-recall-tokens", "8", "--kv-recall-config"]
     code, err = check_in_process(monkeypatch, capsys, [*args, recall])
@@ -427,6 +427,7 @@ def test_operator_json_settings_are_published(monkeypatch, capsys):
         "summary": "off",
         "fetch_pages": 8,
         "append": "off",
+        "prefill": "swap",
         "every": 0,
         "head_score": 0.5,
         "min_score": 0.0,
@@ -443,6 +444,7 @@ def test_operator_json_settings_are_published(monkeypatch, capsys):
         ),
         (["--kv-recall-config", '{"summary": "quest"}'], ["--kv-recall-config", "summary", "'minmax'"]),
         (["--kv-recall-config", '{"append": "yes"}'], ["--kv-recall-config", "append", "'on'"]),
+        (["--kv-recall-config", '{"prefill": "exact"}'], ["--kv-recall-config", "prefill", "'both'"]),
         (
             ["--kv-recall-config", '{"every": -1}'],
             ["--kv-recall-config", "every", "greater than or equal to 0"],
