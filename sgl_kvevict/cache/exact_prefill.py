@@ -20,7 +20,6 @@ SGLang's output (the layers before stay as computed over both tiers).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +31,6 @@ from sgl_kvevict.cache import state as st
 if TYPE_CHECKING:
     from sgl_kvevict.cache.context import KvEvictContext
 
-logger = logging.getLogger("sgl_kvevict")
 QUERY_BLOCK = 256  # queries per product at most
 SCORE_BYTES = 64 << 20  # and fewer where the history is long: one product's fp32 scores stay below this
 
@@ -160,6 +158,4 @@ def _debug_both_tiers(one: ExactArm, m: int) -> None:
     host_pos = s.recall.host.positions
     row_pos = demote.positions(s, m)
     both = row_pos if host_pos is None else torch.cat([row_pos, host_pos[..., : one.cols.numel()]], dim=-1)
-    s.debug.timeline.append(
-        {"tokens": s.slot_map.tokens_for(m), "positions": both.sort(dim=-1).values.tolist()}
-    )
+    s.debug.seen(both, s.slot_map.tokens_for(m))

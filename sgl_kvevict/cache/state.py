@@ -192,6 +192,11 @@ class DebugTrace:
     def event(self, pos: torch.Tensor, tokens: int) -> None:
         """Record that the row now holds `pos` ([L, H, m]) and that logical tokens >= `tokens` follow."""
         self.pos, self.tokens = pos, tokens
+        self.seen(pos, tokens)
+
+    def seen(self, pos: torch.Tensor, tokens: int) -> None:
+        """Record that the queries of logical tokens >= `tokens` see `pos` ([L, H, m]) and what follows,
+        without changing what the row holds (a prefill over both tiers also sees the host's)."""
         # exported as sets (sorted): a recall swap leaves a head's slots out of position order
         self.timeline.append({"tokens": tokens, "positions": pos.sort(dim=-1).values.tolist()})
 
