@@ -50,12 +50,21 @@ DEFAULT_HOST_TOKENS = 16384
 MAX_RECALL_PAGE = 256  # bound on the recall page (host columns per page)
 MAX_RECALL_EVERY = 4096  # bound on recall every (decode steps)
 MAX_RECALL_FETCH_PAGES = 4096  # bound on recall fetch_pages (pages per layer and KV head)
+MAX_RECALL_SEGMENTS = 64  # bound on recall segments (per turn)
+MAX_RECALL_SEGMENT_TOKENS = 1024  # bound on recall segment_tokens (logical positions)
+# A turn's append brings back 2 segments of 16 positions (each with the next) first: the planted fact's
+# segment ranks first of ~110 by the question's attention over both tiers summed over heads (measured).
+DEFAULT_RECALL_SEGMENTS = 2
+DEFAULT_RECALL_SEGMENT_TOKENS = 16
 DEFAULT_RECALL_PAGE = 8
 # A recall picks among the pages its summaries rank best: in a history of hundreds of pages, 64 candidate
 # pages per layer and head found 7 of 12 planted facts where 8 (16 for a turn's R) found 2, and scoring
 # every key 6 (the long recall replay, 225 pages per layer and head); a decode step then reads 64 pages.
 DEFAULT_RECALL_FETCH_PAGES = 64
-DEFAULT_RECALL_EVERY = 1  # the step's own query finds what the token it produces needs (measured)
+# No decode step recalls by default: with the append's segments the turn's start brings back what its
+# answer copies (snapkv 8 of the full cache's 8 on the long recall scenario with no decode-time recall,
+# measured), and a decode forward then runs SGLang's code only (what a CUDA graph replays).
+DEFAULT_RECALL_EVERY = 0
 # A host page comes back only where a query gives its best entry at least this much attention: weaker
 # evidence swapped entries back and forth (3-5x the bytes moved) and answered no better (measured).
 DEFAULT_RECALL_MIN_SCORE = 0.05
@@ -379,6 +388,21 @@ class RecallTuning(BaseModel):
         "cache's prefill: its compression and append then rank with the full cache's queries), reading "
         "the host entries once per layer; swap: its queries swap host entries into the row layer by "
         "layer and it attends over the row only",
+    )
+    segments: int = Field(
+        DEFAULT_RECALL_SEGMENTS,
+        ge=0,
+        le=MAX_RECALL_SEGMENTS,
+        description="the append brings back these whole segments of the branch's history first, in every layer "
+        "and KV head: those whose best position the turn's queries attend most, summed over layers and KV "
+        "heads, each with the segment after it (with prefill both, which scores them); 0: entries ranked one by "
+        "one only",
+    )
+    segment_tokens: int = Field(
+        DEFAULT_RECALL_SEGMENT_TOKENS,
+        ge=1,
+        le=MAX_RECALL_SEGMENT_TOKENS,
+        description="logical positions per segment",
     )
     every: int = Field(
         DEFAULT_RECALL_EVERY,

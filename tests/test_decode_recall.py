@@ -23,7 +23,7 @@ def _ready(n_reqs: int, page: int, floor: float, seed: int = 0, recalls: tuple[i
         layers=L, kv_heads=H, group=G, head_dim=D, max_reqs=4, max_len=256, dtype=torch.float32, seed=seed
     )
     p.ctx.settings = ServerSettings(
-        recall_tokens=R, recall=RecallTuning(page=page, summary="off", min_score=floor)
+        recall_tokens=R, recall=RecallTuning(page=page, summary="off", min_score=floor, every=1)
     )
     batch = p.batch(n_reqs, N, "snapkv", 48, {"window": W})
     p.ctx.host = host.HostPool(L, H, D, 1024, torch.float32)
@@ -32,7 +32,7 @@ def _ready(n_reqs: int, page: int, floor: float, seed: int = 0, recalls: tuple[i
             s = st.get(req)
             s.recall.tokens = r
             if st.DEBUG:  # the row's logical positions, as a server's match sets them
-                s.debug.pos, s.debug.tokens = torch.arange(N).expand(L, H, N).clone(), N
+                s.trace.pos, s.trace.tokens = torch.arange(N).expand(L, H, N).clone(), N
             assert compressor.compress(req, "prefill") > 0
     q = torch.randn(L, n_reqs, H * G, D, generator=torch.Generator().manual_seed(seed + 7)) * 3
     return p, batch.reqs, q
@@ -104,7 +104,7 @@ def test_a_step_swaps_what_the_per_request_recall_swaps(
             assert a.recall.host.positions is not None and torch.equal(
                 a.recall.host.positions, b.recall.host.positions
             )
-            assert a.debug.timeline[-1] == b.debug.timeline[-1]
+            assert a.trace.timeline[-1] == b.trace.timeline[-1]
     assert not p.ctx.host.in_use  # the step's hold on the branches ends with it
     for i, req in enumerate(reqs):  # no padded host column moved
         moved_cols = one.hidx[:, i][one.moved[:, i]]

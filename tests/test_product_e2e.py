@@ -108,8 +108,10 @@ def test_a_long_prompt_is_compressed(product_server: Server):
 
 
 def test_recall_in_branch_scope(product_server: Server):
-    """A fact, two filler turns under a 64-token branch budget (snapkv), then a question: the question's
-    prefill recalls host entries, and the host tier's counters move by the request's own numbers."""
+    """A fact, two filler turns under a 64-token branch budget (snapkv), then a question, recall at its
+    defaults: the question's append brings host entries back, the host tier's counters move by the
+    request's own numbers, and no decode step recalls (`decode_steps` stays put): with the defaults a
+    decode forward runs SGLang's own attention only, what a CUDA graph can replay."""
     product_server.flush()
     before = host_state(product_server)
     turns = [FACT, *fillers(111, 2), "What is the vault code? Answer with the number only."]
@@ -122,6 +124,7 @@ def test_recall_in_branch_scope(product_server: Server):
     assert after["recalls"] > before["recalls"], (before, after)
     assert after["recalled"] >= before["recalled"] + q["recalled"], (before, after)
     assert after["recall_failures"] == before["recall_failures"], (before, after)
+    assert after["decode_steps"] == before["decode_steps"] and len(q["output_ids"]) > 1, (before, after, q)
     whole(product_server)
 
 

@@ -36,6 +36,8 @@ def recall_small() -> Iterator[Server]:
             str(RECALL),
             "--kv-host-tokens",
             str(HOST_TOKENS),
+            "--kv-recall-config",
+            '{"every": 1}',  # decode steps recall too: aborts and retractions must meet them mid-step
             "--chunked-prefill-size",
             "1024",
             # admit on a small estimate of future tokens: decode outgrows the pool, SGLang retracts

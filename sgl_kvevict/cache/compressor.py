@@ -436,11 +436,11 @@ def account(job: Job, k: int, tail: int, keep: torch.Tensor | None, dt: float, a
     """Host bookkeeping after a commit (counts, totals, the debug timeline); returns the new offset.
     `after`: tokens that follow the region in the row (decoded while the plan was pending)."""
     s, a, n, rt = job.s, job.a, job.n, job.s.ctx.rt
-    if st.DEBUG and keep is not None:
-        before = s.debug.positions(a + n + after)
+    if keep is not None and st.tracks_positions(s.ctx):
+        before = st.row_positions(s, a + n + after)
         region = before[..., a : a + n].gather(-1, keep)
         pos = torch.cat([before[..., :a], region, before[..., a + n :]], dim=-1)
-        s.debug.event(pos, s.slot_map.tokens_for(a + n + after))
+        s.trace.event(pos, s.slot_map.tokens_for(a + n + after))
     s.compacted(n, k, tail)
     if job.phase != "decode":  # folded into the budget: the turn's appended columns are gone
         s.recall.appended = 0

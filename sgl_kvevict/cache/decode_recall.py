@@ -37,7 +37,7 @@ import torch
 from sgl_kvevict import kernels as K
 from sgl_kvevict.cache import retrieval_heads
 from sgl_kvevict.cache import state as st
-from sgl_kvevict.cache.recall_core import DebugSwap, account, best_entries, mark_stale
+from sgl_kvevict.cache.recall_core import SwapPositions, account, best_entries, mark_stale
 
 if TYPE_CHECKING:
     from sgl_kvevict.cache.context import KvEvictContext
@@ -352,7 +352,7 @@ def finish(ctx: KvEvictContext, one: StepPlan) -> int:
         total += n
         if n:
             a.s.recall.host.summaries = None
-        if st.DEBUG and a.s.recall.host.positions is not None:
+        if st.tracks_positions(a.s.ctx) and a.s.recall.host.positions is not None:
             _debug_positions(a, one, i, done)
         account(a.s, n)
     return total
@@ -361,7 +361,7 @@ def finish(ctx: KvEvictContext, one: StepPlan) -> int:
 def _debug_positions(a: DecodeArm, one: StepPlan, i: int, layers: int) -> None:
     """KVEVICT_DEBUG: the moved pairs of batch row `i` exchange their logical positions (row and host),
     and the row's positions become a timeline event (the oracle replays it)."""
-    dbg = DebugSwap(a.s, int(one.buf.m[i]))
+    dbg = SwapPositions(a.s, int(one.buf.m[i]))
     moved, pos, hidx = (x[:layers, i].cpu() for x in (one.moved, one.pos, one.hidx))
     for layer in range(layers):
         for h in range(moved.shape[1]):

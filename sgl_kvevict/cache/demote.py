@@ -91,18 +91,11 @@ def plan_demote(s: st.ReqState, a: int, slots: torch.Tensor, keep: torch.Tensor)
                 rt.k_buffer(layer)[src, heads].transpose(0, 1),
                 rt.v_buffer(layer)[src, heads].transpose(0, 1),
             )
-        pos = positions(s, a + n)[..., a:].gather(-1, ev.cpu()) if st.DEBUG else None
+        pos = st.row_positions(s, a + n)[..., a:].gather(-1, ev.cpu()) if st.tracks_positions(s.ctx) else None
         return Demotion(cols, pos)
     except Exception:
         fail(s, "demotion")
         return None
-
-
-def positions(s: st.ReqState, kv_len: int) -> torch.Tensor:
-    """Debug: `[L, H, kv_len]` logical positions of the row's first slots."""
-    rt = s.ctx.rt
-    pos = s.debug.positions(kv_len)
-    return pos.view(1, 1, -1).expand(rt.n_layers, rt.n_kv_heads, -1) if pos.dim() == 1 else pos
 
 
 def commit_demote(s: st.ReqState, d: Demotion | None, committed: bool) -> None:

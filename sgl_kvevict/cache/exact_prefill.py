@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sgl_kvevict.cache import context, demote
+from sgl_kvevict.cache import context, demote, retrieval_heads, segments
 from sgl_kvevict.cache import state as st
 
 if TYPE_CHECKING:
@@ -42,6 +42,7 @@ class ExactArm:
     req: Any
     s: st.ReqState
     cols: torch.Tensor
+    scored_tokens: int = 0  # > 0: add the host entries' attention to `position_scores` (`segments`)
 
 
 def attend(
@@ -51,10 +52,13 @@ def attend(
     k_host: torch.Tensor,
     v_host: torch.Tensor,
     scale: float,
+    key_best: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a chunk's `n` queries `q` `[n, Hq, D]` over the host entries `[C, H, D]` (all visible)
     and the row `[m + n, H, D]`, whose last `n` slots are the chunk's own tokens (causal). Returns
-    `[n, Hq, D]` in fp32. The order of the keys does not matter: each head's softmax is over a set."""
+    `[n, Hq, D]` in fp32. The order of the keys does not matter: each head's softmax is over a set.
+    `key_best` (`[H, C + m + n]` fp32: the host entries, then the row), when given, is raised to each
+    key's best probability over the queries and the KV head's query heads."""
     n, hq, d = q.shape
     h = k_row.shape[1]
     m = k_row.shape[0] - n
@@ -72,6 +76,8 @@ def attend(
         on_row = on_row.masked_fill(~seen, -torch.inf)
         p = torch.softmax(torch.cat([on_host, on_row], dim=-1) * scale, dim=-1)
         c = kh.shape[1]
+        if key_best is not None:
+            torch.maximum(key_best, p.amax(dim=(1, 2)), out=key_best)
         o = torch.einsum("hgbc,hcd->hgbd", p[..., :c], vh) + torch.einsum("hgbw,hwd->hgbd", p[..., c:], vr)
         out[i:j] = o.permute(2, 0, 1, 3).reshape(j - i, hq, -1)
     return out
@@ -85,7 +91,10 @@ def arm(req: Any, s: st.ReqState) -> bool:
         return False
     row = req.kv.req_pool_idx
     s.ctx.host.touch(host)  # read by this turn: the most recently used branch
-    s.ctx.exact_armed[row] = ExactArm(req, s, host.cols.clone())
+    scored = 0
+    if s.ctx.settings.recall.segments and host.positions is not None:
+        scored = int(host.positions[..., : host.count].max()) + 1  # the positions it scores (host: CPU)
+    s.ctx.exact_armed[row] = ExactArm(req, s, host.cols.clone(), scored)
     s.ctx.host.in_use[row] = host  # the LRU must not take what the forward reads
     return True
 
@@ -136,7 +145,19 @@ def attend_row(one: ExactArm, layer: int, q: torch.Tensor, slots: torch.Tensor, 
     rt, pool = one.s.ctx.rt, one.s.ctx.host
     cols = one.cols.to(pool.k.device)
     k_host, v_host = (buf[layer][cols].to(q.device) for buf in (pool.k, pool.v))
-    return attend(q, rt.k_buffer(layer)[slots], rt.v_buffer(layer)[slots], k_host, v_host, scale)
+    best = None
+    heads = one.s.ctx.recall_heads  # the retrieval heads look things up; the others attend by habit
+    if one.scored_tokens and retrieval_heads.scores_at(heads, layer):
+        best = torch.zeros(k_host.shape[1], k_host.shape[0] + slots.numel(), device=q.device)
+    out = attend(q, rt.k_buffer(layer)[slots], rt.v_buffer(layer)[slots], k_host, v_host, scale, best)
+    if best is not None:  # both tiers' entries of the history (not the chunk's own) score their positions
+        if heads is not None:
+            best *= heads.mask[layer].to(best).unsqueeze(-1)
+        r = one.s.recall
+        c, m = int(one.cols.numel()), int(slots.numel()) - int(q.shape[0])
+        at = torch.cat([r.host.positions[layer, :, :c], st.row_positions(one.s, m)[layer]], dim=-1)
+        r.position_scores = segments.add(r.position_scores, at, best[:, : c + m], one.scored_tokens)
+    return out
 
 
 def _finish(one: ExactArm, kv_len: int) -> None:
@@ -148,7 +169,7 @@ def _finish(one: ExactArm, kv_len: int) -> None:
     )
     pool.totals.prefills_both_tiers += 1
     if st.DEBUG:
-        s.debug.event(s.debug.positions(kv_len), s.slot_map.tokens_for(kv_len))
+        s.trace.event(s.trace.positions(kv_len), s.slot_map.tokens_for(kv_len))
 
 
 def _debug_both_tiers(one: ExactArm, m: int) -> None:
@@ -156,6 +177,6 @@ def _debug_both_tiers(one: ExactArm, m: int) -> None:
     an event of their union (the oracle replays it), without changing what the row holds."""
     s = one.s
     host_pos = s.recall.host.positions
-    row_pos = demote.positions(s, m)
+    row_pos = st.row_positions(s, m)
     both = row_pos if host_pos is None else torch.cat([row_pos, host_pos[..., : one.cols.numel()]], dim=-1)
-    s.debug.seen(both, s.slot_map.tokens_for(m))
+    s.trace.seen(both, s.slot_map.tokens_for(m))

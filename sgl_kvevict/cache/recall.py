@@ -64,9 +64,10 @@ from sgl_kvevict.cache import (
     exact_prefill,
     host,
     retrieval_heads,
+    segments,
 )
 from sgl_kvevict.cache import state as st
-from sgl_kvevict.cache.recall_core import DebugSwap, account, best_entries, mark_stale
+from sgl_kvevict.cache.recall_core import SwapPositions, account, best_entries, mark_stale
 from sgl_kvevict.cache.slots import alloc_slots, free_slots
 from sgl_kvevict.cache.syncs import SyncCounter
 
@@ -207,8 +208,11 @@ def append(req: Any, s: st.ReqState) -> int:
     a = min(
         s.recall.tokens, s.slot_map.own_evicted, s.recall.host.count, int(rt.req_to_token.shape[1]) - kv_len
     )
+    member = _segment_members(s)
     paged = None, 0
-    while a > 0:  # a paged append picks from the fetched pages: at least (n - 1) * page + 1 real columns
+    while (
+        a > 0 and member is None
+    ):  # a paged append (segments score every host key: flat) picks from the fetched pages: at least (n - 1) * page + 1 real columns
         paged = _paged(s.ctx, s.recall.host, a)
         sums, n_sel = paged
         room = a if sums is None else min(a, (n_sel - 1) * sums.page + 1)
@@ -219,6 +223,7 @@ def append(req: Any, s: st.ReqState) -> int:
         return 0
     one = Recall.start(req, s, kv_len, length, lo, hi, a, paged=paged)
     one.new = alloc_slots(rt, a)
+    one.member = member
     try:
         for layer in range(rt.n_layers):
             q = s.ctx.capture.get(kv.req_pool_idx, layer, length)[:, -w:]
@@ -228,6 +233,17 @@ def append(req: Any, s: st.ReqState) -> int:
         rt.allocator.free(one.new)
         return 0
     return one.finish()
+
+
+def _segment_members(s: st.ReqState) -> torch.Tensor | None:
+    """`[L, H, C]` bool: the branch's host entries inside the segments this turn's prefill chose
+    (`segments.py`); None when it scored none. The scores are used once."""
+    scores, s.recall.position_scores = s.recall.position_scores, None
+    e, cfg = s.recall.host, s.ctx.settings.recall
+    if scores is None or e is None or e.positions is None or not cfg.segments:
+        return None
+    chosen = segments.choose(scores, cfg.segment_tokens, cfg.segments)
+    return segments.members(e.positions[..., : e.count], chosen, cfg.segment_tokens)
 
 
 def _displaceable(s: st.ReqState) -> tuple[int, int]:
@@ -247,7 +263,7 @@ def exchange(
     row_sc: torch.Tensor,
     host_sc: torch.Tensor,
     r: int,
-    dbg: DebugSwap | None,
+    dbg: SwapPositions | None,
     cand: torch.Tensor | None = None,
     log: list[Undo] | None = None,
     only: torch.Tensor | None = None,
@@ -363,11 +379,12 @@ class Recall:
     cols: torch.Tensor  # the branch's host columns (on the host pool's device)
     sums: host.PageSummaries | None  # None: every host key is scored
     n_sel: int  # pages fetched per head and layer when paged
-    dbg: DebugSwap | None = None
+    dbg: SwapPositions | None = None
     # [L, H] bool: the only heads that may exchange (a decode-time recall's retrieval heads); None: every head
     only: torch.Tensor | None = None
     new: torch.Tensor | None = None  # appending: the fresh device slots (int64) the columns go to
-    appended_pos: list[torch.Tensor] = field(default_factory=list)  # debug: their positions, per layer
+    member: torch.Tensor | None = None  # appending: `[L, H, C]` entries of the chosen segments, ranked first
+    appended_pos: list[torch.Tensor] = field(default_factory=list)  # tracked: their positions, per layer
     swapped: torch.Tensor | None = None  # on the device, read once at the end
     done: list[Undo] = field(default_factory=list)  # what this recall wrote so far, in order (`rollback`)
 
@@ -393,7 +410,11 @@ class Recall:
         pool.touch(s.recall.host)
         sums, n_sel = paged if paged is not None else _paged(s.ctx, s.recall.host, r)
         row_slots = s.ctx.rt.req_to_token[req.kv.req_pool_idx, :m].to(torch.int64)
-        dbg = DebugSwap(s, m) if st.DEBUG and s.recall.host.positions is not None else None
+        dbg = (
+            SwapPositions(s, m)
+            if st.tracks_positions(s.ctx) and s.recall.host.positions is not None
+            else None
+        )
         cols = s.recall.host.cols.to(pool.k.device)
         return cls(req, s, m, tokens, lo, hi, r, row_slots, cols, sums, n_sel, dbg)
 
@@ -450,7 +471,11 @@ class Recall:
         the branch ends `a` columns shorter (`finish` gives those back) and its pages stay dense."""
         pool, s = self.s.ctx.host, self.s
         a = int(self.new.numel())
-        _, idx = best_entries(host_sc[None], s.ctx.settings.recall.page, a)
+        page = s.ctx.settings.recall.page
+        if self.member is not None:  # a chosen segment's entries first (probabilities are at most 1), one
+            # by one: a page of host columns holds entries of other positions, which its best would lift
+            host_sc, page = host_sc + 2.0 * self.member[layer].to(host_sc.device), 1
+        _, idx = best_entries(host_sc[None], page, a)
         hidx = idx[0] if cand is None else cand.gather(-1, idx[0])  # [H, a] branch column indices
         hidx = hidx.to(pool.k.device)
         heads = torch.arange(pool.heads, device=pool.k.device).unsqueeze(-1)
@@ -546,7 +571,7 @@ class Recall:
             e.positions = self.dbg.hpos[..., :c2].clone()
             pos = self.dbg.pos
             added = torch.stack(self.appended_pos)  # [L, H, a]
-            s.debug.event(torch.cat([pos[..., :hi], added, pos[..., hi:]], dim=-1), self.tokens)
+            s.trace.event(torch.cat([pos[..., :hi], added, pos[..., hi:]], dim=-1), self.tokens)
         moved = a * pool.heads * rt.n_layers
         account(s, moved, one_way=True)
         return a

@@ -1,12 +1,11 @@
 """What a turn's recall (`recall.py`) and a decode step's (`decode_recall.py`) share: how host entries
 rank (by their page's best score), how a recall is counted, and the logical positions an exchange moves
-(KVEVICT_DEBUG)."""
+(where tracked)."""
 
 from __future__ import annotations
 
 import torch
 
-from sgl_kvevict.cache import demote
 from sgl_kvevict.cache import state as st
 
 
@@ -46,12 +45,12 @@ def mark_stale(stats: torch.Tensor | None, layer: int, dev_slots: torch.Tensor, 
     stats[layer][dev_slots, heads] = torch.where(moved, torch.nan, old)
 
 
-class DebugSwap:
-    """KVEVICT_DEBUG: the row's and the host's logical positions, updated by each exchange (the oracle
-    replays them as a timeline event)."""
+class SwapPositions:
+    """Where positions are tracked (`state.tracks_positions`): the row's and the host's logical positions,
+    updated by each exchange (under KVEVICT_DEBUG the oracle replays them as a timeline event)."""
 
     def __init__(self, s: st.ReqState, kv_len: int) -> None:
-        self.pos = demote.positions(s, kv_len).clone()
+        self.pos = st.row_positions(s, kv_len).clone()
         self.hpos = s.recall.host.positions.clone()
 
     def apply(self, layer: int, didx: torch.Tensor, hidx: torch.Tensor, swap: torch.Tensor) -> None:
@@ -63,7 +62,7 @@ class DebugSwap:
 
     def record(self, s: st.ReqState, tokens: int) -> None:
         s.recall.host.positions = self.hpos
-        s.debug.event(self.pos, tokens)
+        s.trace.event(self.pos, tokens)
 
 
 def account(s: st.ReqState, swapped: int, one_way: bool = False) -> None:

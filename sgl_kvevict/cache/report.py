@@ -44,9 +44,9 @@ def stats(req: Any) -> dict[str, Any] | None:
             recall_skipped=s.recall.skipped,
         )
     if st.DEBUG:
-        out["prefix_digest"] = s.debug.prefix_digest
-        out["prefix_digest_end"] = s.debug.prefix_digest_end
-        out["kept_timeline"] = s.debug.timeline
+        out["prefix_digest"] = s.trace.prefix_digest
+        out["prefix_digest_end"] = s.trace.prefix_digest_end
+        out["kept_timeline"] = s.trace.timeline
     for (
         name,
         vals,

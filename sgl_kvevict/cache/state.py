@@ -11,7 +11,8 @@ concern:
 - `recall` (`RecallState`): the host-tier entries the request owns, where it stands in a turn's
   recalls, and its recall counters.
 - `counters` (`Counters`): compressions, seconds spent, the row's peak slots.
-- `debug` (`DebugTrace`, KVEVICT_DEBUG=1 only): prefix digests and the kept-position timeline.
+- `trace` (`PositionTrace`): the logical positions the row's slots hold, where tracked (`tracks_positions`);
+  under KVEVICT_DEBUG also prefix digests and the kept-position timeline.
 
 Moves that change several parts at once (a compression's commit, a recall's append, the anchor moving
 down) are `ReqState` methods (`compacted`, `unevicted`, `move_anchor`).
@@ -56,6 +57,19 @@ logger = logging.getLogger("sgl_kvevict")
 ATTR = "_kvevict"
 # Test/debug only: prefix digests and the kept-position timeline in meta_info (costs a host copy per event).
 DEBUG = os.environ.get("KVEVICT_DEBUG", "0") == "1"
+
+
+def row_positions(s: ReqState, kv_len: int) -> torch.Tensor:
+    """`[L, H, kv_len]` logical positions of the row's first slots (`tracks_positions`)."""
+    rt = s.ctx.rt
+    pos = s.trace.positions(kv_len)
+    return pos.view(1, 1, -1).expand(rt.n_layers, rt.n_kv_heads, -1) if pos.dim() == 1 else pos
+
+
+def tracks_positions(ctx: KvEvictContext) -> bool:
+    """Whether rows and host entries keep the logical position of every (layer, KV head) entry they
+    hold: for the test oracle (KVEVICT_DEBUG), and for the append's segments (`segments.py`)."""
+    return DEBUG or (ctx.host is not None and ctx.settings.recall.segments > 0)
 
 
 def fingerprint(cfg: KvConfig, policy: Policy, recall: int = 0) -> str | None:
@@ -165,10 +179,10 @@ class Counters:
 
 
 @dataclass
-class DebugTrace:
-    """KVEVICT_DEBUG=1 only: digests of the shared prefix, the logical positions held by the row's slots
-    [0, m) per layer and KV head (`pos`), the logical tokens they stand for (`tokens`), and the events a
-    test oracle replays (`timeline`, see `event`)."""
+class PositionTrace:
+    """The logical positions held by the row's slots [0, m) per layer and KV head (`pos`) and the logical
+    tokens they stand for (`tokens`), where positions are tracked (`tracks_positions`); under KVEVICT_DEBUG
+    also digests of the shared prefix and the events a test oracle replays (`timeline`, see `event`)."""
 
     prefix_digest: str = ""
     digest_kv: int = 0  # slots the digests cover: the shared prefix at admission
@@ -192,7 +206,8 @@ class DebugTrace:
     def event(self, pos: torch.Tensor, tokens: int) -> None:
         """Record that the row now holds `pos` ([L, H, m]) and that logical tokens >= `tokens` follow."""
         self.pos, self.tokens = pos, tokens
-        self.seen(pos, tokens)
+        if DEBUG:
+            self.seen(pos, tokens)
 
     def seen(self, pos: torch.Tensor, tokens: int) -> None:
         """Record that the queries of logical tokens >= `tokens` see `pos` ([L, H, m]) and what follows,
@@ -214,6 +229,9 @@ class RecallState:
     due: bool = False  # a prefill ran: recall once its compression has committed
     append_due: bool = False  # a prefill ran: append recalled columns once its compression committed
     appended: int = 0  # columns recall appended this turn: the turn's decode budget grows by them
+    # per logical position, the best attention this turn's prefill over both tiers gave its entries,
+    # summed over the retrieval heads (`segments.add`); None when not scored
+    position_scores: torch.Tensor | None = None
     steps: int = 0  # decode steps since the last recall
     # a recall swapped entries into the compacted history since it was last formed: it is no longer
     # the stored node it was adopted from (the tree must not treat it as a duplicate of that node)
@@ -254,7 +272,7 @@ class ReqState:
     slot_map: SlotMap = field(default_factory=SlotMap)
     policy_state: PolicyState = field(default_factory=PolicyState)
     counters: Counters = field(default_factory=Counters)
-    debug: DebugTrace = field(default_factory=DebugTrace)
+    trace: PositionTrace = field(default_factory=PositionTrace)
     recall: RecallState = field(default_factory=RecallState)
 
     def compacted(self, n: int, k: int, tail: int) -> None:
@@ -379,9 +397,9 @@ def on_match(req: Any, ctx: KvEvictContext, region: Any, prefix_pos: torch.Tenso
         s.policy_state.layers = copy_layer_state(first.layer_state)
     if prefix_pos is not None:
         if not s.ran:  # a waiting request is matched again at every scheduling pass: keep the last
-            s.debug.timeline = []
+            s.trace.timeline = []
         s.ran = False
-        s.debug.event(prefix_pos, region.tokens)
+        s.trace.event(prefix_pos, region.tokens)
     return s
 
 

@@ -247,11 +247,11 @@ class KvEvictRadixCache(RadixCache):
                     tokens=tokens,
                     kv=kv,
                 ),
-                self._path_positions(path) if st.DEBUG else None,
+                self._path_positions(path) if st.tracks_positions(self.ctx) else None,
             )
             if st.DEBUG:  # the shared prefix before the branch point: compression must never change it
-                s.debug.digest_kv = s.slot_map.anchor_kv
-                s.debug.prefix_digest = self.prefix_digest(
+                s.trace.digest_kv = s.slot_map.anchor_kv
+                s.trace.prefix_digest = self.prefix_digest(
                     self.path_device_indices(node)[: s.slot_map.anchor_kv]
                 )
         if tokens == kv:
@@ -359,7 +359,7 @@ class KvEvictRadixCache(RadixCache):
         return mine
 
     def _path_positions(self, path: list[TreeNode]) -> torch.Tensor | None:
-        """Debug: `[L, H, slots]` logical positions held along a matched path (for the test oracle)."""
+        """`[L, H, slots]` logical positions held along a matched path (`st.tracks_positions`)."""
         rt = self.ctx.rt
         if rt is None:
             return None
@@ -459,7 +459,11 @@ class KvEvictRadixCache(RadixCache):
             return
         if s.slot_map.comp_tokens > 0:  # (may hold 0 slots: e.g. streaming keeps only the newest tokens)
             cval = row[kpos : kpos + s.slot_map.comp_slots].to(torch.int64)
-            cpos = s.debug.positions(kpos + s.slot_map.comp_slots)[..., kpos:] if st.DEBUG else None
+            cpos = (
+                st.row_positions(s, kpos + s.slot_map.comp_slots)[..., kpos:]
+                if st.tracks_positions(s.ctx)
+                else None
+            )
             res = self._insert_compressed(
                 node, rkey(tpos, tpos + s.slot_map.comp_tokens), cval, priority, s.fp, cpos
             )
@@ -576,8 +580,8 @@ class KvEvictRadixCache(RadixCache):
         if s is not None and not req.finished():
             return  # retraction: the request comes back, with its counters, failure flag and policy state
         if st.DEBUG and s is not None and s.slot_map.anchor is not None:
-            s.debug.prefix_digest_end = self.prefix_digest(
-                self.req_to_token_pool.req_to_token[row, : s.debug.digest_kv]
+            s.trace.prefix_digest_end = self.prefix_digest(
+                self.req_to_token_pool.req_to_token[row, : s.trace.digest_kv]
                 if row is not None
                 else self._empty_device_indices
             )

@@ -1,0 +1,63 @@
+"""Segments: what a turn's append brings back first is whole stretches of the branch's history, chosen by
+every layer and KV head at once.
+
+Why: ranked entry by entry, each (layer, KV head) brings back what its own queries match, and the words
+a question shares with every earlier turn ("What is the ...?") match filler in most heads; the planted
+fact wins in a few heads only, and decode then needs a recall inside every step to find the rest. Summed
+over all layers and KV heads, the turn's attention (computed over both tiers, `exact_prefill`, so it is
+the full cache's) puts the fact's stretch first: on the long recall scenario the 16 positions that hold
+the fact rank first of about 110 in every session the full cache answers (an offline check with the
+full model's attention). Brought back whole, in every layer and head, decode copies from it with no
+recall of its own.
+
+How: while a turn's prefill attends over both tiers, each history entry's best attention in the model's
+retrieval heads (over the turn's queries and the KV head's query heads; entries on the device and on
+the host alike) is added to its logical position's score (`add`). The append then
+picks the `segments` segments of `segment_tokens` positions whose best position scores most, each with
+the segment after it (what follows an attended token is what an answer copies: a code's last digits),
+and ranks their host entries first in every layer and head (`members`); the rest of its `R` entries per
+layer and head are ranked one by one as before. Logical positions of host entries are tracked whenever
+segments are on (`KvEvictContext.tracks_positions`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+SINKS = 4  # the first positions every query attends to by habit: never evidence of a segment
+
+
+def add(
+    scores: torch.Tensor | None, positions: torch.Tensor, best: torch.Tensor, tokens: int
+) -> torch.Tensor:
+    """`scores` (`[tokens]`, fp32, or None to start) plus each host entry's `best` attention (`[H, C]`)
+    at its logical position (`positions` `[H, C]`, on the host)."""
+    if positions.numel():
+        tokens = max(tokens, int(positions.max()) + 1)
+    if scores is None or scores.numel() < tokens:
+        grown = torch.zeros(tokens, dtype=torch.float32, device=best.device)
+        if scores is not None:
+            grown[: scores.numel()] = scores
+        scores = grown
+    at = positions.to(device=best.device, dtype=torch.int64).reshape(-1)
+    return scores.index_add_(0, at, best.float().reshape(-1))
+
+
+def choose(scores: torch.Tensor, size: int, count: int) -> torch.Tensor:
+    """`[n]` bool over the segments of `size` positions: the `count` whose best position scores most
+    (sinks excluded), each with the one after it."""
+    s = scores.clone()
+    s[:SINKS] = 0
+    n = -(-s.numel() // size)
+    best = torch.nn.functional.pad(s, (0, n * size - s.numel())).view(n, size).amax(-1)
+    top = best.topk(min(count, n)).indices
+    real = (best[top] > 0).float()  # nothing attended there: not a choice
+    votes = torch.zeros(n, device=s.device).index_add_(0, top, real)
+    votes.index_add_(0, (top + 1).clamp(max=n - 1), real)
+    return votes > 0
+
+
+def members(positions: torch.Tensor, chosen: torch.Tensor, size: int) -> torch.Tensor:
+    """`[L, H, C]` bool: the host entries (logical `positions` `[L, H, C]`) inside a chosen segment."""
+    seg = (positions.to(chosen.device, torch.int64) // size).clamp(max=chosen.numel() - 1)
+    return chosen[seg]
