@@ -52,19 +52,17 @@ MAX_RECALL_EVERY = 4096  # bound on recall every (decode steps)
 MAX_RECALL_FETCH_PAGES = 4096  # bound on recall fetch_pages (pages per layer and KV head)
 MAX_RECALL_SEGMENTS = 64  # bound on recall segments (per turn)
 MAX_RECALL_SEGMENT_TOKENS = 1024  # bound on recall segment_tokens (logical positions)
-# A turn's append brings back 2 segments of 16 positions (each with the next) first: the planted fact's
-# segment ranks first of ~110 by the question's attention over both tiers summed over heads (measured).
-DEFAULT_RECALL_SEGMENTS = 2
-DEFAULT_RECALL_SEGMENT_TOKENS = 16
+# Segments are off by default: with {"segments": 2, "every": 0} (no decode-time recall) snapkv, h2o and
+# d2o answer all 8 of the full cache's 8 on the long recall scenario, but snapkv 22 of 36 against 34 on
+# the short one (budget 64), where the decode step's recall is what answers (measured).
+DEFAULT_RECALL_SEGMENTS = 0
+DEFAULT_RECALL_SEGMENT_TOKENS = 16  # 16 positions: the planted fact's segment ranks first of ~130
 DEFAULT_RECALL_PAGE = 8
 # A recall picks among the pages its summaries rank best: in a history of hundreds of pages, 64 candidate
 # pages per layer and head found 7 of 12 planted facts where 8 (16 for a turn's R) found 2, and scoring
 # every key 6 (the long recall replay, 225 pages per layer and head); a decode step then reads 64 pages.
 DEFAULT_RECALL_FETCH_PAGES = 64
-# No decode step recalls by default: with the append's segments the turn's start brings back what its
-# answer copies (snapkv 8 of the full cache's 8 on the long recall scenario with no decode-time recall,
-# measured), and a decode forward then runs SGLang's code only (what a CUDA graph replays).
-DEFAULT_RECALL_EVERY = 0
+DEFAULT_RECALL_EVERY = 1  # the step's own query finds what the token it produces needs (measured)
 # A host page comes back only where a query gives its best entry at least this much attention: weaker
 # evidence swapped entries back and forth (3-5x the bytes moved) and answered no better (measured).
 DEFAULT_RECALL_MIN_SCORE = 0.05

@@ -32,7 +32,9 @@ TEST_ONLY = ("KVEVICT_LOAD", "KVEVICT_DEBUG")
 # the memory free at start, and a shared machine with 10.6 GB free refused to start with it ("Loaded
 # weights leave no GPU memory for the KV cache under --mem-fraction-static=0.1").
 MAKE_SERVE = ["--kv-policy", "lagkv", "--kv-budget", "0.5"]
-ARGS = [*POOL, "--kv-recall-tokens", "64", "--kv-host-tokens", "1500"]
+# recall at the turn's start only (route 1): whole segments, no decode-time recall
+ROUTE_1 = ["--kv-recall-config", '{"segments": 2, "every": 0}']
+ARGS = [*POOL, "--kv-recall-tokens", "64", "--kv-host-tokens", "1500", *ROUTE_1]
 BRANCH = {"policy": "snapkv", "budget": 64, "config": {"scope": "branch"}}
 
 
@@ -108,10 +110,11 @@ def test_a_long_prompt_is_compressed(product_server: Server):
 
 
 def test_recall_in_branch_scope(product_server: Server):
-    """A fact, two filler turns under a 64-token branch budget (snapkv), then a question, recall at its
-    defaults: the question's append brings host entries back, the host tier's counters move by the
-    request's own numbers, and no decode step recalls (`decode_steps` stays put): with the defaults a
-    decode forward runs SGLang's own attention only, what a CUDA graph can replay."""
+    """A fact, two filler turns under a 64-token branch budget (snapkv), then a question, recall by
+    segments with no decode-time recall (the server's `--kv-recall-config`): the question's append brings
+    host entries back, the host tier's counters move by the request's own numbers, and no decode step
+    recalls (`decode_steps` stays put): the decode forward runs SGLang's own attention only, what a
+    CUDA graph can replay."""
     product_server.flush()
     before = host_state(product_server)
     turns = [FACT, *fillers(111, 2), "What is the vault code? Answer with the number only."]
