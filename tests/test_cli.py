@@ -415,7 +415,7 @@ def test_operator_json_settings_are_published(monkeypatch, capsys):
 
     recall = (
         '{"page": 4, "summary": "off", "fetch_pages": 8, "append": "off", "prefill": "swap", "every": 0, '
-        '"head_score": 0.5, "min_score": 0}'
+        '"head_score": 0.5, "min_score": 0, "segments": 3, "segment_tokens": 32}'
     )
     args = ["--kv-policy", "snapkv", "--kv-overrides", "off", "--kv-recall-tokens", "8", "--kv-recall-config"]
     code, err = check_in_process(monkeypatch, capsys, [*args, recall])
@@ -428,6 +428,8 @@ def test_operator_json_settings_are_published(monkeypatch, capsys):
         "fetch_pages": 8,
         "append": "off",
         "prefill": "swap",
+        "segments": 3,
+        "segment_tokens": 32,
         "every": 0,
         "head_score": 0.5,
         "min_score": 0.0,
@@ -438,6 +440,14 @@ def test_operator_json_settings_are_published(monkeypatch, capsys):
     ("args", "needles"),
     [
         (["--kv-recall-config", '{"page": 0}'], ["--kv-recall-config", "page", "greater than or equal to 1"]),
+        (
+            ["--kv-recall-config", '{"segments": 65}'],
+            ["--kv-recall-config", "segments", "less than or equal to 64"],
+        ),
+        (
+            ["--kv-recall-config", '{"segment_tokens": 0}'],
+            ["--kv-recall-config", "segment_tokens", "greater than or equal to 1"],
+        ),
         (
             ["--kv-recall-config", '{"page": 257}'],
             ["--kv-recall-config", "page", "less than or equal to 256"],
