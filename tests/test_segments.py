@@ -40,3 +40,11 @@ def test_members_are_every_layer_and_heads_entries_inside_a_chosen_segment() -> 
     chosen = torch.tensor([False, True, False])
     pos = torch.tensor([[[3, 17, 31], [40, 16, 15]]])  # [L=1, H=2, C=3]
     assert segments.members(pos, chosen, 16).tolist() == [[[False, True, True], [False, True, False]]]
+
+
+def test_members_leave_out_entries_past_what_the_prefill_scored() -> None:
+    # the compression after a turn's prefill demotes the turn's own tokens: positions the scores never
+    # covered; the last scored segment being chosen must not bring all of them back with it
+    chosen = torch.tensor([False, False, True])  # positions 0..47 scored, segment 2 chosen
+    pos = torch.tensor([[[20, 40, 47, 48, 90, 200]]])
+    assert segments.members(pos, chosen, 16).tolist() == [[[False, True, True, False, False, False]]]

@@ -58,6 +58,8 @@ def choose(scores: torch.Tensor, size: int, count: int) -> torch.Tensor:
 
 
 def members(positions: torch.Tensor, chosen: torch.Tensor, size: int) -> torch.Tensor:
-    """`[L, H, C]` bool: the host entries (logical `positions` `[L, H, C]`) inside a chosen segment."""
-    seg = (positions.to(chosen.device, torch.int64) // size).clamp(max=chosen.numel() - 1)
-    return chosen[seg]
+    """`[L, H, C]` bool: the host entries (logical `positions` `[L, H, C]`) inside a chosen segment.
+    Entries past the scored positions (the turn's own, demoted by the compression after its prefill)
+    were never scored: none of them is a member."""
+    seg = positions.to(chosen.device, torch.int64) // size
+    return chosen[seg.clamp(max=chosen.numel() - 1)] & (seg < chosen.numel())
