@@ -55,6 +55,7 @@ def take(s: st.ReqState) -> None:
     else:  # already holds some (a retracted request coming back): merge
         pool.append(s.recall.host, mine.cols, mine.positions if s.recall.host.positions is not None else None)
         pool.lru.pop(id(mine), None)
+        s.recall.host.habit = s.recall.host.habit if s.recall.host.habit is not None else mine.habit
         mine.cols = torch.zeros(0, dtype=torch.int64)
     pool.touch(s.recall.host)
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sgl_kvevict.cache import context, demote, retrieval_heads, segments
+from sgl_kvevict.cache import context, demote, segments
 from sgl_kvevict.cache import state as st
 
 if TYPE_CHECKING:
@@ -146,17 +146,18 @@ def attend_row(one: ExactArm, layer: int, q: torch.Tensor, slots: torch.Tensor, 
     cols = one.cols.to(pool.k.device)
     k_host, v_host = (buf[layer][cols].to(q.device) for buf in (pool.k, pool.v))
     best = None
-    heads = one.s.ctx.recall_heads  # the retrieval heads look things up; the others attend by habit
-    if one.scored_tokens and retrieval_heads.scores_at(heads, layer):
+    if one.scored_tokens:
         best = torch.zeros(k_host.shape[1], k_host.shape[0] + slots.numel(), device=q.device)
     out = attend(q, rt.k_buffer(layer)[slots], rt.v_buffer(layer)[slots], k_host, v_host, scale, best)
-    if best is not None:  # both tiers' entries of the history (not the chunk's own) score their positions
-        if heads is not None:
-            best *= heads.mask[layer].to(best).unsqueeze(-1)
+    if best is not None:  # every entry the chunk sees scores its position: both tiers' and its own
         r = one.s.recall
         c, m = int(one.cols.numel()), int(slots.numel()) - int(q.shape[0])
-        at = torch.cat([r.host.positions[layer, :, :c], st.row_positions(one.s, m)[layer]], dim=-1)
-        r.position_scores = segments.add(r.position_scores, at, best[:, : c + m], one.scored_tokens)
+        at = torch.cat(
+            [r.host.positions[layer, :, :c], st.row_positions(one.s, int(slots.numel()))[layer]], dim=-1
+        )
+        r.position_scores = segments.add(r.position_scores, at, best, one.scored_tokens)
+        if r.scored_from is None:  # the turn's own tokens start here: its choice ranks what precedes
+            r.scored_from = one.s.slot_map.tokens_for(m)
     return out
 
 

@@ -63,6 +63,8 @@ class HostEntries:
     # a stored history a request took a copy of (`HostPool.drop_first`) and nobody used since: a copy
     # may take room from it, never from a live history
     copied: bool = False
+    # per logical position, what the branch's last scored turn attended (`segments.contrast`)
+    habit: torch.Tensor | None = None
 
     @property
     def count(self) -> int:
@@ -194,7 +196,9 @@ class HostPool:
         for buf in (self.k, self.v):
             buf.index_copy_(1, dst, buf.index_select(1, src))
         self.totals.copied += e.count
-        out = HostEntries(cols=cols, positions=None if e.positions is None else e.positions.clone())
+        out = HostEntries(
+            cols=cols, positions=None if e.positions is None else e.positions.clone(), habit=e.habit
+        )
         out.summaries, e.summaries = e.summaries, None  # same columns in the same order: same pages
         self.touch(out)
         return out

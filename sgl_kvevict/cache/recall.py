@@ -239,10 +239,12 @@ def _segment_members(s: st.ReqState) -> torch.Tensor | None:
     """`[L, H, C]` bool: the branch's host entries inside the segments this turn's prefill chose
     (`segments.py`); None when it scored none. The scores are used once."""
     scores, s.recall.position_scores = s.recall.position_scores, None
+    own, s.recall.scored_from = s.recall.scored_from, None
     e, cfg = s.recall.host, s.ctx.settings.recall
     if scores is None or e is None or e.positions is None or not cfg.segments:
         return None
-    chosen = segments.choose(scores, cfg.segment_tokens, cfg.segments)
+    habit, e.habit = e.habit, scores  # this turn is the next one's habit
+    chosen = segments.choose(segments.contrast(scores[:own], habit), cfg.segment_tokens, cfg.segments)
     return segments.members(e.positions[..., : e.count], chosen, cfg.segment_tokens)
 
 

@@ -43,6 +43,18 @@ def add(
     return scores.index_add_(0, at, best.float().reshape(-1))
 
 
+def contrast(scores: torch.Tensor, habit: torch.Tensor | None) -> torch.Tensor:
+    """What this turn attends to more than the branch's previous scored turn did (`habit`, its own
+    scores, same positions), never below 0: a turn's template, its recent past and the words every
+    question shares draw both turns alike and cancel; what only this turn looks up stands out."""
+    if habit is None:
+        return scores
+    n = min(scores.numel(), habit.numel())
+    out = scores.clone()
+    out[:n] -= habit[:n].to(out)
+    return out.clamp_min_(0)
+
+
 def choose(scores: torch.Tensor, size: int, count: int) -> torch.Tensor:
     """`[n]` bool over the segments of `size` positions: the `count` whose best position scores most
     (sinks excluded), each with the one after it."""

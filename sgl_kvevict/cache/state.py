@@ -230,8 +230,9 @@ class RecallState:
     append_due: bool = False  # a prefill ran: append recalled columns once its compression committed
     appended: int = 0  # columns recall appended this turn: the turn's decode budget grows by them
     # per logical position, the best attention this turn's prefill over both tiers gave its entries,
-    # summed over the retrieval heads (`segments.add`); None when not scored
+    # summed over every layer and KV head (`segments.add`); None when not scored
     position_scores: torch.Tensor | None = None
+    scored_from: int | None = None  # the logical position of the scored turn's first own token
     steps: int = 0  # decode steps since the last recall
     # a recall swapped entries into the compacted history since it was last formed: it is no longer
     # the stored node it was adopted from (the tree must not treat it as a duplicate of that node)

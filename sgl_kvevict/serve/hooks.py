@@ -496,12 +496,12 @@ def verify_installed() -> list[str]:
 
 
 def recall_heads(ctx: Any, rt: Any, kv: KvEvictContext) -> Any:
-    """Where a decode step recalls and a turn's prefill scores segments (`KvEvictContext.recall_heads`),
-    and how many (layer, KV head) pairs that is (the server total `decode_heads`): the model's retrieval
-    heads, measured once per model (`cache/retrieval_heads.py`); None (every head) when `head_score` is 0
-    or the scores cannot be measured (logged: the server still serves), or when neither is on."""
+    """Where a decode step recalls (`KvEvictContext.recall_heads`), and how many (layer, KV head) pairs
+    that is (the server total `decode_heads`): the model's retrieval heads, measured once per model
+    (`cache/retrieval_heads.py`); None (every head) when `head_score` is 0 or the scores cannot be
+    measured (logged: the server still serves), or when decode steps do not recall."""
     tuning = kv.settings.recall
-    if kv.host is None or (tuning.every <= 0 and tuning.segments <= 0):
+    if kv.host is None or tuning.every <= 0:
         return None
     heads = _measured_heads(ctx, rt, tuning.head_score) if tuning.head_score > 0 else None
     kv.host.totals.decode_heads = rt.n_layers * rt.n_kv_heads if heads is None else int(heads.mask.sum())
