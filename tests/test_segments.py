@@ -48,3 +48,12 @@ def test_members_leave_out_entries_past_what_the_prefill_scored() -> None:
     chosen = torch.tensor([False, False, True])  # positions 0..47 scored, segment 2 chosen
     pos = torch.tensor([[[20, 40, 47, 48, 90, 200]]])
     assert segments.members(pos, chosen, 16).tolist() == [[[False, True, True, False, False, False]]]
+
+
+def test_contrast_keeps_what_only_this_turn_attends() -> None:
+    habit = torch.tensor([5.0, 1.0, 2.0, 0.5])  # the previous turn: a template at 0, its question at 2
+    scores = torch.tensor([5.5, 3.0, 2.0, 0.25, 4.0])  # this turn: the fact at 1, the last answer at 4
+    got = segments.contrast(scores, habit)
+    torch.testing.assert_close(got, torch.tensor([0.5, 2.0, 0.0, 0.0, 0.0]))  # past the habit: no baseline
+    assert segments.contrast(scores, None) is scores  # the branch's first scored turn ranks by its own
+    assert float(habit[0]) == 5.0  # the habit is not written

@@ -45,14 +45,15 @@ def add(
 
 def contrast(scores: torch.Tensor, habit: torch.Tensor | None) -> torch.Tensor:
     """What this turn attends to more than the branch's previous scored turn did (`habit`, its own
-    scores, same positions), never below 0: a turn's template, its recent past and the words every
-    question shares draw both turns alike and cancel; what only this turn looks up stands out."""
+    scores, same positions), never below 0: a turn's template and the words every question shares draw
+    both turns alike and cancel; what only this turn looks up stands out. Positions past the habit (the
+    previous turn's answer) have no baseline: drawn by recency, their attention is no evidence (0)."""
     if habit is None:
         return scores
     n = min(scores.numel(), habit.numel())
-    out = scores.clone()
-    out[:n] -= habit[:n].to(out)
-    return out.clamp_min_(0)
+    out = torch.zeros_like(scores)
+    out[:n] = (scores[:n] - habit[:n].to(scores)).clamp_min(0)
+    return out
 
 
 def choose(scores: torch.Tensor, size: int, count: int) -> torch.Tensor:
