@@ -2,22 +2,29 @@
 every layer and KV head at once.
 
 Why: ranked entry by entry, each (layer, KV head) brings back what its own queries match, and the words
-a question shares with every earlier turn ("What is the ...?") match filler in most heads; the planted
-fact wins in a few heads only, and decode then needs a recall inside every step to find the rest. Summed
-over all layers and KV heads, the turn's attention (computed over both tiers, `exact_prefill`, so it is
-the full cache's) puts the fact's stretch first: on the long recall scenario the 16 positions that hold
-the fact rank first of about 110 in every session the full cache answers (an offline check with the
-full model's attention). Brought back whole, in every layer and head, decode copies from it with no
-recall of its own.
+a question shares with every earlier turn ("What is the ...? Answer ...") match the filler turns'
+questions in most heads; the planted fact wins in a few heads only, and decode then needs a recall
+inside every step to find the rest. Brought back whole, in every layer and head, the fact's stretch is
+there for decode to copy from with no recall of its own.
 
-How: while a turn's prefill attends over both tiers, each history entry's best attention in the model's
-retrieval heads (over the turn's queries and the KV head's query heads; entries on the device and on
-the host alike) is added to its logical position's score (`add`). The append then
-picks the `segments` segments of `segment_tokens` positions whose best position scores most, each with
-the segment after it (what follows an attended token is what an answer copies: a code's last digits),
-and ranks their host entries first in every layer and head (`members`); the rest of its `R` entries per
-layer and head are ranked one by one as before. Logical positions of host entries are tracked whenever
-segments are on (`KvEvictContext.tracks_positions`).
+Which stretch: raw attention summed over heads favours what every turn attends to: the chat template,
+the previous answer (recency), the earlier questions' wording. So a segment ranks by contrast: how much
+more this turn attends to its positions than the branch's previous scored turn did (its `habit`, kept
+with the branch's host entries). What both turns draw cancels; what only this question looks up stands
+out. An offline check with the full model's attention (fp32, HF), the 16 positions holding the fact
+ranked: summed raw over the retrieval heads, first in 19 of the full cache's 33 answered short sessions;
+by contrast over every head, first in 28 and within the top two in all 33, and within the top two in
+all 8 long-scenario sessions the full cache answers.
+
+How: while a turn's prefill attends over both tiers (`exact_prefill`, so its attention is the full
+cache's), each entry's best attention (over the turn's queries and the KV head's query heads; device,
+host and the chunk's own entries alike) is added to its logical position's score (`add`). The append
+takes the contrast with the habit (`contrast`; the scores become the next turn's habit), picks the
+`segments` segments of `segment_tokens` positions whose best position stands out most, each with the
+segment after it (what follows an attended token is what an answer copies: a code's last digits;
+`choose`), and ranks their host entries first in every layer and head (`members`); the rest of its `R`
+entries per layer and head are ranked one by one as before. Logical positions of host entries are
+tracked whenever segments are on (`state.tracks_positions`).
 """
 
 from __future__ import annotations
