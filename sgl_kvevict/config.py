@@ -52,17 +52,17 @@ MAX_RECALL_EVERY = 4096  # bound on recall every (decode steps)
 MAX_RECALL_FETCH_PAGES = 4096  # bound on recall fetch_pages (pages per layer and KV head)
 MAX_RECALL_SEGMENTS = 64  # bound on recall segments (per turn)
 MAX_RECALL_SEGMENT_TOKENS = 1024  # bound on recall segment_tokens (logical positions)
-# Segments are off by default: with {"segments": 2, "every": 0} (no decode-time recall) snapkv, h2o and
-# d2o answer all 8 of the full cache's 8 on the long recall scenario, but snapkv 22 of 36 against 34 on
-# the short one (budget 64), where the decode step's recall is what answers (measured).
-DEFAULT_RECALL_SEGMENTS = 0
+# Recall by default brings whole segments back at each turn's start and none in decode steps (`every` 0):
+# a decode forward then runs SGLang's attention only, what CUDA graphs and the overlap scheduler run. On
+# the recall scenarios it answers as the full cache does (docs/benchmarks.md, "Which route").
+DEFAULT_RECALL_SEGMENTS = 2
 DEFAULT_RECALL_SEGMENT_TOKENS = 16  # 16 positions: the planted fact's segment ranks first of ~130
 DEFAULT_RECALL_PAGE = 8
 # A recall picks among the pages its summaries rank best: in a history of hundreds of pages, 64 candidate
 # pages per layer and head found 7 of 12 planted facts where 8 (16 for a turn's R) found 2, and scoring
 # every key 6 (the long recall replay, 225 pages per layer and head); a decode step then reads 64 pages.
 DEFAULT_RECALL_FETCH_PAGES = 64
-DEFAULT_RECALL_EVERY = 1  # the step's own query finds what the token it produces needs (measured)
+DEFAULT_RECALL_EVERY = 0  # a decode step's recall is a setting: eager decode only, 1.3-1.4x its time
 # A host page comes back only where a query gives its best entry at least this much attention: weaker
 # evidence swapped entries back and forth (3-5x the bytes moved) and answered no better (measured).
 DEFAULT_RECALL_MIN_SCORE = 0.05
@@ -392,9 +392,9 @@ class RecallTuning(BaseModel):
         ge=0,
         le=MAX_RECALL_SEGMENTS,
         description="the append brings back these whole segments of the branch's history first, in every layer "
-        "and KV head: those whose best position the turn's queries attend most, summed over layers and KV "
-        "heads, each with the segment after it (with prefill both, which scores them); 0: entries ranked one by "
-        "one only",
+        "and KV head: those the turn's queries attend more than the branch's previous turn did, summed over "
+        "layers and KV heads, each with the segment after it (with prefill both, which scores them); 0: "
+        "entries ranked one by one only",
     )
     segment_tokens: int = Field(
         DEFAULT_RECALL_SEGMENT_TOKENS,
@@ -406,8 +406,8 @@ class RecallTuning(BaseModel):
         DEFAULT_RECALL_EVERY,
         ge=0,
         le=MAX_RECALL_EVERY,
-        description="decode steps between recalls, each by its step's own query inside the step's forward; "
-        "0: only in each turn's prefill",
+        description="decode steps between recalls, each by its step's own query inside the step's forward "
+        "(eager decode: a CUDA graph replays none); 0: only at each turn's start",
     )
     head_score: float = Field(
         DEFAULT_RECALL_HEAD_SCORE,
