@@ -42,7 +42,7 @@ class ExactArm:
     req: Any
     s: st.ReqState
     cols: torch.Tensor
-    scored_tokens: int = 0  # > 0: add the host entries' attention to `position_scores` (`segments`)
+    scored_tokens: int = 0  # > 0: add every entry's attention to `position_scores` (`segments`)
 
 
 def attend(
