@@ -56,13 +56,13 @@ MAX_RECALL_SEGMENT_TOKENS = 1024  # bound on recall segment_tokens (logical posi
 # a decode forward then runs SGLang's attention only, what CUDA graphs and the overlap scheduler run. On
 # the recall scenarios it answers as the full cache does (docs/benchmarks.md, "Which route").
 DEFAULT_RECALL_SEGMENTS = 2
-DEFAULT_RECALL_SEGMENT_TOKENS = 16  # 16 positions: the planted fact's segment ranks first of ~130
+DEFAULT_RECALL_SEGMENT_TOKENS = 16  # by contrast, the fact's 16 positions rank in the top two (measured)
 DEFAULT_RECALL_PAGE = 8
 # A recall picks among the pages its summaries rank best: in a history of hundreds of pages, 64 candidate
 # pages per layer and head found 7 of 12 planted facts where 8 (16 for a turn's R) found 2, and scoring
 # every key 6 (the long recall replay, 225 pages per layer and head); a decode step then reads 64 pages.
 DEFAULT_RECALL_FETCH_PAGES = 64
-DEFAULT_RECALL_EVERY = 0  # a decode step's recall is a setting: eager decode only, 1.3-1.4x its time
+DEFAULT_RECALL_EVERY = 0  # a decode step's recall is a setting: eager decode only, 1.08x its time
 # A host page comes back only where a query gives its best entry at least this much attention: weaker
 # evidence swapped entries back and forth (3-5x the bytes moved) and answered no better (measured).
 DEFAULT_RECALL_MIN_SCORE = 0.05
