@@ -187,6 +187,24 @@ def test_a_fact_evicted_in_turn_1_is_answered_after_recall(recall_server: Server
     assert host_state(recall_server)["decode_steps"] == 0  # the defaults: no decode step recalled
 
 
+def test_the_first_turn_that_evicts_is_scored_so_the_question_contrasts(recall_server: Server):
+    """Memory pressure's case: the first turn that evicts is the one before the question. It holds nothing
+    on the host at its prefill, which is scored anyway (it may evict: `trigger.may_fire`) and becomes the
+    branch's habit, so the question chooses segments by contrast with it. Unscored, the question had no
+    habit and ranked the fact among the template and the previous answer by raw attention."""
+    recall_server.flush()
+    scored0 = host_state(recall_server)["prefills_scored"]
+    turns = [FACT, *fillers(71, 1), "What is the vault code? Answer with the number only."]
+    infos, _ = session(recall_server, SNAP, turns)
+    shape = [(r["evicted"], r["segments"]) for r in infos]
+    assert infos[0]["evicted"] == 0 < infos[1]["evicted"], shape  # the turn before the question evicts first
+    assert infos[1]["segments"] == 0 < infos[2]["segments"], shape  # no habit there; the question contrasts
+    assert host_state(recall_server)["prefills_scored"] - scored0 >= 2
+    recall_server.flush()
+    state = host_state(recall_server)
+    assert state["host_used"] == 0 and state["host_branches"] == 0, state
+
+
 def test_a_request_never_recalls_another_configs_or_branchs_entries(recall_server: Server):
     """Host entries ride on the compressed node they were demoted from and follow its fingerprint.
 

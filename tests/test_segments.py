@@ -55,5 +55,4 @@ def test_contrast_keeps_what_only_this_turn_attends() -> None:
     scores = torch.tensor([5.5, 3.0, 2.0, 0.25, 4.0])  # this turn: the fact at 1, the last answer at 4
     got = segments.contrast(scores, habit)
     torch.testing.assert_close(got, torch.tensor([0.5, 2.0, 0.0, 0.0, 0.0]))  # past the habit: no baseline
-    assert segments.contrast(scores, None) is scores  # the branch's first scored turn ranks by its own
     assert float(habit[0]) == 5.0  # the habit is not written

@@ -42,7 +42,13 @@ def take(s: st.ReqState) -> None:
     s.recall.host_src = None
     got = src.host_entries if src is not None else None
     pool = s.ctx.host
-    if got is None or got.count == 0 or pool is None:
+    if got is None or pool is None:
+        return
+    if got.count == 0:  # nothing on the host (the LRU took it): what the branch attended still counts
+        if s.recall.host is None:
+            s.recall.host = host.HostEntries()
+        if s.recall.host.habit is None:
+            s.recall.host.habit = got.habit
         return
     mine = pool.copy(got)
     if mine is None:

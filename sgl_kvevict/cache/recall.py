@@ -65,6 +65,7 @@ from sgl_kvevict.cache import (
     host,
     retrieval_heads,
     segments,
+    trigger,
 )
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.recall_core import SwapPositions, account, best_entries, mark_stale
@@ -191,6 +192,7 @@ def append(req: Any, s: st.ReqState) -> int:
     evictable: SGLang's next memory check must not retract for it). Returns `a` (0: nothing appended;
     the turn's other recalls are unchanged)."""
     demote.take(s)
+    member = _segment_members(s)
     kv, rt = req.kv, s.ctx.rt
     if (
         s.recall.host is None
@@ -208,17 +210,11 @@ def append(req: Any, s: st.ReqState) -> int:
     a = min(
         s.recall.tokens, s.slot_map.own_evicted, s.recall.host.count, int(rt.req_to_token.shape[1]) - kv_len
     )
-    member = _segment_members(s)
     paged = None, 0
-    while (
-        a > 0 and member is None
-    ):  # a paged append (segments score every host key: flat) picks from the fetched pages: at least (n - 1) * page + 1 real columns
-        paged = _paged(s.ctx, s.recall.host, a)
-        sums, n_sel = paged
-        room = a if sums is None else min(a, (n_sel - 1) * sums.page + 1)
-        if room == a:
-            break
-        a = room
+    if (
+        member is None and a > 0
+    ):  # segments score every host key (flat); a paged append picks from fetched pages
+        a, paged = _paged_room(s, a)
     if a <= 0 or w <= 0 or free_slots(rt) < 2 * a:
         return 0
     one = Recall.start(req, s, kv_len, length, lo, hi, a, paged=paged)
@@ -235,16 +231,35 @@ def append(req: Any, s: st.ReqState) -> int:
     return one.finish()
 
 
+def _paged_room(s: st.ReqState, a: int) -> tuple[int, tuple[host.PageSummaries | None, int]]:
+    """The append's count and its fetched pages: it picks from the pages `_paged` fetches for `a`, which
+    hold at least `(n - 1) * page + 1` real columns, so `a` shrinks to that until they agree."""
+    while True:
+        paged = _paged(s.ctx, s.recall.host, a)
+        sums, n_sel = paged
+        room = a if sums is None else min(a, (n_sel - 1) * sums.page + 1)
+        if room == a or room <= 0:
+            return room, paged
+        a = room
+
+
 def _segment_members(s: st.ReqState) -> torch.Tensor | None:
     """`[L, H, C]` bool: the branch's host entries inside the segments this turn's prefill chose
-    (`segments.py`); None when it scored none. The scores are used once."""
+    (`segments.py`); None when it scored none. The scores are used once, then kept as the branch's habit
+    (with its host entries; a branch that holds none yet keeps it in an empty `HostEntries`)."""
     scores, s.recall.position_scores = s.recall.position_scores, None
     own, s.recall.scored_from = s.recall.scored_from, None
-    e, cfg = s.recall.host, s.ctx.settings.recall
-    if scores is None or e is None or e.positions is None or not cfg.segments:
+    cfg = s.ctx.settings.recall
+    if scores is None or not cfg.segments:
         return None
+    if s.recall.host is None:
+        s.recall.host = host.HostEntries()
+    e = s.recall.host
     habit, e.habit = e.habit, scores  # this turn is the next one's habit
+    if habit is None or e.positions is None or e.count == 0:
+        return None  # the branch's first scored turn has nothing to contrast with: entries rank one by one
     chosen = segments.choose(segments.contrast(scores[:own], habit), cfg.segment_tokens, cfg.segments)
+    s.recall.segments += int(chosen.sum())
     return segments.members(e.positions[..., : e.count], chosen, cfg.segment_tokens)
 
 
@@ -665,6 +680,8 @@ def _plan_arm(req: Any, s: st.ReqState, decode: bool) -> bool:
             return False  # a chunk with more to come: the last chunk's queries recall
     demote.take(s)
     if s.recall.host is None or s.recall.host.count == 0 or s.slot_map.comp_slots == 0:
+        if both and trigger.may_fire(req, s):
+            exact_prefill.arm_scores(req, s)  # nothing to recall yet: this turn's scores are the habit
         return False
     if both:
         m = s.slot_map.slots_for(int(req.prefix_len))

@@ -42,6 +42,7 @@ def stats(req: Any) -> dict[str, Any] | None:
             host_tokens=s.recall.host_peak,
             peak_kv_tokens=max(s.counters.kv_peak, int(req.kv.kv_committed_len)),
             recall_skipped=s.recall.skipped,
+            segments=s.recall.segments,
         )
     if st.DEBUG:
         out["prefix_digest"] = s.trace.prefix_digest

@@ -18,12 +18,14 @@ all 8 long-scenario sessions the full cache answers.
 
 How: while a turn's prefill attends over both tiers (`exact_prefill`, so its attention is the full
 cache's), each entry's best attention (over the turn's queries and the KV head's query heads; device,
-host and the chunk's own entries alike) is added to its logical position's score (`add`). The append
-takes the contrast with the habit (`contrast`; the scores become the next turn's habit), picks the
-`segments` segments of `segment_tokens` positions whose best position stands out most, each with the
-segment after it (what follows an attended token is what an answer copies: a code's last digits;
-`choose`), and ranks their host entries first in every layer and head (`members`); the rest of its `R`
-entries per layer and head are ranked one by one as before. Logical positions of host entries are
+host and the chunk's own entries alike) is added to its logical position's score (`add`). A turn whose
+branch holds nothing on the host yet is scored too when it may evict (`trigger.may_fire`), so the first
+turn that recalls has a habit. The append takes the contrast with the habit (`contrast`; the scores
+become the next turn's habit), picks the `segments` segments of `segment_tokens` positions whose best
+position stands out most, each with the segment after it (what follows an attended token is what an
+answer copies: a code's last digits; `choose`), and ranks their host entries first in every layer and
+head (`members`); the rest of its `R` entries per layer and head are ranked one by one as before, and so
+are all of them in a branch's first scored turn (no habit). Logical positions of host entries are
 tracked whenever segments are on (`state.tracks_positions`).
 """
 
@@ -37,10 +39,8 @@ SINKS = 4  # the first positions every query attends to by habit: never evidence
 def add(
     scores: torch.Tensor | None, positions: torch.Tensor, best: torch.Tensor, tokens: int
 ) -> torch.Tensor:
-    """`scores` (`[tokens]`, fp32, or None to start) plus each host entry's `best` attention (`[H, C]`)
-    at its logical position (`positions` `[H, C]`, on the host)."""
-    if positions.numel():
-        tokens = max(tokens, int(positions.max()) + 1)
+    """`scores` (`[tokens]`, fp32, or None to start; grown to `tokens`, which is past every position)
+    plus each entry's `best` attention (`[H, C]`) at its logical position (`positions` `[H, C]`)."""
     if scores is None or scores.numel() < tokens:
         grown = torch.zeros(tokens, dtype=torch.float32, device=best.device)
         if scores is not None:
@@ -50,13 +50,11 @@ def add(
     return scores.index_add_(0, at, best.float().reshape(-1))
 
 
-def contrast(scores: torch.Tensor, habit: torch.Tensor | None) -> torch.Tensor:
+def contrast(scores: torch.Tensor, habit: torch.Tensor) -> torch.Tensor:
     """What this turn attends to more than the branch's previous scored turn did (`habit`, its own
     scores, same positions), never below 0: a turn's template and the words every question shares draw
     both turns alike and cancel; what only this turn looks up stands out. Positions past the habit (the
     previous turn's answer) have no baseline: drawn by recency, their attention is no evidence (0)."""
-    if habit is None:
-        return scores
     n = min(scores.numel(), habit.numel())
     out = torch.zeros_like(scores)
     out[:n] = (scores[:n] - habit[:n].to(scores)).clamp_min(0)

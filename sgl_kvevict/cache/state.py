@@ -233,6 +233,7 @@ class RecallState:
     # summed over every layer and KV head (`segments.add`); None when not scored
     position_scores: torch.Tensor | None = None
     scored_from: int | None = None  # the logical position of the scored turn's first own token
+    segments: int = 0  # segments the request's appends chose by contrast (`segments.choose`)
     steps: int = 0  # decode steps since the last recall
     # a recall swapped entries into the compacted history since it was last formed: it is no longer
     # the stored node it was adopted from (the tree must not treat it as a duplicate of that node)

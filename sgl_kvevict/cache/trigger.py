@@ -58,8 +58,21 @@ def prepare(req: Any, phase: Phase) -> Job | None:
 
 def fires(req: Any, s: st.ReqState, phase: Phase) -> tuple[int, int, int, int] | None:
     """`(n, n_sink, n_recent, budget)` of the request's region when its policy's trigger fires, else None."""
+    return _counts(s, req.kv.kv_committed_len - s.slot_map.anchor_kv, phase)
+
+
+def may_fire(req: Any, s: st.ReqState) -> bool:
+    """Whether the request's trigger can fire before its turn ends: `fires`' test at the longest the turn
+    can grow to (its prompt and every token it may still generate), from host counts only."""
+    most = getattr(req.sampling_params, "max_new_tokens", None)
+    if most is None:
+        return True
+    end = s.slot_map.slots_for(len(req.origin_input_ids) + int(most))
+    return _counts(s, end - s.slot_map.anchor_kv, "prefill") is not None
+
+
+def _counts(s: st.ReqState, n: int, phase: Phase) -> tuple[int, int, int, int] | None:
     cfg = s.policy.config
-    n = req.kv.kv_committed_len - s.slot_map.anchor_kv
     if n <= 0:
         return None
     n_sink = max(0, min(cfg.sinks - s.slot_map.anchor_tokens, n))
