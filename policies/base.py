@@ -60,7 +60,8 @@ class PolicyConfig(BaseModel):
     scope: Literal["request", "branch"] = Field(
         "request",
         description="what one budget caps: the request's new tokens ('request'), or the branch's whole own "
-        "history since its branch point, earlier turns included ('branch')",
+        "history since its branch point, earlier turns included ('branch'); a server that recalls "
+        "(--kv-recall-tokens) defaults --kv-scope to 'branch'",
     )
     shared_prefix: int = Field(
         0,

@@ -394,10 +394,17 @@ def test_cpu_servers_wait_passively_unless_told(monkeypatch) -> None:
             {"scope": "branch"},
         ),
         (["--kv-policy", "lagkv", "--kv-scope", "request"], {}),  # the default, written as no config
+        (["--kv-policy", "lagkv", "--kv-recall-tokens", "8"], {"scope": "branch"}),  # recalls: branch
+        (["--kv-policy", "lagkv", "--kv-recall-tokens", "8", "--kv-scope", "request"], {}),
+        (
+            ["--kv-policy", "lagkv", "--kv-recall-tokens", "8", "--kv-policy-config", '{"scope": "request"}'],
+            {"scope": "request"},
+        ),
     ],
 )
 def test_scope_flag_and_policy_config_agree(monkeypatch, capsys, args, want):
-    """`--kv-scope` and `--kv-policy-config '{"scope": ...}'` are two spellings of one field."""
+    """`--kv-scope` and `--kv-policy-config '{"scope": ...}'` are two spellings of one field; given
+    neither way, a server that recalls runs in branch scope."""
     import os
 
     from sgl_kvevict.config import ENV_VAR, KvConfig

@@ -95,12 +95,12 @@ def test_the_server_runs_without_test_settings(product_server: Server):
 
 def test_a_long_prompt_is_compressed(product_server: Server):
     """The server's own policy (no override): a 1,200-token prompt under budget 0.5 is evicted, and
-    `meta_info` and the server's totals say so."""
+    `meta_info` and the server's totals say so. The server recalls and names no scope: branch scope."""
     before = pool(product_server)
     ids = chat_ids([{"role": "user", "content": long_text(1200, seed=7)}])
     out = product_server.generate(input_ids=ids, max_new_tokens=8)
     info = out["meta_info"]["kvevict"][0]
-    assert info["policy"] == "lagkv" and not info["failed"], info
+    assert info["policy"] == "lagkv" and info["scope"] == "branch" and not info["failed"], info
     assert info["evicted"] > 0 and info["kv_tokens"] < info["logical_tokens"], info
     after = pool(product_server)
     assert after["compressions"] > before["compressions"], (before, after)

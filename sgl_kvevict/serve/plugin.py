@@ -90,13 +90,17 @@ def _given(ns: argparse.Namespace, flag: str):
     return getattr(ns, FLAG[flag].dest, None)
 
 
-def _kv_config(ns: argparse.Namespace, policy: str) -> KvConfig:
+def _kv_config(ns: argparse.Namespace, policy: str, recalls: bool) -> KvConfig:
     """`--kv-policy`, `--kv-budget`, `--kv-scope`, `--kv-policy-config` -> the server's config.
 
     The scope may come from `--kv-scope` or from `--kv-policy-config '{"scope": ...}'` (the spelling a
-    request uses); given both ways, they must agree (exit 2 otherwise)."""
+    request uses); given both ways, they must agree (exit 2 otherwise). Given neither way, it is `branch`
+    on a server that recalls (`recalls`): one budget caps a conversation's whole history, and what an
+    earlier turn lost comes back from the host when a later turn asks for it."""
     conf = dict(_given(ns, "--kv-policy-config") or {})
     scope = _given(ns, "--kv-scope")
+    if scope is None and "scope" not in conf and recalls:
+        conf["scope"] = "branch"
     if scope is not None:
         if conf.get("scope", scope) != scope:
             _fail(
@@ -136,10 +140,10 @@ def _apply(ns: argparse.Namespace) -> None:
     """Validate our flags in `ns`, publish the config and settings to child processes (environment),
     pick our radix cache. Raises FlagError naming what is refused."""
     policy = ns.kv_policy or FLAG["--kv-policy"].default
-    cfg = _kv_config(ns, policy)
-    os.environ[ENV_VAR] = cfg.to_env()
     model_cfg = _model_config(ns)
     settings = _server_settings(ns, model_cfg)
+    cfg = _kv_config(ns, policy, recalls=settings.recall_tokens > 0 and policy != "none")
+    os.environ[ENV_VAR] = cfg.to_env()
     if cfg.active:
         settings = _capture_settings(ns, cfg, settings)
     if settings.recall_tokens and not cfg.active:
