@@ -109,7 +109,8 @@ def arm_scores(req: Any, s: st.ReqState) -> None:
 
 
 def _arm(req: Any, s: st.ReqState, cols: torch.Tensor) -> None:
-    s.ctx.exact_armed[req.kv.req_pool_idx] = ExactArm(req, s, cols, scores=st.tracks_positions(s.ctx))
+    scores = s.ctx.settings.recall.segments > 0  # (which tracks every entry's logical position)
+    s.ctx.exact_armed[req.kv.req_pool_idx] = ExactArm(req, s, cols, scores=scores)
 
 
 def disarm(ctx: KvEvictContext, row: int) -> ExactArm | None:
