@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_kvevict.cache import host
 from sgl_kvevict.cache import state as st
 
 logger = logging.getLogger("sgl_kvevict")
@@ -45,10 +44,8 @@ def take(s: st.ReqState) -> None:
     if got is None or pool is None:
         return
     if got.count == 0:  # nothing on the host (the LRU took it): what the branch attended still counts
-        if s.recall.host is None:
-            s.recall.host = host.HostEntries()
-        if s.recall.host.habit is None:
-            s.recall.host.habit = got.habit
+        mine = s.recall.entries()
+        mine.habit = mine.habit if mine.habit is not None else got.habit
         return
     mine = pool.copy(got)
     if mine is None:
@@ -83,9 +80,7 @@ def plan_demote(s: st.ReqState, a: int, slots: torch.Tensor, keep: torch.Tensor)
         n, k = int(slots.numel()), int(keep.shape[-1])
         if k >= n:
             return None
-        if s.recall.host is None:
-            s.recall.host = host.HostEntries()
-        cols = pool.alloc(n - k, keep=s.recall.host)
+        cols = pool.alloc(n - k, keep=s.recall.entries())
         if cols is None:
             return None
         ev = evicted_indices(keep, n)  # [L, H, e]

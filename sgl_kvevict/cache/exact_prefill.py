@@ -49,6 +49,11 @@ class ExactArm:
     seen: torch.Tensor | None = None
     tokens: int = 0
 
+    @property
+    def reads_host(self) -> bool:
+        """False for a chunk that only scores (its branch holds nothing on the host): SGLang's output stands."""
+        return bool(self.cols.numel())
+
 
 def attend(
     q: torch.Tensor,
@@ -103,13 +108,14 @@ def arm(req: Any, s: st.ReqState) -> bool:
 def arm_scores(req: Any, s: st.ReqState) -> None:
     """Score the request's next prefill chunk where its branch holds nothing on the host yet, when the
     turn may evict: what it attends becomes the next turn's habit (`segments.contrast`), so the first
-    turn that recalls has one. SGLang's attention output is kept (its product is the same over the row)."""
+    turn that recalls has one. SGLang's attention output is kept (its product is the same over the row).
+    Nothing to arm without segments."""
     if s.ctx.settings.recall.segments:
         _arm(req, s, torch.zeros(0, dtype=torch.int64))
 
 
 def _arm(req: Any, s: st.ReqState, cols: torch.Tensor) -> None:
-    scores = s.ctx.settings.recall.segments > 0  # (which tracks every entry's logical position)
+    scores = s.ctx.settings.recall.segments > 0  # (segments on: every entry's logical position is tracked)
     s.ctx.exact_armed[req.kv.req_pool_idx] = ExactArm(req, s, cols, scores=scores)
 
 
@@ -138,7 +144,7 @@ def after_attention(result, layer_mod, q, k, v, forward_batch, *args, **kwargs):
         try:
             if layer_mod.logit_cap:
                 raise ValueError("a layer with a logit cap: the product here does not cap")
-            if layer == 0 and st.DEBUG and one.cols.numel():
+            if layer == 0 and st.DEBUG and one.reads_host:
                 _debug_both_tiers(one, int(seq_lens[i]) - n)
             slots = rt.req_to_token[row, : int(seq_lens[i])].to(torch.int64)
             got = attend_row(
@@ -177,7 +183,7 @@ def attend_row(
             if r.scored_from is None:  # the turn's own tokens start here: its choice ranks what precedes
                 r.scored_from = one.s.slot_map.tokens_for(m)
         r.position_scores = segments.add(r.position_scores, one.seen[layer], best, one.tokens)
-    return out if one.cols.numel() else None
+    return out if one.reads_host else None
 
 
 def _finish(one: ExactArm, kv_len: int) -> None:
@@ -185,7 +191,7 @@ def _finish(one: ExactArm, kv_len: int) -> None:
     governs the tokens after a chunk that saw host entries (they attend to the row only)."""
     s, pool, rt = one.s, one.s.ctx.host, one.s.ctx.rt
     pool.totals.prefills_scored += one.scores
-    if one.cols.numel():
+    if one.reads_host:
         pool.totals.prefill_bytes_read += (
             int(one.cols.numel()) * 2 * rt.n_kv_heads * rt.head_dim * pool.k.element_size() * rt.n_layers
         )

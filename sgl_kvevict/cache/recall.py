@@ -252,9 +252,7 @@ def _segment_members(s: st.ReqState) -> torch.Tensor | None:
     cfg = s.ctx.settings.recall
     if scores is None or not cfg.segments:
         return None
-    if s.recall.host is None:
-        s.recall.host = host.HostEntries()
-    e = s.recall.host
+    e = s.recall.entries()
     habit, e.habit = e.habit, scores  # this turn is the next one's habit
     if habit is None or e.positions is None or e.count == 0:
         return None  # the branch's first scored turn has nothing to contrast with: entries rank one by one

@@ -248,6 +248,13 @@ class RecallState:
     skipped: int = 0
     host_peak: int = 0
 
+    def entries(self) -> host_tier.HostEntries:
+        """The request's host entries, an empty set when it holds none yet (what a demotion appends to,
+        and what keeps the branch's habit before anything is demoted)."""
+        if self.host is None:
+            self.host = host_tier.HostEntries()
+        return self.host
+
     def drop_host(self, pool: host_tier.HostPool | None) -> None:
         """Give the request's host entries back to `pool`: no stored history took them."""
         host_tier.release(pool, self.host)
