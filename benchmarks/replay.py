@@ -63,8 +63,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from tqdm import tqdm
 
-from sgl_kvevict.scenarios import build
-from sgl_kvevict.scenarios.base import Scenario, ScenarioConfig, Session
+from sgl_kvevict.scenarios import BUILDERS, build
+from sgl_kvevict.scenarios.base import Scenario, ScenarioConfig, Session, Turn
+from sgl_kvevict.scenarios.locomo import f1
 from sgl_kvevict.scenarios.recall import correct
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -276,10 +277,10 @@ class Replayer:
         config = {"shared_prefix": len(self.chat.start(s.system)), **self.kv.get("config", {})}
         return {**self.kv, "config": config}
 
-    def _record(
-        self, s: Session, t: int, b: int, prompt: list[int], call: rc.Call, expect: str | None
-    ) -> None:
+    def _record(self, s: Session, t: int, b: int, prompt: list[int], call: rc.Call, turn: Turn) -> None:
         meta = call.meta
+        reference = turn.references[b] if turn.references else None
+        expect = turn.expect if reference is None else reference
         stats = (meta.get("kvevict") or [None])[-1]
         kv_tokens = stats["kv_tokens"] if stats else None
         sent = (self.kv or {}).get("policy", "none")
@@ -329,7 +330,8 @@ class Replayer:
             "answer": call.text,
             "output_ids": call.output_ids,
             "expect": expect,
-            "correct": correct(call.text, expect) if expect is not None else None,
+            "correct": correct(call.text, expect) if turn.expect is not None and reference is None else None,
+            "f1": f1(call.text, reference) if reference is not None else None,
             "error": call.error,
         }
         with self.lock:
@@ -338,6 +340,8 @@ class Replayer:
             self.bar.update(1)
 
     def session(self, s: Session) -> None:
+        if s.api == "chat":
+            return self.chat_session(s)
         chat, cfg = self.chat, self.cfg
         kv = self.kv_for(s)
         with self.lock:
@@ -352,21 +356,43 @@ class Replayer:
                 ids + sum((chat.message(m.role, m.content) for m in br), []) + chat.gen_prompt
                 for br in turn.branches
             ] or [ids + chat.gen_prompt]
-            if len(prompts) > 1:
-                with ThreadPoolExecutor(len(prompts)) as ex:
-                    calls = list(
-                        ex.map(
-                            lambda p, n=mnt: rc.generate(self.url, p, n, kv, cfg.stream, routing_key=key),
-                            prompts,
-                        )
-                    )
-            else:
-                calls = [rc.generate(self.url, prompts[0], mnt, kv, cfg.stream, routing_key=key)]
+            calls = self._each(
+                prompts, lambda p, n=mnt: rc.generate(self.url, p, n, kv, cfg.stream, routing_key=key)
+            )
             for b, (p, c) in enumerate(zip(prompts, calls, strict=True)):
-                self._record(s, t, b, p, c, turn.expect)
+                self._record(s, t, b, p, c, turn)
             if calls[0].error:
                 return
-            ids = prompts[0] + chat.after_answer(calls[0].output_ids)
+            answer = chat.encode(turn.reply) + chat.end_ids if turn.reply is not None else None
+            ids = prompts[0] + (answer or chat.after_answer(calls[0].output_ids))
+
+    def chat_session(self, s: Session) -> None:
+        """A session through the OpenAI chat API: the history is messages, the server renders them."""
+        kv = self.kv_for(s)
+        with self.lock:
+            self.kvs[s.id] = kv
+        msgs = [{"role": "system", "content": s.system}] if s.system is not None else []
+        for t, turn in enumerate(s.turns):
+            msgs = msgs + [{"role": m.role, "content": m.content} for m in turn.inputs]
+            mnt = turn.answer_cap(self.cfg.max_new_tokens)
+            asks = [msgs + [{"role": m.role, "content": m.content} for m in br] for br in turn.branches] or [
+                msgs
+            ]
+            calls = self._each(asks, lambda m, n=mnt: rc.chat(self.url, m, n, kv))
+            for b, c in enumerate(calls):
+                self._record(s, t, b, [], c, turn)
+            if calls[0].error:
+                return
+            reply = turn.reply if turn.reply is not None else calls[0].text
+            msgs = asks[0] + [{"role": "assistant", "content": reply}]
+
+    @staticmethod
+    def _each(prompts: list[Any], call: Any) -> list[rc.Call]:
+        """One call per prompt; a fork's branches are sent at once."""
+        if len(prompts) == 1:
+            return [call(prompts[0])]
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            return list(ex.map(call, prompts))
 
     def run(self, sessions: list[Session]) -> float:
         t0 = time.time()
@@ -387,7 +413,11 @@ def score(
     if cfg.score == "none":
         return {}
     last = {s.id: len(s.turns) - 1 for s in sessions}
-    keys = [k for k in prompts if k[2] == 0 and (cfg.score == "all" or k[1] == last[k[0]]) and base.get(k)]
+    keys = [
+        k
+        for k in prompts
+        if prompts[k] and k[2] == 0 and (cfg.score == "all" or k[1] == last[k[0]]) and base.get(k)
+    ]
     out = {}
     for k in tqdm(sorted(keys), desc="score", file=sys.stderr, leave=False):
         out["/".join(map(str, k))] = rc.loglik(url, prompts[k], base[k], kvs.get(k[0]))
@@ -553,9 +583,16 @@ def parse(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument(
         "--scenarios",
         default="agent,recall",
-        help="comma list of: agent, recall, recall-code, forks, long, sharegpt",
+        help="comma list of: " + ", ".join(BUILDERS),
     )
-    p.add_argument("--scenario-path", help="sharegpt/OpenAI-messages JSON or JSONL file (scenario sharegpt)")
+    p.add_argument(
+        "--scenario-path",
+        help="sharegpt: a ShareGPT/OpenAI-messages JSON or JSONL file; locomo: LoCoMo's locomo10.json or folder",
+    )
+    p.add_argument(
+        "--conversations", default="6-10", help="locomo: conversations to replay (1-5 are held out)"
+    )
+    p.add_argument("--questions", type=int, default=12, help="locomo: questions per conversation at most")
     p.add_argument("--sessions", type=int, default=4, help="sessions per scenario")
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
@@ -659,6 +696,8 @@ def _config(a: argparse.Namespace) -> BenchConfig:
             question_forks=a.question_forks,
             plant_room=a.plant_room,
             path=a.scenario_path,
+            conversations=a.conversations,
+            questions=a.questions,
         ),
         concurrency=a.concurrency,
         max_new_tokens=a.max_new_tokens,

@@ -137,6 +137,36 @@ def generate(
     )
 
 
+def chat(
+    url: str, messages: list[dict[str, str]], max_tokens: int, kv: dict | None, timeout: float = 3600
+) -> Call:
+    """One greedy turn through the OpenAI chat API (not streamed: no TTFT); SGLang renders the template,
+    and `return_meta_info` brings back the same `meta_info` a `/generate` call has."""
+    body: dict[str, Any] = {
+        "model": "default",
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_meta_info": True,
+    }
+    if kv:
+        body["custom_params"] = {"kvevict": kv}
+    t0 = time.time()
+    try:
+        r = requests.post(url + "/v1/chat/completions", json=body, timeout=timeout)
+        r.raise_for_status()
+        j = r.json()
+    except (requests.RequestException, ValueError) as e:
+        t1 = time.time()
+        return Call("", [], {}, None, t1 - t0, t0, t1, error=f"{type(e).__name__}: {e}")
+    t1 = time.time()
+    choice = j["choices"][0]
+    meta = dict(choice.get("meta_info") or {})
+    meta.setdefault("prompt_tokens", j["usage"]["prompt_tokens"])
+    meta.setdefault("completion_tokens", j["usage"]["completion_tokens"])
+    return Call(choice["message"]["content"] or "", [], meta, None, t1 - t0, t0, t1)
+
+
 def loglik(
     url: str, prompt: list[int], answer: list[int], kv: dict | None, timeout: float = 3600
 ) -> dict[str, float] | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import agent, forks, long, recall, sharegpt
+from . import agent, chatloop, composed, forks, locomo, long, multikey, recall, sharegpt
 from .base import Scenario, ScenarioConfig
 
 BUILDERS: dict[str, Callable[[ScenarioConfig], Scenario]] = {
@@ -14,6 +14,11 @@ BUILDERS: dict[str, Callable[[ScenarioConfig], Scenario]] = {
     "forks": forks.build,
     "long": long.build,
     "sharegpt": sharegpt.build,
+    "composed": composed.build,
+    "composed-chat": composed.build_chat,
+    "chatloop": chatloop.build,
+    "multikey": multikey.build,
+    "locomo": locomo.build,
 }
 
 

@@ -10,6 +10,7 @@ branch's answer continues the session.
 from __future__ import annotations
 
 import random
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,6 +30,16 @@ class Turn(BaseModel):
         default_factory=list, description="fork: sent concurrently after inputs"
     )
     expect: str | None = Field(None, description="exact string the answer must contain (recall check)")
+    references: list[str] = Field(
+        default_factory=list,
+        description="one reference answer per branch, scored by token F1 (a dataset's own metric) instead "
+        "of `expect`",
+    )
+    reply: str | None = Field(
+        None,
+        description="client-composed turn: the client writes the assistant's reply; the request generates "
+        "`max_new_tokens` (1 by default) and the history continues with this reply, not the model's",
+    )
     max_new_tokens: int | None = Field(None, description="overrides the benchmark's default for this turn")
     min_new_tokens: int | None = Field(
         None, ge=1, description="the answer cap never goes below this, whatever the benchmark's default"
@@ -41,8 +52,10 @@ class Turn(BaseModel):
         fact gets at least `min_new_tokens`, because an echo cut mid-value is a wrong copy of the fact
         in the history.
         """
-        if self.expect is not None and self.max_new_tokens:
+        if (self.expect is not None or self.references) and self.max_new_tokens:
             return self.max_new_tokens
+        if self.reply is not None:
+            return self.max_new_tokens or 1
         return max(min(default, self.max_new_tokens or default), self.min_new_tokens or 1)
 
 
@@ -51,6 +64,10 @@ class Session(BaseModel):
     id: str
     kind: str
     system: str | None = None
+    api: Literal["generate", "chat"] = Field(
+        "generate",
+        description="generate: token ids through /generate; chat: messages through /v1/chat/completions",
+    )
     turns: list[Turn]
 
 
@@ -89,7 +106,13 @@ class ScenarioConfig(BaseModel):
         description="recall chat and long: answer tokens the plant's turn gets at least, whatever the benchmark's "
         "cap (0: the cap; an echo of the fact cut mid-value is a wrong copy of it)",
     )
-    path: str | None = Field(None, description="sharegpt: the JSON/JSONL file to load")
+    path: str | None = Field(None, description="sharegpt, locomo: the JSON/JSONL file or folder to load")
+    conversations: str = Field(
+        "6-10",
+        pattern=r"^\d+(-\d+)?(,\d+(-\d+)?)*$",
+        description="locomo: the dataset's conversations to replay, 1-based (e.g. 6-10)",
+    )
+    questions: int = Field(12, ge=1, le=200, description="locomo: questions asked per conversation at most")
 
 
 def rng_for(seed: int, *keys: object) -> random.Random:

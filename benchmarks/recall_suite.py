@@ -1,0 +1,220 @@
+"""The recall suite: task families that no recall design was tuned on, one table.
+
+    HF_HUB_OFFLINE=1 python benchmarks/recall_suite.py --locomo-path <LoCoMo locomo10.json or folder> \\
+        --policies snapkv,d2o,h2o,knorm,lagkv --fractions 0.12,0.18,0.25 --out results/recall-suite
+
+One server (started here, or `--url`) with the host tier on (`--kv-recall-tokens`, branch scope); per
+family, the full cache (`none`) runs first, then each policy at each fraction of the family's context on
+the device, with recall at the server's defaults and without it (`recall_tokens: 0` per request). A
+fraction becomes a token budget per family: `fraction x` the family's median context at the question,
+less what the device holds besides the budget while answering (the recalled entries, the sinks and the
+recent window), so that the cell's device KV is about that fraction; the table prints the measured one.
+
+Families (sizes in `FAMILIES`, each calibrated so that the full cache answers at least 10 of 12):
+
+- `recall-code`: the recall scenario as it is (the model's own answers, topical notes, a code in turn 1);
+- `composed`, `composed-chat`: client-composed histories (the client writes every reply; each turn
+  generates one token), through `/generate` with token ids and through the OpenAI chat API;
+- `chatloop`: the model's own replies re-sent, filler of logs, word lists, code and JSON tool output, the
+  fact in the middle or the last third;
+- `multikey`: three facts of three shapes (digits, a name, an identifier) at the start, middle and last
+  third, one asked;
+- `forks`: `recall-code` with the question asked by two branches at once off one stored history;
+- `locomo`: LoCoMo conversations 6-10 (1-5 are held out), the dataset's questions as branches, token F1.
+
+Cells: answered / sessions (F1 x 100 for `locomo`) beside the full cache's, then the device KV while
+answering as a percent of the context. The memory-pressure replay is `benchmarks/replay.py`'s own
+command (docs/benchmarks.md). Writes `suite.json` and `suite.md` under `--out`, one replay folder per
+family and run beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import replay  # noqa: E402
+
+from sgl_kvevict.scenarios.base import ScenarioConfig  # noqa: E402
+
+# family -> (scenario, its sizes, answer cap for the other turns). Calibrated with the full cache.
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "recall-code": ("recall-code", {"turns": 10, "filler_tokens": 150}),
+    "composed": ("composed", {"turns": 14, "filler_tokens": 120}),
+    "composed-chat": ("composed-chat", {"turns": 14, "filler_tokens": 120}),
+    "chatloop": ("chatloop", {"turns": 12, "filler_tokens": 150}),
+    "multikey": ("multikey", {"turns": 12, "filler_tokens": 150}),
+    "forks": ("recall-code", {"turns": 10, "filler_tokens": 150, "question_forks": 2}),
+    "locomo": ("locomo", {"turns": 10, "filler_tokens": 200}),
+}
+SINKS_AND_WINDOW = 36  # what every policy keeps besides its budget (4 sinks + a 32-token recent window)
+MIN_BUDGET = 16
+
+
+def question_turns(run: dict[str, Any]) -> list[dict[str, Any]]:
+    return [t for t in run["turns"] if t["expect"] is not None and not t["error"]]
+
+
+def score(run: dict[str, Any]) -> tuple[float, int]:
+    """(answered, asked), or (mean F1, asked) for a family scored by F1."""
+    qs = question_turns(run)
+    if qs and qs[0]["f1"] is not None:
+        return (statistics.fmean(t["f1"] for t in qs), len(qs))
+    return (float(sum(bool(t["correct"]) for t in qs)), len(qs))
+
+
+def device_share(run: dict[str, Any]) -> float | None:
+    """Median over questions of the KV slots the answer read over, as a share of its context."""
+    xs = [
+        (t["peak_kv_tokens"] or t["kv_tokens"]) / t["prompt_tokens"]
+        for t in question_turns(run)
+        if (t["peak_kv_tokens"] or t["kv_tokens"]) and t["prompt_tokens"]
+    ]
+    return statistics.median(xs) if xs else None
+
+
+def budget_for(fraction: float, context: int, recall_tokens: int) -> int:
+    return max(MIN_BUDGET, round(fraction * context) - recall_tokens - SINKS_AND_WINDOW)
+
+
+def cell(value: tuple[float, int], f1: bool) -> str:
+    return f"{100 * value[0]:.1f}" if f1 else f"{value[0]:.0f}/{value[1]}"
+
+
+def table(rows: dict[str, dict[str, Any]], families: list[str], f1_families: set[str]) -> str:
+    head = "| run | " + " | ".join(families) + " |\n|---|" + "---|" * len(families) + "\n"
+    lines = []
+    for name, by_family in rows.items():
+        cells = []
+        for fam in families:
+            r = by_family.get(fam)
+            if r is None:
+                cells.append("")
+                continue
+            text = cell(r["score"], fam in f1_families)
+            if name != "none":
+                text += f" ({cell(r['full'], fam in f1_families)})"
+            if r["device"] is not None:
+                text += f", {100 * r['device']:.0f}%"
+            cells.append(text)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return head + "\n".join(lines) + "\n"
+
+
+def replay_cfg(a: argparse.Namespace, family: str, url: str, out: Path, policies: list[str]) -> Any:
+    scenario, sizes = FAMILIES[family]
+    return replay.BenchConfig(
+        scenarios=[scenario],
+        scenario=ScenarioConfig(
+            sessions=a.sessions, seed=a.seed, path=a.locomo_path, conversations="6-10", **sizes
+        ),
+        concurrency=a.concurrency,
+        max_new_tokens=a.max_new_tokens,
+        policies=policies,
+        policy_configs={f"{p}#norecall": {"recall_tokens": 0} for p in a.policies.split(",")},
+        budgets=[0.5],  # unused: every spec names its budget
+        server_mode="url",
+        url=url,
+        baseline=policies == ["none"],
+        score="none",
+        stream=False,
+        max_total_tokens=a.max_total_tokens,
+        out=out,
+    )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--families", default=",".join(FAMILIES), help="comma list of: " + ", ".join(FAMILIES))
+    p.add_argument("--policies", default="snapkv,d2o,h2o,knorm,lagkv")
+    p.add_argument("--fractions", default="0.12,0.18,0.25", help="device KV as a share of the context")
+    p.add_argument(
+        "--no-recall-runs",
+        dest="norecall",
+        action="store_false",
+        help="skip each policy's run without recall",
+    )
+    p.add_argument("--sessions", type=int, default=12)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--recall-tokens", type=int, default=64, help="the server's --kv-recall-tokens")
+    p.add_argument("--max-total-tokens", type=int, default=60000)
+    p.add_argument("--locomo-path", help="LoCoMo's data/locomo10.json (or its folder of ten files)")
+    p.add_argument("--url", help="a running server with the host tier on (else one is started here)")
+    p.add_argument("--server-arg", action="append", default=[], help="extra server flag (FLAG=VALUE)")
+    p.add_argument("--out", default="results/recall-suite")
+    a = p.parse_args(argv)
+    families = a.families.split(",")
+    bad = [f for f in families if f not in FAMILIES]
+    if bad:
+        p.error(f"unknown family {bad[0]!r}; valid: {', '.join(FAMILIES)}")
+    if "locomo" in families and not a.locomo_path:
+        p.error("family locomo needs --locomo-path (LoCoMo's data/locomo10.json)")
+    fractions = [float(x) for x in a.fractions.split(",")]
+    if any(not 0 < f < 1 for f in fractions):
+        p.error("--fractions are shares of the context in (0, 1)")
+    for pol in a.policies.split(","):
+        replay.parse_spec(pol)  # exits naming the valid policies
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, dict[str, Any]] = {"none": {}}
+    f1_families = {f for f in families if FAMILIES[f][0] == "locomo"}
+    with ExitStack() as stack:
+        url = a.url
+        if url is None:
+            from sgl_kvevict.serve.serverproc import Server
+
+            args = [
+                "--kv-policy",
+                "lagkv",
+                "--kv-recall-tokens",
+                str(a.recall_tokens),
+                "--max-total-tokens",
+                str(a.max_total_tokens),
+            ]
+            args += [x for arg in a.server_arg for x in arg.split("=", 1)]
+            url = stack.enter_context(Server(args, log_path=out / "server.log")).url
+        for fam in families:
+            print(f"[suite] {fam}: full cache", file=sys.stderr)
+            full = replay.main(replay_cfg(a, fam, url, out / fam / "none", ["none"]))["runs"][0]
+            context = round(statistics.median(t["prompt_tokens"] for t in question_turns(full)))
+            base = score(full)
+            rows["none"][fam] = {"score": base, "full": base, "device": 1.0, "context": context}
+            specs = []
+            for frac in fractions:
+                b = budget_for(frac, context, a.recall_tokens)
+                for pol in a.policies.split(","):
+                    specs.append((f"{pol} {frac:.0%}", f"{pol}@branch={b}"))
+                    if a.norecall:
+                        specs.append((f"{pol} {frac:.0%} no recall", f"{pol}#norecall@branch={b}"))
+            print(f"[suite] {fam}: context {context}, {len(specs)} runs", file=sys.stderr)
+            res = replay.main(replay_cfg(a, fam, url, out / fam / "runs", [s for _, s in specs]))
+            for (name, _), run in zip(specs, res["runs"], strict=True):
+                rows.setdefault(name, {})[fam] = {
+                    "score": score(run),
+                    "full": base,
+                    "device": device_share(run),
+                    "budget": run["budget"],
+                }
+            md = table(rows, families, f1_families)
+            (out / "suite.md").write_text(md)
+            (out / "suite.json").write_text(
+                json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1)
+            )
+    print(md)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""The recall suite's task families (scenarios/composed, chatloop, multikey, locomo) and its table,
+without a server: what each family plants, where, and what it asks."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import recall_suite  # noqa: E402
+
+from sgl_kvevict.scenarios import build, chatloop, locomo  # noqa: E402
+from sgl_kvevict.scenarios.base import ScenarioConfig  # noqa: E402
+
+
+def test_composed_history_is_written_by_the_client() -> None:
+    sc = build("composed", ScenarioConfig(sessions=3, turns=6, filler_tokens=20))
+    chat = build("composed-chat", ScenarioConfig(sessions=3, turns=6, filler_tokens=20))
+    for s, c in zip(sc.sessions, chat.sessions, strict=True):
+        assert (s.api, c.api) == ("generate", "chat")
+        assert [t.inputs for t in s.turns] == [t.inputs for t in c.turns]  # the same sessions
+        *history, question = s.turns
+        assert all(t.reply is not None and t.answer_cap(24) == 1 for t in history)
+        assert question.expect and question.expect in history[0].reply  # the echo holds the code
+        assert question.reply is None and question.answer_cap(24) == 16
+        assert all(len(t.inputs[0].content.split()) == 4 + 20 for t in history[1:])
+
+
+@pytest.mark.parametrize("n_filler", [4, 10, 12])
+def test_chatloop_plants_in_the_middle_or_last_third(n_filler: int) -> None:
+    n = n_filler + 1
+    middle, late = chatloop.plant_turn(0, n_filler), chatloop.plant_turn(1, n_filler)
+    assert n / 3 <= middle < 2 * n / 3
+    assert 2 * n / 3 <= late < n
+
+
+def test_chatloop_filler_is_not_prose_and_the_fact_is_asked_last() -> None:
+    sc = build("chatloop", ScenarioConfig(sessions=8, turns=12, filler_tokens=60))
+    kinds = set()
+    for i, s in enumerate(sc.sessions):
+        texts = [t.inputs[0].content for t in s.turns]
+        plants = [k for k, x in enumerate(texts) if x.startswith("Remember this:")]
+        assert plants == [chatloop.plant_turn(i, 10)]
+        assert s.turns[-1].expect in texts[plants[0]]
+        kinds |= {x.split(":")[0].split(" (")[0] for x in texts[:-1] if not x.startswith("Remember")}
+    assert kinds == {"Log excerpt", "Word list", "Code", "Tool output"}
+
+
+def test_multikey_plants_three_shapes_and_asks_each_position() -> None:
+    sc = build("multikey", ScenarioConfig(sessions=6, turns=12, filler_tokens=40))
+    for i, s in enumerate(sc.sessions):
+        texts = [t.inputs[0].content for t in s.turns]
+        plants = [k for k, x in enumerate(texts) if x.startswith("Remember this:")]
+        assert len(plants) == 3 and plants[0] == 0 and plants[1] < plants[2] < len(texts) - 2
+        asked = s.turns[-1].expect
+        where = [k for k in plants if asked in texts[k]]
+        assert where == [plants[i % 3]]  # session i asks the i % 3-th planted fact
+    values = [s.turns[-1].expect for s in sc.sessions]
+    assert any(v.isdigit() for v in values) and any(" " in v for v in values)
+    assert any("-" in v for v in values)  # the multi-token identifier
+
+
+def _fake_locomo(tmp: Path) -> Path:
+    """Ten conversations in LoCoMo's shape (the dataset itself is not shipped)."""
+    data = []
+    for n in range(10):
+        conv = {"speaker_a": "Ann", "speaker_b": "Bob"}
+        for k in (1, 2, 3):
+            conv[f"session_{k}_date_time"] = f"day {k}"
+            conv[f"session_{k}"] = [
+                {"speaker": "Ann", "dia_id": f"D{k}:1", "text": f"In session {k} I adopted cat number {n}."},
+                {"speaker": "Bob", "dia_id": f"D{k}:2", "text": "word " * 400},
+            ]
+        qa = [
+            {"question": "Which cat?", "answer": f"cat {n}", "evidence": ["D1:1"], "category": 1},
+            {"question": "Later?", "answer": "x", "evidence": ["D3:1"], "category": 2},
+            {"question": "Trick?", "adversarial_answer": "y", "evidence": ["D1:1"], "category": 5},
+        ]
+        data.append(
+            {
+                "sample_id": f"conv-{[26, 30, 41, 42, 43, 44, 47, 48, 49, 50][n]}",
+                "qa": qa,
+                "conversation": conv,
+            }
+        )
+    path = tmp / "locomo10.json"
+    path.write_text(json.dumps(data[::-1]))  # out of order: the loader sorts by sample id
+    return path
+
+
+def test_locomo_holds_out_conversations_one_to_five(tmp_path: Path, monkeypatch) -> None:
+    path = _fake_locomo(tmp_path)
+    monkeypatch.delenv("KVEVICT_LOCOMO_HELD_OUT", raising=False)
+    with pytest.raises(ValueError, match=r"held out"):
+        build("locomo", ScenarioConfig(path=str(path), conversations="5-6"))
+    sc = build("locomo", ScenarioConfig(path=str(path), conversations="6-10", turns=5, filler_tokens=300))
+    assert [s.id for s in sc.sessions] == [f"locomo-{n}" for n in range(6, 11)]
+    for n, s in zip(range(6, 11), sc.sessions, strict=True):
+        *history, ask = s.turns
+        assert len(history) == 2  # the third session would pass 5 x 300 tokens of dialog
+        assert all(t.reply == "Noted." for t in history)
+        # only the question whose evidence is in the replayed history, and never the adversarial one
+        assert ask.references == [f"cat {n - 1}"] and len(ask.branches) == 1
+
+
+def test_locomo_f1() -> None:
+    assert locomo.f1("The cat, number 7.", "cat number 7") == 1.0
+    assert locomo.f1("a dog", "cat") == 0.0
+    assert locomo.f1("cat 7 and dog", "cat 7") == pytest.approx(2 * (2 / 3) * 1 / (2 / 3 + 1))
+
+
+def test_suite_budget_and_table() -> None:
+    assert recall_suite.budget_for(0.25, 2000, 64) == 500 - 64 - 36
+    assert recall_suite.budget_for(0.01, 2000, 64) == recall_suite.MIN_BUDGET
+    rows = {
+        "none": {"composed": {"score": (12.0, 12), "full": (12.0, 12), "device": 1.0}},
+        "snapkv 18%": {
+            "composed": {"score": (9.0, 12), "full": (12.0, 12), "device": 0.181},
+            "locomo": {"score": (0.07, 40), "full": (0.09, 40), "device": 0.2},
+        },
+    }
+    md = recall_suite.table(rows, ["composed", "locomo"], {"locomo"})
+    assert "| snapkv 18% | 9/12 (12/12), 18% | 7.0 (9.0), 20% |" in md
+    assert "| none | 12/12, 100% |  |" in md
+
+
+def test_suite_refuses_unknown_family(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        recall_suite.main(["--families", "composed,nope"])
+    assert e.value.code == 2 and "valid: recall-code" in capsys.readouterr().err
