@@ -32,6 +32,19 @@ COMMON = (
 REPLIES = ["Noted.", "Got it.", "Okay, noted.", "Understood.", "Thanks, noted."]
 
 
+def locker_fact(r) -> tuple[str, str, str, str]:
+    """(plant, the client's echo, question, value): a four-digit locker code. Worded as the vault code of
+    `recall.fact`, with the client's echo "The vault code is 5004.", the full cache answered none of
+    three ("The vault code is a mathematical formula ..."); the user's own locker code it answers."""
+    v = str(r.randint(*recall.CODES))
+    return (
+        f"Remember this: my locker code is {v}.",
+        f"Your locker code is {v}.",
+        "What is my locker code? Answer with the number only.",
+        v,
+    )
+
+
 def words(r, n: int) -> str:
     return " ".join(r.choice(COMMON) for _ in range(n))
 
@@ -40,9 +53,8 @@ def _build(cfg: ScenarioConfig, name: str, api: str) -> Scenario:
     sessions = []
     for i in range(cfg.sessions):
         r = rng_for(cfg.seed, "composed", i)  # both APIs replay the same sessions
-        statement, question, value = recall.code_fact(r)
-        echo = statement[0].upper() + statement[1:] + "."
-        turns = [Turn(inputs=[Message(role="user", content=f"Remember this: {statement}.")], reply=echo)]
+        plant, echo, question, value = locker_fact(r)
+        turns = [Turn(inputs=[Message(role="user", content=plant)], reply=echo)]
         for _ in range(max(0, cfg.turns - 2)):
             note = "Here are some words: " + words(r, cfg.filler_tokens)
             turns.append(Turn(inputs=[Message(role="user", content=note)], reply=r.choice(REPLIES)))
