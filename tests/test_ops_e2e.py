@@ -1,9 +1,13 @@
-"""What an operator watches, on one real server with the host tier and SGLang's metrics on: the host
-tier's Prometheus series, over HTTP."""
+"""What an operator runs and watches, on one real server with the host tier and SGLang's metrics on:
+the host tier's Prometheus series and the OpenAI-client example (`examples/openai_chat.py`), each over
+HTTP as a user would run them."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import requests
@@ -93,3 +97,29 @@ def test_host_tier_series_move_with_demotion_recall_and_failures(ops_server: Ser
     assert host_state(srv)["host_used"] == 0
     after = scrape(srv)
     assert after["sglang:kvevict_host_columns"] == 0 and after["sglang:kvevict_host_bytes"] == 0, after
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+TURN = re.compile(r"^turn (\d+): (.*)$", re.M)
+
+
+def test_openai_example_runs_a_chat_with_its_own_policy(ops_server: Server):
+    """`examples/openai_chat.py` through the `openai` client: every turn reports the policy it asked for
+    (h2o, not the server's snapkv), at its budget, evicts, and from the second turn reuses the compressed
+    history the turn before stored."""
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / "openai_chat.py"), "--url", ops_server.url, "--policy", "h2o"]
+        + ["--budget", "64", "--turns", "3", "--lines", "30", "--max-tokens", "16"],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    turns = [(int(n), dict(kv.split("=", 1) for kv in rest.split())) for n, rest in TURN.findall(out.stdout)]
+    assert [n for n, _ in turns] == [1, 2, 3], out.stdout
+    for n, t in turns:
+        assert t["policy"] == "h2o" and t["budget"] == "64", t
+        assert int(t["evicted"]) > 0 and int(t["kv_tokens"]) < int(t["logical_tokens"]), t
+        if n > 1:
+            assert int(t["reused_evicted"]) > 0 and int(t["cached_tokens"]) > 0, t
+    assert out.stdout.count("meta_info.kvevict: {") == 3, out.stdout
