@@ -1,9 +1,10 @@
 """What an operator runs and watches, on one real server with the host tier and SGLang's metrics on:
-the host tier's Prometheus series and the OpenAI-client example (`examples/openai_chat.py`), each over
-HTTP as a user would run them."""
+the host tier's Prometheus series, the OpenAI-client example (`examples/openai_chat.py`) and the replay of
+a ShareGPT file (`examples/traffic.jsonl`), each over HTTP as a user would run them."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -123,3 +124,33 @@ def test_openai_example_runs_a_chat_with_its_own_policy(ops_server: Server):
         if n > 1:
             assert int(t["reused_evicted"]) > 0 and int(t["cached_tokens"]) > 0, t
     assert out.stdout.count("meta_info.kvevict: {") == 3, out.stdout
+
+
+def test_replay_of_the_shipped_traffic_file_compares_with_none(ops_server: Server, tmp_path: Path):
+    """The own-traffic replay of docs/usage.md, reduced (two conversations, two turns each, against the
+    running server): it replays `examples/traffic.jsonl` under `none` and snapkv and reports, per run,
+    KV held, speed and agreement with `none`'s answers."""
+    out = subprocess.run(
+        [sys.executable, "benchmarks/replay.py", "--scenarios", "sharegpt"]
+        + ["--scenario-path", str(EXAMPLES / "traffic.jsonl"), "--sessions", "2", "--turns", "2"]
+        + ["--policies", "none,snapkv", "--budgets", "64", "--max-new-tokens", "8", "--concurrency", "2"]
+        + ["--server-mode", "url", "--url", ops_server.url, "--out", str(tmp_path)],
+        cwd=EXAMPLES.parent,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((tmp_path / "replay.json").read_text())
+    runs = {r["label"]: r for r in result["runs"]}
+    assert set(runs) == {"none", "snapkv@64"}, set(runs)
+    for r in runs.values():
+        assert len(r["turns"]) == 4 and not any(t["error"] for t in r["turns"]), r["turns"]
+        assert {t["kind"] for t in r["turns"]} == {"sharegpt"}
+    snap, base = runs["snapkv@64"]["turns"], runs["none"]["turns"]
+    assert all(t["evicted"] > 0 for t in snap), snap
+    assert sum(t["kv_tokens"] for t in snap) < sum(t["kv_tokens"] for t in base)
+    summary = {x["label"]: x for x in result["summary"]}["snapkv@64"]
+    assert summary["kv_per_session_vs_none"] < 1 and summary["greedy_agreement"] is not None, summary
+    for col in ("KV/session", "agree w/ none", "out tok/s"):
+        assert col in out.stdout, out.stdout  # the printed table names quality and cost beside memory
