@@ -15,7 +15,7 @@ here="$(cd "$(dirname "$0")/.." && pwd)"
 cache="${KVEVICT_CACHE:-$HOME/.cache/sgl-kvevict}"
 py="${PYTHON:-python3}"
 log() { echo "[kvpress-env] $*" >&2; }
-project_py=$(bash "$here/scripts/env.sh" 2>/dev/null | tail -1)
+project_py=$(bash "$here/scripts/env.sh" --shared 2>/dev/null | tail -1)  # the shared venv: no project
 shared=$("$project_py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 key=$( (cat "$here/requirements/kvpress.txt"; echo "$shared") | sha256sum | cut -c1-12)
 venv="$cache/kvpress-venv-$key"

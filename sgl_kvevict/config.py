@@ -19,7 +19,7 @@ import json
 import os
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, ClassVar, Literal, get_args, get_origin
 
 from pydantic import (
     BaseModel,
@@ -271,6 +271,11 @@ class OverridePolicy(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid")
+    # keys `_spellings` turns into fields (`--help` lists them beside the fields)
+    SPELLINGS: ClassVar[dict[str, str]] = {
+        "min_budget": "both minimums in one budget spelling: 256, 25% or 256,25% (sets min_budget_tokens "
+        "and min_budget_ratio)"
+    }
 
     enabled: bool = Field(True, description="false: deny every custom_params.kvevict (HTTP 400)")
     policies: list[str] | None = Field(
@@ -565,12 +570,20 @@ class Flag:
 
     @property
     def range(self) -> str:
-        """`[lo, hi]`, the choices, or '' (a JSON object, a budget)."""
+        """`[lo, hi]` (`(`, `)` for strict bounds), the choices, or '' (a JSON object, a budget)."""
         if self.choices is not None:
             return " | ".join(self.choices)
-        lo, hi = _bounds(self.info)
+        lo = hi = None
+        left, right = "[", "]"
+        for m in self.info.metadata:
+            for attr, side in (("ge", "["), ("gt", "(")):
+                if getattr(m, attr, None) is not None:
+                    lo, left = getattr(m, attr), side
+            for attr, side in (("le", "]"), ("lt", ")")):
+                if getattr(m, attr, None) is not None:
+                    hi, right = getattr(m, attr), side
         if lo is not None and hi is not None:
-            return f"[{lo}, {hi}]"
+            return f"{left}{lo}, {hi}{right}"
         return ""
 
     @property
@@ -581,13 +594,19 @@ class Flag:
             for key, sub in self.nested.model_fields.items():
                 rng = Flag(key, self.nested, key).range
                 dflt = sub.default if sub.default_factory is None else None
-                keys.append(
-                    f"{key}: {sub.description} (default {json.dumps(dflt)}{'; ' + rng if rng else ''})"
+                # one default per key: a description that states its own (what null means) keeps it
+                said = (
+                    []
+                    if dflt is None and "default" in (sub.description or "")
+                    else [f"default {json.dumps(dflt)}"]
                 )
+                keys.append(f"{key}: {sub.description} ({'; '.join(said + ([rng] if rng else []))})")
+            for key, what in getattr(self.nested, "SPELLINGS", {}).items():  # keys that write other keys
+                keys.append(f"{key}: {what} (default null)")
             return f"{text}: " + "; ".join(keys)
         bits = [text]
-        if self.default not in (None, {}) and self.choices is None:
-            bits.append(f"default {self.default}")
+        if self.default is not None:
+            bits.append(f"default {json.dumps(self.default) if self.default == {} else self.default}")
         if self.range and self.choices is None:
             bits.append(f"in {self.range}")
         return "; ".join(b for b in bits if b)

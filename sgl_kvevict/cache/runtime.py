@@ -36,6 +36,7 @@ class Totals:
     )
     capture_refused: int = 0  # requests left uncompressed: no window-query capture slot was free
     step_seconds_max: float = 0.0  # the longest a scheduler step (or a release) spent compressing: its stall
+    recall_forward_seconds: float = 0.0  # in the forward's recall hooks (prefill over both tiers, ...)
     started: float = field(default_factory=time.time)
 
     @property
@@ -47,6 +48,7 @@ class Totals:
         d["tokens_merged"] = d.pop("merged").value()
         d["seconds_compressing"] = round(d["seconds_compressing"], 4)
         d["step_seconds_max"] = round(d["step_seconds_max"], 4)
+        d["recall_forward_seconds"] = round(d["recall_forward_seconds"], 4)
         d["heap_mib_trimmed"] = round(d["heap_mib_trimmed"], 1)
         return d
 
@@ -101,9 +103,18 @@ class Runtime:
             "compressed_nodes": int(getattr(rec, "compressed_nodes", 0)),
         }
 
-    def publish_metrics(self) -> None:
-        if self.metrics is not None:
-            self.metrics.publish(self.totals, self.compressed_kv())
+    def publish_metrics(self, host: Any = None) -> None:
+        """Publish the totals to the metrics (when `--enable-metrics`); `host`: the server's host pool
+        (`KvEvictContext.host`), whose totals feed the host tier's series."""
+        if self.metrics is None:
+            return
+        values = None
+        if host is not None:  # the host totals, and the bytes its used columns hold (K and V)
+            values = host.stats()
+            values["host_bytes"] = (
+                values["host_used"] * host.layers * host.heads * host.dim * 2 * host.k.element_size()
+            )
+        self.metrics.publish(self.totals, self.compressed_kv(), values)
 
     def order_after_forward(self) -> None:
         """Queue what follows (a compression's reads and writes of K/V) behind every forward launched so

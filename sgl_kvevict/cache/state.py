@@ -176,6 +176,9 @@ class Counters:
     compressions: int = 0
     seconds: float = 0.0  # spent compressing
     kv_peak: int = 0  # the most slots the row held at a decode step's start (appended columns included)
+    # the turn's recall time (`serve.hooks` measures it): arming, the prefill's recall hooks, the append
+    recall_seconds: float = 0.0
+    recall_mark: float | None = None  # `Totals.recall_forward_seconds` when its prefill was armed
 
 
 @dataclass

@@ -128,7 +128,11 @@ def _after_extend_alloc(ctx: KvEvictContext | None, reqs: list, offs: list[int])
             )
             continue
         if s.recall.due:
+            t0 = time.perf_counter()
             recall.arm(r, s)  # it recalls inside its prefill, layer by layer (else after its compression)
+            s.counters.recall_seconds += time.perf_counter() - t0
+            if s.counters.recall_mark is None:  # the forward's recall hooks count from here (`_recall_time`)
+                s.counters.recall_mark = rt.totals.recall_forward_seconds
 
 
 def prepare_for_extend(result, batch, *args, **kwargs):
@@ -163,10 +167,13 @@ def _compress_batch(batch, ctx: KvEvictContext | None = None) -> None:
     with threads.one_thread():
         freed = engine.compress_batch(items, cap)
         for i, (r, (_, phase)) in enumerate(zip(reqs, items, strict=True)):  # after the compressions
+            t1 = time.perf_counter()
             freed[i] -= recall.after_compress(r, phase == "decode")  # a recall may append slots
             s = st.get(r)
             if s is not None:
                 s.counters.kv_peak = max(s.counters.kv_peak, int(r.kv.kv_committed_len))
+                if s.recall.tokens > 0:
+                    _recall_time(s, rt, time.perf_counter() - t1)
     rt.totals.step_seconds_max = max(rt.totals.step_seconds_max, time.perf_counter() - t0)
     if any(freed):
         delta = torch.tensor(freed, dtype=batch.seq_lens_cpu.dtype)
@@ -177,6 +184,34 @@ def _compress_batch(batch, ctx: KvEvictContext | None = None) -> None:
                 batch.orig_seq_lens.device, batch.orig_seq_lens.dtype
             )
         batch.seq_lens_sum = None
+
+
+def _recall_time(s: st.ReqState, rt: Any, seconds: float) -> None:
+    """Add a recall stage's `seconds` to the request's turn, and the forward's recall hooks' time since
+    its prefill was armed (every turn in a batched prefill counts the batch's)."""
+    s.counters.recall_seconds += seconds
+    if s.counters.recall_mark is not None:
+        s.counters.recall_seconds += rt.totals.recall_forward_seconds - s.counters.recall_mark
+        s.counters.recall_mark = None
+
+
+def _timed_forward_hook(fn, at: int):
+    """A recall hook on `RadixAttention.forward` (its forward batch the argument `at`), its time added to
+    the server's `Totals.recall_forward_seconds` (on servers with a host tier)."""
+
+    def wrapped(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            dt = time.perf_counter() - t0
+            fb = args[at] if len(args) > at else kwargs.get("forward_batch")
+            ctx = context.of_forward(fb) if fb is not None else None
+            if ctx is not None and ctx.host is not None and ctx.rt is not None:
+                ctx.rt.totals.recall_forward_seconds += dt
+
+    wrapped.__name__ = fn.__name__
+    return wrapped
 
 
 _DONE = "_kvevict_compressed_this_step"
@@ -339,10 +374,12 @@ def release_overallocated(original, req, start_p, end_p, tree_cache, *args, **kw
 
 def on_release_report(ctx: KvEvictContext, req: Any) -> None:
     if ctx.rt is not None:
-        ctx.rt.publish_metrics()
+        ctx.rt.publish_metrics(ctx.host)
     stats = report.stats(req)
     if stats is None:
         return
+    if ctx.rt is not None and ctx.rt.metrics is not None:
+        ctx.rt.metrics.observe_turn(stats)
     if req.customized_info is None:
         req.customized_info = {}
     if req.stream:
@@ -383,7 +420,7 @@ def internal_state(result, *args, **kwargs):
             result.internal_state[META_KEY]["python_objects"] = len(gc.get_objects())
         if st.DEBUG and args:  # the tests' watchdog reads it when a request runs past its expected time
             result.internal_state[META_KEY]["queues"] = queues(scheduler)
-        rt.publish_metrics()
+        rt.publish_metrics(ctx.host)
     return result
 
 
@@ -464,10 +501,14 @@ HOOKS: list[tuple[str, Any, HookType]] = [
     ("sglang.srt.mem_cache.common._release_overallocated_kv_indices", release_overallocated, HookType.AROUND),
     ("sglang.srt.layers.radix_attention.RadixAttention.forward", capture.before_attention, HookType.BEFORE),
     ("sglang.srt.layers.radix_attention.RadixAttention.forward", slotstats.before_attention, HookType.BEFORE),
-    ("sglang.srt.layers.radix_attention.RadixAttention.forward", recall.before_attention, HookType.BEFORE),
     (
         "sglang.srt.layers.radix_attention.RadixAttention.forward",
-        exact_prefill.after_attention,
+        _timed_forward_hook(recall.before_attention, 4),
+        HookType.BEFORE,
+    ),
+    (
+        "sglang.srt.layers.radix_attention.RadixAttention.forward",
+        _timed_forward_hook(exact_prefill.after_attention, 5),
         HookType.AFTER,
     ),
     ("sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run", get_next_batch_to_run, HookType.AROUND),
@@ -557,5 +598,5 @@ def build_tree_cache(ctx: Any) -> Any:
     if getattr(params, "enable_metrics", False):
         from sgl_kvevict.serve.metrics import Metrics, labels_for
 
-        rt.metrics = Metrics(labels_for(ctx.server_args, int(ctx.tp_rank)))
+        rt.metrics = Metrics(labels_for(ctx.server_args, int(ctx.tp_rank)), host=kv.host is not None)
     return cache
