@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 str(a.max_total_tokens),
             ]
             args += [x for arg in a.server_arg for x in arg.split("=", 1)]
-            url = stack.enter_context(Server(args, log_path=out / "server.log")).url
+            url = stack.enter_context(Server(args, log_path=out / "server.log", timeout=900)).url
         for fam in families:
             print(f"[suite] {fam}: full cache", file=sys.stderr)
             full = replay.main(replay_cfg(a, fam, url, out / fam / "none", ["none"]))["runs"][0]
