@@ -363,6 +363,8 @@ class Replayer:
                 self._record(s, t, b, p, c, turn)
             if calls[0].error:
                 return
+            if turn.reply == "":  # the client drops the answer: the next message follows this one
+                continue
             answer = chat.encode(turn.reply) + chat.end_ids if turn.reply is not None else None
             ids = prompts[0] + (answer or chat.after_answer(calls[0].output_ids))
 
@@ -383,6 +385,9 @@ class Replayer:
                 self._record(s, t, b, [], c, turn)
             if calls[0].error:
                 return
+            if turn.reply == "":  # the client drops the answer: the next message follows this one
+                msgs = asks[0]
+                continue
             reply = turn.reply if turn.reply is not None else calls[0].text
             msgs = asks[0] + [{"role": "assistant", "content": reply}]
 

@@ -38,7 +38,8 @@ class Turn(BaseModel):
     reply: str | None = Field(
         None,
         description="client-composed turn: the client writes the assistant's reply; the request generates "
-        "`max_new_tokens` (1 by default) and the history continues with this reply, not the model's",
+        "`max_new_tokens` (1 by default) and the history continues with this reply, not the model's "
+        "(an empty reply: no assistant message at all, the next message follows the user's)",
     )
     max_new_tokens: int | None = Field(None, description="overrides the benchmark's default for this turn")
     min_new_tokens: int | None = Field(

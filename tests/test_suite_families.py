@@ -26,6 +26,7 @@ def test_composed_history_is_written_by_the_client() -> None:
         *history, question = s.turns
         assert all(t.reply is not None and t.answer_cap(24) == 1 for t in history)
         assert question.expect and question.expect in history[0].reply  # the echo holds the code
+        assert all(t.reply == "" for t in history[1:])  # no reply between the filler messages
         assert question.reply is None and question.answer_cap(24) == 16
         assert all(len(t.inputs[0].content.split()) == 4 + 20 for t in history[1:])
 
