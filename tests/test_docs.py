@@ -184,3 +184,41 @@ def test_repo_paths_quoted_in_docs_exist():
                     continue
                 missing.append(f"{page.relative_to(ROOT)}: {path}")
     assert not missing, "paths in docs that do not exist:\n" + "\n".join(missing)
+
+
+def _slugs(page: Path) -> set[str]:
+    """The anchors a page's headings get, as mkdocs (the site) and GitHub (the repository view) write them."""
+    out = set()
+    for title in re.findall(r"^#{1,6}\s+(.+?)\s*$", FENCE.sub("", page.read_text()), re.M):
+        text = re.sub(r"[^\w\s-]", "", title.replace("`", "")).strip().lower()
+        out.add(re.sub(r"[-\s]+", "-", text))  # mkdocs' toc slugify
+        out.add(re.sub(r"\s", "-", text))  # GitHub: every space a hyphen, hyphens kept
+    return out
+
+
+def broken_anchors(pages: list[Path], root: Path = ROOT) -> list[str]:
+    """`page -> target#anchor` for each link whose anchor no heading of its target page gives."""
+    bad = []
+    for page in pages:
+        for target in LINK.findall(page.read_text()):
+            if "#" not in target or re.match(r"^[a-z]+:", target):
+                continue
+            path, anchor = target.split("#", 1)
+            dest = (page.parent / path) if path else page
+            if dest.suffix == ".md" and dest.is_file() and anchor not in _slugs(dest):
+                bad.append(f"{page.relative_to(root)} -> {target}")
+    return bad
+
+
+def test_anchors_in_docs_links_resolve():
+    """A link to `page.md#section` (the README's to benchmarks.md, above all) names a heading of that page."""
+    bad = broken_anchors(_pages())
+    assert not bad, "links to headings that do not exist:\n" + "\n".join(bad)
+
+
+def test_anchor_check_catches_a_stale_anchor(tmp_path):
+    (tmp_path / "a.md").write_text("# Host tier and recall (`benchmarks/replay.py --scenarios recall`)\n")
+    (tmp_path / "b.md").write_text(
+        "[x](a.md#host-tier-and-recall-benchmarksreplaypy-scenarios-recall) [y](a.md#the-cost-of-recall)\n"
+    )
+    assert broken_anchors([tmp_path / "b.md"], tmp_path) == ["b.md -> a.md#the-cost-of-recall"]
