@@ -3,7 +3,8 @@ has no GPU.)
 
 `python benchmarks/gpu_check.py --model-path meta-llama/Llama-3.1-8B-Instruct`
 
-For each attention backend (`flashinfer`, `triton`) and each policy, it starts the real SGLang server
+For each attention backend (`flashinfer`, `triton`, and `fa3` on Hopper, SGLang's default there for
+Llama-class models) and each policy, it starts the real SGLang server
 (with this plugin) and checks:
 
 1. **What the plugin leaves on.** `GET /server_info`: CUDA graphs and the overlap scheduler must both
@@ -33,7 +34,7 @@ import time
 from typing import Any
 
 POLICIES = ["streaming", "knorm", "lagkv", "h2o", "snapkv", "d2o", "graphkv", "criticalkv"]
-BACKENDS = ["flashinfer", "triton"]
+BACKENDS = ["flashinfer", "triton", "fa3"]  # the plugin's CUDA backends (plugin.SUPPORTED_ATTENTION_BACKENDS)
 PROMPT = (
     "You are a careful assistant. Summarise the following operations log and then list every error "
     "code it mentions, in order.\n"
@@ -133,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--backends", default=",".join(BACKENDS))
+    ap.add_argument(
+        "--backends",
+        default=None,
+        help=f"default: {','.join(BACKENDS)} (fa3 only on Hopper, compute capability 9.x)",
+    )
     ap.add_argument("--budget", default="50%", help="budget for the throughput run (identity runs at 100%%)")
     ap.add_argument("--requests", type=int, default=32, help="concurrent requests for throughput (1-512)")
     ap.add_argument("--prompt-words", type=int, default=400, help="log lines per throughput prompt (1-20000)")
@@ -144,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     from sgl_kvevict.policies import REGISTRY
 
     args.policies = [p for p in args.policies.split(",") if p]
-    args.backends = [b for b in args.backends.split(",") if b]
+    args.backends = [b for b in (args.backends or ",".join(BACKENDS)).split(",") if b]
     bad = [p for p in args.policies if p not in REGISTRY or p == "none"]
     if bad:
         print(f"--policies: unknown {bad}; valid choices: {', '.join(POLICIES)}", file=sys.stderr)
@@ -161,10 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print(
             "gpu_check: no CUDA device here. This check is for a GPU machine (CUDA graphs, overlap, "
-            "FlashInfer/Triton backends); on a CPU run the test suite instead (`make test`).",
+            "FlashInfer/Triton/FA3 backends); on a CPU run the test suite instead (`make test`).",
             file=sys.stderr,
         )
         return 2
+    if "fa3" in args.backends and torch.cuda.get_device_capability()[0] != 9:
+        print("gpu_check: fa3 runs on Hopper (compute capability 9.x) only: left out here", file=sys.stderr)
+        args.backends = [b for b in args.backends if b != "fa3"]
     return run(args)
 
 
