@@ -44,7 +44,7 @@ BAD_LAUNCHES = [
     (["--kv-policy", "lagkv", "--kv-budget", "1.5"], ["--kv-budget", "out of range"]),
     (["--kv-policy", "lagkv", "--enable-hierarchical-cache"], ["--enable-hierarchical-cache"]),
     (
-        ["--kv-policy", "lagkv", "--attention-backend", "trtllm_mha"],
+        ["--kv-policy", "lagkv", "--decode-attention-backend", "trtllm_mha"],
         ["'trtllm_mha'", "--attention-backend flashinfer"],
     ),
 ]
@@ -647,14 +647,14 @@ def test_resolved_backend_is_judged(monkeypatch, capsys, tmp_path: Path) -> None
     flex = _resolved(["--attention-backend", "flex_attention"], str(tmp_path))
     default = _resolved([], str(tmp_path))
     monkeypatch.setenv(ENV_VAR, json.dumps({"policy": "lagkv"}))
-    monkeypatch.setattr(plugin, "_from_cli", True)
+    flex._launch_command = "sglang serve ..."  # what the CLI's prepare_server_args sets (not sgl.Engine)
     with pytest.raises(SystemExit) as e:
         plugin.check_resolved(None, flex)
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "'flex_attention'" in err and "resolved" in err and "--attention-backend flashinfer" in err
     assert plugin.check_resolved("r", default) == "r"  # torch_native here
-    monkeypatch.setattr(plugin, "_from_cli", False)  # sgl.Engine: a ValueError naming the same
+    flex._launch_command = None  # sgl.Engine: a ValueError naming the same
     with pytest.raises(ValueError, match="flex_attention"):
         plugin.check_resolved(None, flex)
     monkeypatch.setenv(ENV_VAR, json.dumps({"policy": "none"}))

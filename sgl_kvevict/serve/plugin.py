@@ -140,10 +140,8 @@ def _kv_config(ns: argparse.Namespace, policy: str, recalls: bool) -> KvConfig:
 def from_cli_args(cls, ns: argparse.Namespace, *args, **kwargs):
     """BEFORE ServerArgs.from_cli_args: validate, publish to child processes, pick our radix cache. A
     refused value ends the launch with argparse's exit 2 and the reason."""
-    global _from_cli
     if not hasattr(ns, "kv_policy"):  # a parser without our flags
         return None
-    _from_cli = True
     try:
         _apply(ns)
     except FlagError as e:
@@ -213,15 +211,12 @@ def resolved_refusal(server_args) -> str | None:
     return None
 
 
-_from_cli = False  # this process took our flags from the command line (exit 2) rather than sgl.Engine
-
-
 def check_resolved(result, server_args, *args, **kwargs):
     """AFTER ServerArgs.resolve_once: refuse what SGLang resolved that compression cannot serve (exit 2 on
     the command line, FlagError from `sgl.Engine`), before any model weight is loaded."""
     why = resolved_refusal(server_args)
     if why:
-        if _from_cli:
+        if getattr(server_args, "launch_command", None) is not None:  # set by the CLI's prepare_server_args
             print(f"sglang launch_server: error: {why}", file=sys.stderr, flush=True)
             sys.exit(2)
         raise FlagError(why)
