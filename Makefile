@@ -20,6 +20,10 @@ env:
 wheel:
 	@PY=$$($(ENV)) && PYTHON=$$PY bash scripts/wheel.sh
 
+## Python 3.12 wheels, this wheel and an 8B-shaped dummy model for scripts/gpu_session.sh: gpu-bundle/ (at most 64 MiB).
+gpu-bundle:
+	@PY=$$($(ENV)) && PYTHON=$$PY bash scripts/gpu_bundle.sh
+
 ## Start the real SGLang server on the embedded SmolLM2 with a KV policy (CPU flags added when there is no GPU).
 serve:
 	@PY=$$($(ENV)) && $$PY -m sgl_kvevict.launch --kv-policy $(POLICY) --kv-budget $(BUDGET) --port $(PORT) $(ARGS)

@@ -35,6 +35,7 @@ ALLOWED: dict[str, set[str]] = {
     "serve": {"cache", "config", "policies", "kernels", "launch", "model", "cpu_compat", "sizing"},
     "model": set(),
     "launch": {"model"},
+    "gpu_model": {"model"},
     "cluster": {"serve", "launch", "model", "config"},
     "cpu_compat": set(),
     "tools": {"*"},
