@@ -6,8 +6,8 @@
 #
 #   bash scripts/gpu_session.sh [--dry-run] [--throughput] [OUT_DIR]     # default OUT_DIR: results/gpu-session
 #
-# Checks (benchmarks/gpu_check.py on SGLang's Triton attention backend, `--load-format dummy`, CUDA graphs
-# and the overlap scheduler on): greedy tokens at budget 100% equal `none`'s; compressing outputs equal
+# Checks (benchmarks/gpu_check.py on SGLang's Triton attention backend with snapkv, `--load-format dummy`,
+# CUDA graphs and the overlap scheduler on): greedy tokens at budget 100% equal `none`'s; compressing outputs equal
 # with overlap on and off; every slot back after /flush_cache (strict memory checks on); recall at its
 # defaults runs no decode-step recall. --throughput adds benchmarks/replay.py: 64 multi-turn sessions at
 # once over a KV pool that holds about a quarter of them uncompressed, `none` vs snapkv, lagkv and d2o at
@@ -140,9 +140,10 @@ fi
 export HF_HUB_OFFLINE=1 SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY=1
 model="$out/model"
 model_dir "$py" "$model" || exit 2
-flags=(--load-format dummy --sampling-backend pytorch --mem-fraction-static 0.85)
-say "checks: gpu_check.py, triton backend, snapkv and lagkv, graphs and overlap on"
-timeout 420 "$py" "$here/benchmarks/gpu_check.py" --model-path "$model" --backends triton --policies snapkv,lagkv \
+# decode graphs up to batch 16 (the check's 16 requests): five server starts must fit in seven minutes
+flags=(--load-format dummy --sampling-backend pytorch --mem-fraction-static 0.85 --cuda-graph-max-bs-decode 16)
+say "checks: gpu_check.py, triton backend, snapkv (none, 3 runs, recall), graphs and overlap on"
+timeout 420 "$py" "$here/benchmarks/gpu_check.py" --model-path "$model" --backends triton --policies snapkv \
   --requests 16 --prompt-words 200 --max-new-tokens 32 --out "$out/gpu_check.json" -- "${flags[@]}" \
   2>&1 | tee "$out/gpu_check.txt" | grep -E "^\{|^backend|^triton|Error|NotImplementedError|error:" | tail -30 >&2
 rc=${PIPESTATUS[0]}
