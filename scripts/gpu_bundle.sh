@@ -36,7 +36,7 @@ pkgs=(
   einops==0.8.2 openai==2.8.0 distro==1.9.0 httpx==0.28.1 httpcore==1.0.9 jiter==0.19.0
   partial-json-parser==0.2.1.1.post7 setproctitle==1.3.8 jsonschema==4.26.0 referencing==0.37.0
   rpds-py==2026.9.1 jsonschema-specifications==2025.9.1 xgrammar==0.2.7 python-multipart==0.0.34
-  prometheus_client==0.26.0 ipython==9.18.1 traitlets==5.16.1 decorator pygments==2.21.0
+  prometheus_client==0.26.0 opentelemetry-api==1.45.2 click==8.5.1 ipython==9.18.1 traitlets==5.16.1 decorator pygments==2.21.0
   prompt_toolkit==3.0.53 wcwidth==0.9.4 pexpect==4.9.0 ptyprocess==0.7.0
   stack-data==0.6.3 executing==2.3.0 asttokens==3.0.2 pure_eval==0.2.4 matplotlib-inline==0.2.2
   ipython_pygments_lexers==1.1.1 soundfile==0.13.1 cffi==2.1.1 pycparser==3.12 Jinja2==3.1.6
@@ -53,6 +53,7 @@ import sys, zipfile
 from pathlib import Path
 # parts of the sglang wheel a text model served over HTTP never loads
 SKIP = ("sglang/multimodal_gen/", "sglang/test/", "sglang/srt/rust_extensions/_")
+# this project comes as its own wheel, installed over the archive (gpu_session.sh)
 for whl in sorted(Path(sys.argv[1]).glob("*.whl")):
     with zipfile.ZipFile(whl) as z:
         for info in z.infolist():

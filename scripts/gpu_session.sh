@@ -74,12 +74,15 @@ if [ "$dry" = 1 ]; then
   fi
   say "unpack check: site.tar.xz (what the GPU machine gets) and this project's wheel into a clean target"
   untar "$py" "$bundle/site.tar.xz" "$target/site" || { say "FAIL: unpack"; exit 1; }
-  "$py" -m pip install -q --no-index --no-deps --target "$target/site" "$bundle"/sgl_kvevict-*.whl 2>&1 | grep -v "is ignored" >&2
+  "$py" -m pip install -q --no-index --no-deps --upgrade --target "$target/site" "$bundle"/sgl_kvevict-*.whl 2>&1 | grep -v "is ignored" >&2
   [ -d "$target/site/sglang/srt" ] && [ -d "$target/site/sgl_kvevict" ] || { say "FAIL: unpack check"; exit 1; }
   say "unpacked $(ls "$target/site" | grep -c dist-info) distributions"
-  if [ -n "$py312" ]; then  # the pure-Python side imports under 3.12 (torch is not in the bundle: not here)
-    PYTHONPATH="$target/site" "$py312" -c "import transformers, fastapi, uvicorn, msgspec, zmq, pydantic, \
-sgl_kvevict.config, sgl_kvevict.sizing; print('python3.12 imports: ok')" 2>&1 | tail -1 | tee -a "$out/session.txt" >&2
+  if [ -n "$py312" ]; then  # what imports without torch (the GPU machine's, not bundled) under Python 3.12
+    PYTHONPATH="$target/site" "$py312" -c "import transformers, fastapi, uvicorn, uvloop, msgspec, zmq, pydantic, \
+openai, IPython, PIL, numpy, aiohttp, jsonschema, sentencepiece, tokenizers, orjson, huggingface_hub, prometheus_client, \
+partial_json_parser, setproctitle, multipart, soundfile, gguf, einops, dill, pybase64, psutil, regex, yaml; \
+print('python3.12 imports: ok')" 2>&1 | tail -1 | tee -a "$out/session.txt" >&2
+    grep -q "python3.12 imports: ok" "$out/session.txt" || { say "FAIL: a bundled package does not import under 3.12"; exit 1; }
   fi
   small="$target/model-2l"
   model_dir "$py" "$small" || { say "FAIL: the bundle's model folder"; exit 1; }
@@ -125,7 +128,7 @@ if [ ! -x "$venv/bin/python" ]; then
   "$py" -m venv --system-site-packages "$venv" || exit 2
   purelib=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
   untar "$venv/bin/python" "$bundle/site.tar.xz" "$purelib" || exit 2
-  "$venv/bin/python" -m pip install -q --no-index --no-deps "$bundle"/sgl_kvevict-*.whl 2>&1 | tail -5 | tee -a "$out/session.txt" >&2
+  "$venv/bin/python" -m pip install -q --no-index --no-deps --force-reinstall "$bundle"/sgl_kvevict-*.whl 2>&1 | tail -5 | tee -a "$out/session.txt" >&2
 fi
 py="$venv/bin/python"
 real=$("$py" -c "import importlib.util as u; print(u.find_spec('sgl_kernel') is not None)")
