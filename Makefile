@@ -6,7 +6,7 @@ ARGS ?=
 WORKERS ?= 2
 ENV := bash scripts/env.sh
 
-.PHONY: help env serve serve-cluster test test-long test-fast faults lint model-path bench-kvpress docs docs-serve
+.PHONY: help env wheel gpu-bundle serve serve-cluster test test-long test-fast faults lint model-path bench-kvpress docs docs-serve
 
 ## List every target with its description.
 help:
@@ -15,6 +15,14 @@ help:
 ## Create or reuse the pinned venv (scripts/env.sh) and print nothing.
 env:
 	@$(ENV) >/dev/null
+
+## Build the wheel a GPU user installs: dist/sgl_kvevict-<version>-py3-none-any.whl (scripts/wheel.sh).
+wheel:
+	@PY=$$($(ENV)) && PYTHON=$$PY bash scripts/wheel.sh
+
+## Python 3.12 wheels, this wheel and an 8B-shaped dummy model for scripts/gpu_session.sh: gpu-bundle/ (at most 64 MiB).
+gpu-bundle:
+	@PY=$$($(ENV)) && PYTHON=$$PY bash scripts/gpu_bundle.sh
 
 ## Start the real SGLang server on the embedded SmolLM2 with a KV policy (CPU flags added when there is no GPU).
 serve:

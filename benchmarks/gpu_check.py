@@ -3,7 +3,8 @@ has no GPU.)
 
 `python benchmarks/gpu_check.py --model-path meta-llama/Llama-3.1-8B-Instruct`
 
-For each attention backend (`flashinfer`, `triton`) and each policy, it starts the real SGLang server
+For each attention backend (`flashinfer`, `triton`, and `fa3` on Hopper, SGLang's default there for
+Llama-class models) and each policy, it starts the real SGLang server
 (with this plugin) and checks:
 
 1. **What the plugin leaves on.** `GET /server_info`: CUDA graphs and the overlap scheduler must both
@@ -33,7 +34,7 @@ import time
 from typing import Any
 
 POLICIES = ["streaming", "knorm", "lagkv", "h2o", "snapkv", "d2o", "graphkv", "criticalkv"]
-BACKENDS = ["flashinfer", "triton"]
+BACKENDS = ["flashinfer", "triton", "fa3"]  # the plugin's CUDA backends (plugin.SUPPORTED_ATTENTION_BACKENDS)
 PROMPT = (
     "You are a careful assistant. Summarise the following operations log and then list every error "
     "code it mentions, in order.\n"
@@ -68,6 +69,47 @@ def _server_flags(url: str) -> dict[str, Any]:
 
     info = requests.get(url + "/server_info", timeout=30).json()
     return {k: info.get(k) for k in ("disable_cuda_graph", "disable_overlap_schedule", "attention_backend")}
+
+
+def _kv_state(url: str) -> dict[str, Any]:
+    """The plugin's counters and pool state (`/server_info`, first rank)."""
+    import requests
+
+    return requests.get(url + "/server_info", timeout=60).json()["internal_states"][0].get("kvevict") or {}
+
+
+def _leak_free(url: str) -> tuple[bool, dict[str, Any]]:
+    """After `/flush_cache`: every KV slot back in the allocator, no per-request state left."""
+    import requests
+
+    requests.post(url + "/flush_cache", timeout=120).raise_for_status()
+    st = _kv_state(url)
+    ok = st.get("available_tokens") == st.get("max_total_tokens") and not st.get("live_request_states")
+    return ok, st
+
+
+def _recall_check(args: argparse.Namespace, base: list[str], policy: str) -> dict[str, Any]:
+    """Recall at its defaults (`--kv-recall-tokens 64`): two turns per conversation, the second reusing the
+    first's compressed history; no decode step may run plugin recall (`host.decode_steps` stays 0), so a
+    decode forward is SGLang's own (what CUDA graphs replay)."""
+    from sgl_kvevict.serve.serverproc import Server
+
+    prompts = _prompts(4, 60)
+    srv_args = [*base, "--kv-policy", policy, "--kv-budget", args.budget, "--kv-recall-tokens", "64"]
+    with Server(srv_args, timeout=1800) as srv:
+        first = _generate(srv.url, prompts, args.max_new_tokens, None, args.budget)
+        follow = [
+            p + o["text"] + "\nWhich error codes did the log mention?"
+            for p, o in zip(prompts, first, strict=True)
+        ]
+        _generate(srv.url, follow, args.max_new_tokens, None, args.budget)
+        host = _kv_state(srv.url).get("host", {})
+        leak_free, st = _leak_free(srv.url)
+        flags = _server_flags(srv.url)
+    return {"policy": policy, "graphs": "recall", **flags, "identical": None, "leak_free": leak_free,
+            "slots_freed": st.get("slots_freed"), "demoted": host.get("demoted"),
+            "recalls": host.get("recalls"), "decode_steps": host.get("decode_steps"),
+            "recall_ok": host.get("decode_steps") == 0 and bool(host.get("demoted"))}  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,16 +155,24 @@ def run(args: argparse.Namespace) -> int:
                     if mode == "no-overlap":
                         row["overlap_same"] = squeezed["default"] == squeezed["no-overlap"]
                         failed |= not row["overlap_same"]
+                    row["leak_free"], st = _leak_free(srv.url)
+                    row["slots_freed"] = st.get("slots_freed")
+                    failed |= not row["leak_free"]
                     rows.append(row)
                     print(json.dumps(row), flush=True)
+        if args.recall and args.policies:
+            row = {"backend": backend, **_recall_check(args, base, args.policies[0])}
+            failed |= not (row["recall_ok"] and row["leak_free"])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     print(f"\n{'backend':<11}{'policy':<12}{'graphs':<9}{'cuda graph':<12}{'overlap':<9}{'identical':<11}"
-          f"{'overlap same':>13}{'tok/s':>9}{'vs none':>9}")  # fmt: skip
+          f"{'overlap same':>13}{'leak free':>10}{'tok/s':>9}{'vs none':>9}")  # fmt: skip
     for r in rows:
         tps = f"{r['tok_s']:.1f}" if "tok_s" in r else "-"
         vs = f"{r['vs_none']:.2f}" if "vs_none" in r else "-"
         print(f"{r['backend']:<11}{r['policy']:<12}{r['graphs']:<9}{str(not r['disable_cuda_graph']):<12}"
               f"{str(not r['disable_overlap_schedule']):<9}{str(r['identical']):<11}"
-              f"{str(r.get('overlap_same', '-')):>13}{tps:>9}{vs:>9}")  # fmt: skip
+              f"{str(r.get('overlap_same', '-')):>13}{str(r.get('leak_free', '-')):>10}{tps:>9}{vs:>9}")  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
@@ -133,18 +183,28 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--backends", default=",".join(BACKENDS))
+    ap.add_argument(
+        "--backends",
+        default=None,
+        help=f"default: {','.join(BACKENDS)} (fa3 only on Hopper, compute capability 9.x)",
+    )
     ap.add_argument("--budget", default="50%", help="budget for the throughput run (identity runs at 100%%)")
     ap.add_argument("--requests", type=int, default=32, help="concurrent requests for throughput (1-512)")
     ap.add_argument("--prompt-words", type=int, default=400, help="log lines per throughput prompt (1-20000)")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="1-4096")
     ap.add_argument("--out", default="gpu_check.json")
+    ap.add_argument(
+        "--no-recall",
+        dest="recall",
+        action="store_false",
+        help="skip the recall check (the first policy with --kv-recall-tokens 64: no decode-step recall)",
+    )
     ap.add_argument("extra", nargs="*", help="more launch_server flags, after --")
     args = ap.parse_args(argv)
     from sgl_kvevict.policies import REGISTRY
 
     args.policies = [p for p in args.policies.split(",") if p]
-    args.backends = [b for b in args.backends.split(",") if b]
+    args.backends = [b for b in (args.backends or ",".join(BACKENDS)).split(",") if b]
     bad = [p for p in args.policies if p not in REGISTRY or p == "none"]
     if bad:
         print(f"--policies: unknown {bad}; valid choices: {', '.join(POLICIES)}", file=sys.stderr)
@@ -161,10 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print(
             "gpu_check: no CUDA device here. This check is for a GPU machine (CUDA graphs, overlap, "
-            "FlashInfer/Triton backends); on a CPU run the test suite instead (`make test`).",
+            "FlashInfer/Triton/FA3 backends); on a CPU run the test suite instead (`make test`).",
             file=sys.stderr,
         )
         return 2
+    if "fa3" in args.backends and torch.cuda.get_device_capability()[0] != 9:
+        print("gpu_check: fa3 runs on Hopper (compute capability 9.x) only: left out here", file=sys.stderr)
+        args.backends = [b for b in args.backends if b != "fa3"]
     return run(args)
 
 

@@ -46,6 +46,7 @@ MAX_BUDGET_TOKENS = 1 << 24
 MAX_STEP_TOKENS = 1 << 24
 MAX_RECALL_TOKENS = 4096  # bound on --kv-recall-tokens and a request's recall_tokens (per layer and head)
 MAX_HOST_TOKENS = 1 << 21  # bound on --kv-host-tokens (host columns)
+MIN_HOST_GIB, MAX_HOST_GIB = 0.001, 4096.0  # bounds on --kv-host-gib (per rank; then checked in columns too)
 DEFAULT_HOST_TOKENS = 16384
 MAX_RECALL_PAGE = 256  # bound on the recall page (host columns per page)
 MAX_RECALL_EVERY = 4096  # bound on recall every (decode steps)
@@ -487,6 +488,15 @@ class ServerSettings(BaseModel):
         "--kv-recall-tokens); branches are dropped least-recently-used beyond it",
         json_schema_extra={"flag": "--kv-host-tokens"},
     )
+    host_gib: float | None = Field(
+        None,
+        ge=MIN_HOST_GIB,
+        le=MAX_HOST_GIB,
+        description="host tier capacity in GiB per rank instead of --kv-host-tokens (not with it): "
+        "turned into columns at start from the model's layers x KV heads x head dim x dtype bytes x 2 (K and "
+        "V), which must come to [1, 2097152] columns (needs --kv-recall-tokens)",
+        json_schema_extra={"flag": "--kv-host-gib"},
+    )
     recall: RecallTuning = Field(
         default_factory=RecallTuning,
         description="recall's tuning knobs as a JSON object with the keys below (needs --kv-recall-tokens)",
@@ -569,6 +579,11 @@ class Flag:
         return self.info.default
 
     @property
+    def is_float(self) -> bool:
+        """A number flag that takes fractions (`--kv-host-gib`), not an integer one."""
+        return float in (self.info.annotation, *get_args(self.info.annotation))
+
+    @property
     def range(self) -> str:
         """`[lo, hi]` (`(`, `)` for strict bounds), the choices, or '' (a JSON object, a budget)."""
         if self.choices is not None:
@@ -624,6 +639,12 @@ class Flag:
             obj: Any = text.strip() if nested is not None and text.strip() == "off" else _json_object(text)
             return self.coerce(obj)
         lo, hi = _bounds(self.info)
+        if self.is_float:
+            try:
+                num = float(text.strip())
+            except ValueError:
+                raise ValueError(f"must be a number in [{lo}, {hi}], got {short(text)}") from None
+            return self.coerce(num)
         try:
             val = int(text.strip())
         except ValueError:
@@ -656,6 +677,12 @@ class Flag:
         if self.choices is not None:
             return self.parse(str(value)) if not isinstance(value, bool) else self.parse(repr(value))
         lo, hi = _bounds(self.info)
+        if self.is_float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                raise ValueError(f"must be a number in [{lo}, {hi}], got {short(value)}")
+            if not lo <= value <= hi:
+                raise ValueError(f"{short(value)} out of range: must be in [{lo}, {hi}]")
+            return float(value)
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"must be an integer in [{lo}, {hi}], got {short(value)}")
         if not lo <= value <= hi:

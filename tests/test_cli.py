@@ -43,6 +43,10 @@ BAD_LAUNCHES = [
     (["--kv-policy", "bogus"], ["--kv-policy", "invalid choice", "lagkv", "d2o"]),
     (["--kv-policy", "lagkv", "--kv-budget", "1.5"], ["--kv-budget", "out of range"]),
     (["--kv-policy", "lagkv", "--enable-hierarchical-cache"], ["--enable-hierarchical-cache"]),
+    (
+        ["--kv-policy", "lagkv", "--decode-attention-backend", "trtllm_mha"],
+        ["'trtllm_mha'", "--attention-backend flashinfer"],
+    ),
 ]
 
 
@@ -190,6 +194,44 @@ def check_in_process(monkeypatch, capsys, args: list[str], model: str = MISSING_
             ["--kv-policy", "lagkv", "--kv-overrides", '{"enabled": false, "policies": ["lagkv"]}'],
             ["--kv-overrides", "policies", "no effect", "enabled: false"],
         ),
+        # attention backends that are not known to serve compacted rows, by flag (SGLang's own choice is
+        # judged after its resolution: test_resolved_backend_is_judged)
+        (
+            ["--kv-policy", "snapkv", "--attention-backend", "trtllm_mha"],
+            ["'trtllm_mha'", "--attention-backend", "supported: fa3, flashinfer, triton, torch_native"],
+        ),
+        (
+            ["--kv-policy", "lagkv", "--decode-attention-backend", "fa4"],
+            ["'fa4'", "--decode-attention-backend", "pass --attention-backend flashinfer"],
+        ),
+        (["--kv-policy", "d2o", "--prefill-attention-backend", "flex_attention"], ["'flex_attention'"]),
+        # the host tier in bytes: bounded, one of the two sizes, only with recall
+        (
+            ["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-host-gib", "0"],
+            ["--kv-host-gib", "out of range", "[0.001, 4096.0]"],
+        ),
+        (
+            ["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-host-gib", "lots"],
+            ["--kv-host-gib", "must be a number"],
+        ),
+        (
+            ["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-host-gib", "nan"],
+            ["--kv-host-gib", "[0.001, 4096.0]"],
+        ),
+        (
+            [
+                "--kv-policy",
+                "snapkv",
+                "--kv-recall-tokens",
+                "8",
+                "--kv-host-gib",
+                "1",
+                "--kv-host-tokens",
+                "64",
+            ],
+            ["--kv-host-gib", "--kv-host-tokens", "give one"],
+        ),
+        (["--kv-policy", "snapkv", "--kv-host-gib", "1"], ["--kv-host-gib", "--kv-recall-tokens"]),
     ],
 )
 def test_bad_flags_refused_by_the_hook(monkeypatch, capsys, args, needles):
@@ -548,3 +590,120 @@ def test_a_plain_server_process_never_imports_the_test_policies() -> None:
         got[name] = line
     assert got["plain"] == "RESULT [] False", got
     assert got["tests"] == "RESULT ['test_fault_staged', 'test_raise', 'test_recall_fault'] True", got
+
+
+def test_supported_backends_pass_and_none_runs_any(monkeypatch, capsys) -> None:
+    """Every backend the plugin supports is accepted under a policy (fa3: SGLang's Hopper default for
+    Llama-class models), and without a policy SGLang runs unchanged with any backend."""
+    from sgl_kvevict.serve import plugin
+
+    for backend in plugin.SUPPORTED_ATTENTION_BACKENDS:
+        code, err = check_in_process(
+            monkeypatch, capsys, ["--kv-policy", "lagkv", "--attention-backend", backend]
+        )
+        assert code == 0, err
+    code, err = check_in_process(
+        monkeypatch, capsys, ["--kv-policy", "none", "--attention-backend", "trtllm_mha"]
+    )
+    assert code == 0, err
+
+
+def test_gpu_check_covers_every_supported_cuda_backend() -> None:
+    """benchmarks/gpu_check.py checks each backend the plugin accepts on CUDA (all but the CPU's
+    torch_native), and no other."""
+    import importlib.util
+
+    from sgl_kvevict.serve import plugin
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert set(mod.BACKENDS) == set(plugin.SUPPORTED_ATTENTION_BACKENDS) - {"torch_native"}
+
+
+def _resolved(args: list[str], model: str):
+    """A ServerArgs resolved by SGLang's own pipeline (its defaults, model overrides and validation)."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    sa = ServerArgs.from_cli_args(parser.parse_args(["--model-path", model, "--device", "cpu", *args]))
+    sa.resolve_once()
+    return sa
+
+
+def test_resolved_backend_is_judged(monkeypatch, capsys, tmp_path: Path) -> None:
+    """The start check (AFTER ServerArgs.resolve_once) judges the backends SGLang resolved, not the flags:
+    a resolved backend the plugin does not support exits 2 naming it and the flag to pass; a supported one
+    and a server without a policy pass. Here SGLang resolves on this CPU (flex_attention it keeps, its
+    default for a CPU falls back to torch_native)."""
+    from sgl_kvevict.config import ENV_VAR
+    from sgl_kvevict.serve import plugin
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    flex = _resolved(["--attention-backend", "flex_attention"], str(tmp_path))
+    default = _resolved([], str(tmp_path))
+    monkeypatch.setenv(ENV_VAR, json.dumps({"policy": "lagkv"}))
+    flex._launch_command = "sglang serve ..."  # what the CLI's prepare_server_args sets (not sgl.Engine)
+    with pytest.raises(SystemExit) as e:
+        plugin.check_resolved(None, flex)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "'flex_attention'" in err and "resolved" in err and "--attention-backend flashinfer" in err
+    assert plugin.check_resolved("r", default) == "r"  # torch_native here
+    flex._launch_command = None  # sgl.Engine: a ValueError naming the same
+    with pytest.raises(ValueError, match="flex_attention"):
+        plugin.check_resolved(None, flex)
+    monkeypatch.setenv(ENV_VAR, json.dumps({"policy": "none"}))
+    assert plugin.check_resolved("r", flex) == "r"
+
+
+def test_wrong_sglang_version_exits_2_unless_allowed(monkeypatch, capsys) -> None:
+    """Another SGLang than the one the hooks patch ends the start with exit 2 naming both versions;
+    KVEVICT_ALLOW_SGLANG_VERSION=1 lets an operator try it (a warning). The version the plugin expects is
+    the one requirements/nodeps.txt installs, and the one installed here."""
+    from sgl_kvevict.serve import plugin
+
+    pins = (Path(__file__).resolve().parent.parent / "requirements" / "nodeps.txt").read_text()
+    assert f"sglang=={plugin.SGLANG_VERSION}" in pins.split()
+    assert plugin.installed_sglang_version() == plugin.SGLANG_VERSION
+    plugin.check_sglang_version()  # the real one: passes
+    monkeypatch.delenv(plugin.ALLOW_VERSION_ENV, raising=False)
+    monkeypatch.setattr(plugin, "installed_sglang_version", lambda: "0.5.24")
+    with pytest.raises(SystemExit) as e:
+        plugin.check_sglang_version()
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "0.5.24" in err and plugin.SGLANG_VERSION in err and plugin.ALLOW_VERSION_ENV in err
+    monkeypatch.setenv(plugin.ALLOW_VERSION_ENV, "1")
+    plugin.check_sglang_version()  # allowed: returns
+
+
+def test_host_gib_is_checked_against_the_model(monkeypatch, capsys, tmp_path: Path) -> None:
+    """--kv-host-gib is turned into columns from the model's config.json at start: a size under one column
+    or above the column bound exits 2 naming the bounds in GiB; a fitting one is published."""
+    from sgl_kvevict import sizing
+    from sgl_kvevict.config import MAX_HOST_TOKENS, SETTINGS_ENV_VAR, ServerSettings
+
+    big = {**LLAMA, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "num_hidden_layers": 80, "torch_dtype": "bfloat16"}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(big))
+    shape = sizing.shape_of(big)
+    assert shape.column_bytes == 2 * 80 * 8 * 128 * 2
+    base = ["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-host-gib"]
+    over = MAX_HOST_TOKENS * shape.column_bytes / sizing.GIB * 1.01
+    code, err = check_in_process(monkeypatch, capsys, [*base, f"{over:.3f}"], model=str(tmp_path))
+    assert code == 2 and "[1, 2097152] columns" in err, err
+    code, err = check_in_process(monkeypatch, capsys, [*base, "0.001"], model=str(tmp_path))
+    assert code == 0, err  # 0.001 GiB is 3 columns of 320 KiB
+    import os
+
+    settings = ServerSettings.model_validate_json(os.environ[SETTINGS_ENV_VAR])
+    assert settings.host_gib == 0.001
+    cols = sizing.columns_for_bytes(settings.host_gib * sizing.GIB, shape)
+    assert (
+        sizing.host_bytes(shape, cols) <= settings.host_gib * sizing.GIB < sizing.host_bytes(shape, cols + 1)
+    )

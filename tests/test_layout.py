@@ -23,16 +23,19 @@ MAPPED = {
 
 # Which groups each group may import (its own always included). A group is a subpackage, or a module
 # at the package's top. `launch` and `model` build the server's command line, which `serve.serverproc`
-# runs; `cluster` is a command over several servers.
+# runs; `cluster` is a command over several servers; `sizing` is the bytes arithmetic of the plugin's
+# buffers, shared by the start check, the scheduler and the docs' table.
 ALLOWED: dict[str, set[str]] = {
     "kernels": set(),
     "policies": {"kernels"},
     "scenarios": set(),
     "config": {"policies"},
-    "cache": {"config", "policies", "kernels"},
-    "serve": {"cache", "config", "policies", "kernels", "launch", "model", "cpu_compat"},
+    "sizing": {"config", "policies"},
+    "cache": {"config", "policies", "kernels", "sizing"},
+    "serve": {"cache", "config", "policies", "kernels", "launch", "model", "cpu_compat", "sizing"},
     "model": set(),
     "launch": {"model"},
+    "gpu_model": {"model"},
     "cluster": {"serve", "launch", "model", "config"},
     "cpu_compat": set(),
     "tools": {"*"},

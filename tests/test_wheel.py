@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -24,8 +23,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.slow
-# What the build reads: the project file, its readme, and the folders pyproject maps into the package.
-PACKAGED = ["pyproject.toml", "README.md", "sgl_kvevict", "kernels", "policies", "scenarios"]
 
 CHECK = r"""
 import importlib, importlib.metadata as md, json, sys
@@ -52,27 +49,15 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 
 
 def test_the_wheel_installs_into_a_clean_venv_and_registers_the_plugin(tmp_path):
-    # Built from a copy of the tracked files the wheel needs: a file git does not track cannot slip into
-    # it, and no stale `build/` of this checkout is reused.
-    src, dist = tmp_path / "src", tmp_path / "dist"
-    tracked = _run(["git", "ls-files", *PACKAGED], cwd=ROOT).stdout.split()
-    for rel in tracked:
-        (src / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / rel, src / rel)
-    _run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(dist),
-            ".",
-        ],
-        cwd=src,
+    # Built as `make wheel` builds it (scripts/wheel.sh): from a copy of the tracked files the wheel
+    # needs, so a file git does not track cannot slip into it, and no stale `build/` is reused.
+    dist = tmp_path / "dist"
+    built = _run(
+        ["bash", str(ROOT / "scripts" / "wheel.sh"), str(dist)], env={**os.environ, "PYTHON": sys.executable}
+    )
+    assert (
+        Path(built.stdout.strip().splitlines()[-1]).name
+        == f"sgl_kvevict-{_pyproject_version()}-py3-none-any.whl"
     )
     (wheel,) = dist.glob("sgl_kvevict-*.whl")
     names = zipfile.ZipFile(wheel).namelist()

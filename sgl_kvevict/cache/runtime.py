@@ -243,18 +243,33 @@ def attach(cache: Any, ctx: Any) -> Runtime:
     )
     cfg, settings = kv.server, kv.settings
     if settings.recall_tokens > 0 and cfg.active:
+        from sgl_kvevict import sizing
         from sgl_kvevict.cache import host
 
         k0 = rt.k_buffer(0)
-        need = settings.host_tokens * 2 * rt.n_layers * rt.n_kv_heads * rt.head_dim * k0.element_size()
+        shape = sizing.Shape("", rt.n_layers, rt.n_q_heads, rt.n_kv_heads, rt.head_dim, k0.element_size())
+        columns, given = settings.host_tokens, f"--kv-host-tokens {settings.host_tokens}"
+        if settings.host_gib is not None:  # this rank's exact shape and KV dtype (the launcher estimated)
+            columns = sizing.columns_for_bytes(settings.host_gib * sizing.GIB, shape)
+            given = f"--kv-host-gib {settings.host_gib:g} ({columns} columns)"
+        need = sizing.host_bytes(shape, columns)
         total = _host_ram_bytes()
         if total is not None and need > total // 2:  # reserved lazily: pages are committed as used
             raise RuntimeError(
-                f"sgl-kvevict: --kv-host-tokens {settings.host_tokens} needs {need / 2**30:.1f} GiB of host "
+                f"sgl-kvevict: {given} needs {need / 2**30:.1f} GiB of host "
                 f"memory, more than half of this machine's {total / 2**30:.1f} GiB: lower it"
             )
-        kv.host = host.build(
-            rt.n_layers, rt.n_kv_heads, rt.head_dim, settings.host_tokens, k0.dtype, k0.device
+        kv.host = host.build(rt.n_layers, rt.n_kv_heads, rt.head_dim, columns, k0.dtype, k0.device)
+        logger.info(
+            "sgl-kvevict: %s: host tier %.1f MiB; on %s: page summaries up to %.1f MiB (%s, page %d), "
+            "capture buffer %.1f MiB",
+            given,
+            need / sizing.MIB,
+            k0.device,
+            sizing.summary_bytes(shape, columns, settings.recall.page, settings.recall.summary) / sizing.MIB,
+            settings.recall.summary,
+            settings.recall.page,
+            (kv.capture.nbytes if kv.capture is not None else 0) / sizing.MIB,
         )
     kv.slot_stats = slotstats.setup(rt) if slotstats.needed(cfg, settings) else None
     logger.info(

@@ -14,6 +14,9 @@ import importlib.util
 import sys
 
 STUB_NAME = "sgl_kernel"
+# submodules SGLang imports at module load on CUDA (`layers/attention/triton_backend.py`: `sgl_kernel.utils`),
+# served by the same stand-in: scripts/gpu_session.sh runs the Triton backend on a GPU without sgl-kernel
+SUBMODULES = ("sgl_kernel.utils",)
 _STUB_MODULE = "sgl_kvevict.cpu_compat.sgl_kernel_stub"
 
 
@@ -21,12 +24,15 @@ class _StubFinder(importlib.abc.MetaPathFinder):
     """Serves `sgl_kernel` from our stub, but only as the last resort."""
 
     def find_spec(self, fullname, path=None, target=None):  # noqa: D401
-        if fullname != STUB_NAME:
+        if fullname not in (STUB_NAME, *SUBMODULES):
             return None
         stub = importlib.util.find_spec(_STUB_MODULE)
         if stub is None:
             return None
-        return importlib.util.spec_from_file_location(STUB_NAME, stub.origin)
+        spec = importlib.util.spec_from_file_location(fullname, stub.origin)
+        if fullname == STUB_NAME:  # a package with no folder: only SUBMODULES import below it (this finder)
+            spec.submodule_search_locations = []
+        return spec
 
 
 def install_finder() -> None:

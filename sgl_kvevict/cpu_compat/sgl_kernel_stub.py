@@ -1,4 +1,5 @@
-"""Pure-torch stand-ins for the `sgl_kernel` functions SGLang's CPU path calls.
+"""Pure-torch stand-ins for the `sgl_kernel` functions SGLang's CPU path calls (and, as `sgl_kernel.utils`,
+the one SGLang's Triton backend asks on CUDA).
 
 Loaded as the module `sgl_kernel` only when no real `sgl_kernel` is installed (see `__init__.py`).
 Anything not provided here raises NotImplementedError when called, naming the function.
@@ -29,6 +30,11 @@ def assign_req_to_token_pool_cpu(
         n = e - s
         req_to_token[row, s:e] = out_cache_loc[pos : pos + n].to(req_to_token.dtype)
         pos += n
+
+
+def is_arch_support_pdl() -> bool:
+    """`sgl_kernel.utils.is_arch_support_pdl`: no programmatic dependent launch without sgl-kernel's kernels."""
+    return False
 
 
 def __getattr__(name: str):

@@ -18,7 +18,7 @@ import sys
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sgl_kvevict import policies
+from sgl_kvevict import policies, sizing
 from sgl_kvevict.config import (
     DEFAULT_CAPTURE_SLOTS,
     ENV_VAR,
@@ -45,6 +45,20 @@ BACKEND_NAME = "kvevict"
 # entry point that every server would import
 EXTRA_LOAD_ENV = "KVEVICT_LOAD"
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+
+# Attention backends that serve compacted rows: each builds its per-forward metadata from the live
+# `req_to_token` rows and `seq_lens` (eagerly and before every CUDA-graph replay), so a row the plugin
+# rewrote and a shorter `seq_lens` are what it reads (docs/deployment.md, "Attention backends").
+# `fa3` is SGLang 0.5.23's default for Llama-class models on Hopper. Every other backend is refused
+# under a compressing policy, whether given by a flag or chosen by SGLang's own resolution.
+SUPPORTED_ATTENTION_BACKENDS = ("fa3", "flashinfer", "triton", "torch_native")
+SUGGESTED_BACKEND = "flashinfer"
+_BACKEND_FLAGS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
+
+# The SGLang release whose internals the hooks patch (requirements/nodeps.txt pins the same). Another
+# release fails at start unless the operator sets ALLOW_VERSION_ENV=1 to try it anyway.
+SGLANG_VERSION = "0.5.23"
+ALLOW_VERSION_ENV = "KVEVICT_ALLOW_SGLANG_VERSION"
 
 
 def _argparse_type(flag: Flag):
@@ -157,6 +171,56 @@ def _apply(ns: argparse.Namespace) -> None:
             _fail(f"--kv-policy {policy} needs the radix cache: drop --disable-radix-cache")
         ns.radix_cache_backend = BACKEND_NAME
         _restrict_features(ns, cfg, settings, model_cfg)
+        for dest in _BACKEND_FLAGS:
+            why = backend_refusal(policy, getattr(ns, dest, None), f"--{dest.replace('_', '-')}")
+            if why:
+                _fail(why)
+
+
+def backend_refusal(policy: str, backend: str | None, source: str) -> str | None:
+    """Why `backend` (given by `source`: a flag, or SGLang's resolution) cannot serve compacted rows."""
+    if backend is None or backend in SUPPORTED_ATTENTION_BACKENDS:
+        return None
+    return (
+        f"--kv-policy {policy} does not support the {backend!r} attention backend ({source}): "
+        f"supported: {', '.join(SUPPORTED_ATTENTION_BACKENDS)}; pass --attention-backend {SUGGESTED_BACKEND}"
+    )
+
+
+def resolved_refusal(server_args) -> str | None:
+    """What SGLang's resolution chose that a compressing policy cannot serve, or None.
+
+    SGLang picks the attention backend (and may raise the page size) while resolving its arguments,
+    after our flags were read: FA3 on Hopper for Llama-class models, trtllm_mha on Blackwell (page size
+    16-64), FlashInfer or Triton otherwise, and model- or feature-specific choices. This judges the
+    prefill and decode backends (and page size) it resolved to."""
+    from sglang.srt.arg_groups.model_override_base import attention_backends_of, resolving_view
+
+    cfg = server_config()
+    if not cfg.active:
+        return None
+    view = resolving_view(server_args)
+    prefill, decode = attention_backends_of(view)
+    for phase, backend in (("prefill", prefill), ("decode", decode)):
+        why = backend_refusal(cfg.policy, backend, f"SGLang's resolved {phase} backend")
+        if why:
+            return why
+    page = getattr(view, "page_size", None)
+    if page not in (None, 1):
+        return f"--kv-policy {cfg.policy} compacts per token and needs page size 1 (SGLang resolved {page})"
+    return None
+
+
+def check_resolved(result, server_args, *args, **kwargs):
+    """AFTER ServerArgs.resolve_once: refuse what SGLang resolved that compression cannot serve (exit 2 on
+    the command line, FlagError from `sgl.Engine`), before any model weight is loaded."""
+    why = resolved_refusal(server_args)
+    if why:
+        if getattr(server_args, "launch_command", None) is not None:  # set by the CLI's prepare_server_args
+            print(f"sglang launch_server: error: {why}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        raise FlagError(why)
+    return result
 
 
 def _model_config(ns: argparse.Namespace) -> dict | None:
@@ -180,9 +244,24 @@ def _server_settings(ns: argparse.Namespace, model_cfg: dict | None) -> ServerSe
         if flag.model is ServerSettings and _given(ns, flag.name) is not None:
             given[flag.field] = _given(ns, flag.name)
     if not given.get("recall_tokens"):
-        for name in ("--kv-host-tokens", "--kv-recall-config"):
+        for name in ("--kv-host-tokens", "--kv-host-gib", "--kv-recall-config"):
             if _given(ns, name) is not None:
                 _fail(f"{name} shapes the host tier, which is on only with --kv-recall-tokens N (N >= 1)")
+    if given.get("host_gib") is not None:
+        if _given(ns, "--kv-host-tokens") is not None:
+            _fail("--kv-host-gib and --kv-host-tokens both size the host tier: give one")
+        if model_cfg is not None:  # estimated from config.json; the scheduler converts with the exact shape
+            try:
+                shape = sizing.shape_of(
+                    model_cfg, getattr(ns, "tp_size", 1) or 1, getattr(ns, "kv_cache_dtype", None)
+                )
+            except (KeyError, TypeError, ValueError):
+                shape = None  # an unusual config.json: the scheduler still checks
+            if shape is not None:
+                try:
+                    sizing.columns_for_bytes(given["host_gib"] * sizing.GIB, shape)
+                except ValueError as e:
+                    _fail(f"argument {e}")
     quant = None
     for flag in ("quantization", "modelopt_quant"):
         if getattr(ns, flag, None):
@@ -366,10 +445,42 @@ def _load_extra(target: str) -> None:
     getattr(importlib.import_module(module), func)()
 
 
+def installed_sglang_version() -> str:
+    from importlib.metadata import version
+
+    return version("sglang")
+
+
+def check_sglang_version() -> None:
+    """Exit 2 when the installed SGLang is not the release the hooks were written for, unless
+    `KVEVICT_ALLOW_SGLANG_VERSION=1` (then a warning): a newer SGLang would otherwise fail somewhere inside
+    a hook, later and less clearly."""
+    found = installed_sglang_version()
+    if found == SGLANG_VERSION:
+        return
+    if os.environ.get(ALLOW_VERSION_ENV) == "1":
+        logger.warning(
+            "sgl-kvevict: SGLang %s is installed; the plugin was built for %s (allowed by %s=1)",
+            found,
+            SGLANG_VERSION,
+            ALLOW_VERSION_ENV,
+        )
+        return
+    print(
+        f"sgl-kvevict: error: SGLang {found} is installed, but this plugin patches SGLang {SGLANG_VERSION}'s "
+        f"internals: install sglang=={SGLANG_VERSION}, or set {ALLOW_VERSION_ENV}=1 to try {found} anyway",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.exit(2)
+
+
 def load() -> None:
     """Entry point. Cheap and idempotent; SGLang applies the registered hooks right after."""
+    check_sglang_version()
     HookRegistry.register(f"{_SERVER_ARGS}.add_cli_args", add_cli_args, HookType.AFTER)
     HookRegistry.register(f"{_SERVER_ARGS}.from_cli_args", from_cli_args, HookType.BEFORE)
+    HookRegistry.register(f"{_SERVER_ARGS}.resolve_once", check_resolved, HookType.AFTER)
     HookRegistry.register(
         "sglang.srt.sampling.sampling_params.SamplingParams.verify", verify_request, HookType.AFTER
     )
