@@ -494,7 +494,8 @@ class ServerSettings(BaseModel):
         le=MAX_HOST_GIB,
         description="host tier capacity in GiB per rank instead of --kv-host-tokens (not with it): "
         "turned into columns at start from the model's layers x KV heads x head dim x dtype bytes x 2 (K and "
-        "V), which must come to [1, 2097152] columns (needs --kv-recall-tokens)",
+        "V), which must come to [1, 2097152] columns (needs --kv-recall-tokens; default: none, "
+        "--kv-host-tokens sizes the tier)",
         json_schema_extra={"flag": "--kv-host-gib"},
     )
     recall: RecallTuning = Field(
