@@ -516,6 +516,21 @@ def _bounds(info: FieldInfo) -> tuple[Any, Any]:
     return lo, hi
 
 
+def interval(info: FieldInfo) -> str:
+    """A number field's bounds as `--help` and the docs write them: `[lo, hi]`, with `(` or `)` for a
+    strict bound; '' when it has not both."""
+    lo = hi = None
+    left, right = "[", "]"
+    for m in info.metadata:
+        for attr, side in (("ge", "["), ("gt", "(")):
+            if getattr(m, attr, None) is not None:
+                lo, left = getattr(m, attr), side
+        for attr, side in (("le", "]"), ("lt", ")")):
+            if getattr(m, attr, None) is not None:
+                hi, right = getattr(m, attr), side
+    return f"{left}{lo}, {hi}{right}" if lo is not None and hi is not None else ""
+
+
 def _json_object(text: str) -> dict[str, Any]:
     try:
         val = json.loads(text)
@@ -589,18 +604,7 @@ class Flag:
         """`[lo, hi]` (`(`, `)` for strict bounds), the choices, or '' (a JSON object, a budget)."""
         if self.choices is not None:
             return " | ".join(self.choices)
-        lo = hi = None
-        left, right = "[", "]"
-        for m in self.info.metadata:
-            for attr, side in (("ge", "["), ("gt", "(")):
-                if getattr(m, attr, None) is not None:
-                    lo, left = getattr(m, attr), side
-            for attr, side in (("le", "]"), ("lt", ")")):
-                if getattr(m, attr, None) is not None:
-                    hi, right = getattr(m, attr), side
-        if lo is not None and hi is not None:
-            return f"{left}{lo}, {hi}{right}"
-        return ""
+        return interval(self.info)
 
     @property
     def help(self) -> str:

@@ -53,16 +53,7 @@ def doc_range(info: FieldInfo) -> str:
         return "`true`, `false`"
     if typing.get_origin(ann) is typing.Literal:
         return ", ".join(f"`{a}`" for a in typing.get_args(ann))
-    lo = hi = None
-    left, right = "[", "]"
-    for m in info.metadata:
-        for attr, side in (("ge", "["), ("gt", "(")):
-            if getattr(m, attr, None) is not None:
-                lo, left = getattr(m, attr), side
-        for attr, side in (("le", "]"), ("lt", ")")):
-            if getattr(m, attr, None) is not None:
-                hi, right = getattr(m, attr), side
-    return f"{left}{lo}, {hi}{right}" if lo is not None and hi is not None else ""
+    return C.interval(info)
 
 
 def doc_default(info: FieldInfo) -> str:
