@@ -204,7 +204,8 @@ def test_engine_takes_every_setting(monkeypatch):
         "kv_host_tokens": "4096",
         "kv_recall_config": {"page": 4, "every": 0},
     }
-    assert set(every) == set(plugin.ENGINE_KEYS)
+    # --kv-host-gib sizes the same tier as --kv-host-tokens, never beside it: checked on its own below
+    assert set(every) | {"kv_host_gib"} == set(plugin.ENGINE_KEYS)
     args, kwargs = plugin.server_args_init(object(), model_path="m", max_running_requests=16, **every)
     assert not set(kwargs) & set(plugin.ENGINE_KEYS) and kwargs["max_running_requests"] == 16
     cfg = KvConfig.model_validate_json(os.environ[ENV_VAR])
@@ -214,6 +215,11 @@ def test_engine_takes_every_setting(monkeypatch):
     assert (got.step_tokens, got.recall_tokens, got.host_tokens) == (2048, 8, 4096)
     assert (got.recall.page, got.recall.every, got.recall.summary) == (4, 0, "minmax")
     assert (got.capture_window, got.capture_slots) == (48, 16)
+    in_gib = {k: v for k, v in every.items() if k != "kv_host_tokens"}
+    plugin.server_args_init(object(), model_path="m", **in_gib, kv_host_gib="0.5")
+    assert ServerSettings.model_validate_json(os.environ[SETTINGS_ENV_VAR]).host_gib == 0.5
+    with pytest.raises(ValueError, match="give one"):
+        plugin.server_args_init(object(), model_path="m", **every, kv_host_gib=0.5)
     for key, bad, needle in (
         ("kv_scope", "tree", "valid choices"),
         ("kv_recall_tokens", 5000, "[0, 4096]"),
