@@ -2,7 +2,7 @@
 install, it carries the kernels, policies and scenarios and registers the SGLang plugin.
 
 The fresh venv gets no dependencies of its own (the wheel goes in with `--no-deps`): a `.pth` file holds
-the plain path of this venv's site-packages, so torch, pydantic and SGLang import from there. A plain
+the plain path of the site-packages that holds torch, pydantic and SGLang, so they import from there. A plain
 path line in a `.pth` is appended to `sys.path`, but the `.pth` files inside that directory (this
 checkout's editable finder among them) are not processed, so `sgl_kvevict` can only come from the wheel.
 No server: about half a minute, most of it building the wheel and the venv.
@@ -10,11 +10,11 @@ No server: about half a minute, most of it building the wheel and the venv.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
-import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -71,7 +71,10 @@ def test_the_wheel_installs_into_a_clean_venv_and_registers_the_plugin(tmp_path)
     purelib = Path(
         _run([str(new_py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
     )
-    (purelib / "zz_project_site.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # the site-packages that holds the dependencies (torch, sglang): the shared venv's, under this
+    # checkout's own `.venv/` layer (scripts/env.sh), whose site-packages holds only the editable install
+    deps = Path(importlib.util.find_spec("torch").origin).resolve().parents[1]
+    (purelib / "zz_project_site.pth").write_text(f"{deps}\n")
     _run([sys.executable, "-m", "pip", "--python", str(new_py), "install", "--no-deps", "-q", str(wheel)])
 
     env = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "PYTHONHOME"}}
