@@ -17,16 +17,34 @@ from sgl_kvevict.serve import metrics as M
 from sgl_kvevict.serve.serverproc import Server
 
 from .helpers import CHECKED_ENV, START_TIMEOUT, host_state
-from .test_recall_e2e import FACT, RECALL_ARGS, SNAP, fillers, session
+from .test_recall_e2e import FACT, fillers, session
 
 pytestmark = pytest.mark.server
 
+BUDGET, RECALL = 64, 64
+SNAP = {"policy": "snapkv", "budget": BUDGET, "config": {"scope": "branch"}}
 QUESTION = "What is the vault code? Answer with the number only."
 
 
 @pytest.fixture(scope="module")
 def ops_server():
-    srv = Server([*RECALL_ARGS, "--enable-metrics"], env=CHECKED_ENV, timeout=START_TIMEOUT)
+    srv = Server(
+        [
+            "--max-total-tokens",
+            "20000",
+            "--kv-policy",
+            "snapkv",
+            "--kv-budget",
+            str(BUDGET),
+            "--kv-recall-tokens",
+            str(RECALL),
+            "--kv-host-tokens",
+            "1500",
+            "--enable-metrics",
+        ],
+        env=CHECKED_ENV,
+        timeout=START_TIMEOUT,
+    )
     with srv:
         yield srv
         assert srv.alive(), srv.tail()

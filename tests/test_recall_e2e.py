@@ -25,26 +25,26 @@ SNAP = {"policy": "snapkv", "budget": BUDGET, "config": {"scope": "branch"}}
 FACT = "Remember this: the vault code is 4817."
 
 
-# The recall server's flags (test_ops_e2e starts the same server with metrics on).
-RECALL_ARGS = [
-    "--max-total-tokens",
-    "20000",
-    "--kv-policy",
-    "snapkv",
-    "--kv-budget",
-    str(BUDGET),
-    "--kv-policy-config",
-    '{"scope": "branch"}',
-    "--kv-recall-tokens",
-    str(RECALL),
-    "--kv-host-tokens",
-    str(HOST),
-]
-
-
 @pytest.fixture(scope="module")
 def recall_server():
-    srv = Server(RECALL_ARGS, env=CHECKED_ENV, timeout=START_TIMEOUT)
+    srv = Server(
+        [
+            "--max-total-tokens",
+            "20000",
+            "--kv-policy",
+            "snapkv",
+            "--kv-budget",
+            str(BUDGET),
+            "--kv-policy-config",
+            '{"scope": "branch"}',
+            "--kv-recall-tokens",
+            str(RECALL),
+            "--kv-host-tokens",
+            str(HOST),
+        ],
+        env=CHECKED_ENV,
+        timeout=START_TIMEOUT,
+    )
     with srv:
         yield srv
         assert srv.alive(), srv.tail()
