@@ -10,11 +10,12 @@ fraction becomes a token budget per family: `fraction x` the family's median con
 less what the device holds besides the budget while answering (the recalled entries, the sinks and the
 recent window), so that the cell's device KV is about that fraction; the table prints the measured one.
 
-Families (sizes in `FAMILIES`, each calibrated so that the full cache answers at least 10 of 12):
+Families (sizes in `FAMILIES`; the aim is a full cache that answers at least 10 of 12, and
+docs/benchmarks.md says which families reach it):
 
 - `recall-code`: the recall scenario as it is (the model's own answers, topical notes, a code in turn 1);
-- `composed`, `composed-chat`: client-composed histories (the client writes every reply; each turn
-  generates one token), through `/generate` with token ids and through the OpenAI chat API;
+- `composed`, `composed-chat`: client-composed histories (the client writes the history; each turn
+  generates one token, which it drops), through `/generate` with token ids and through the OpenAI chat API;
 - `chatloop`: the model's own replies re-sent, filler of logs, word lists, code and JSON tool output, the
   fact in the middle or the last third;
 - `multikey`: three facts of three shapes (digits, a name, an identifier) at the start, middle and last
@@ -43,7 +44,7 @@ import replay  # noqa: E402
 
 from sgl_kvevict.scenarios.base import ScenarioConfig  # noqa: E402
 
-# family -> (scenario, its sizes, answer cap for the other turns). Calibrated with the full cache.
+# family -> (scenario, its sizes); each family's full-cache count is in docs/benchmarks.md (recall suite).
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "recall-code": ("recall-code", {"turns": 10, "filler_tokens": 150}),
     "composed": ("composed", {"turns": 14, "filler_tokens": 120}),
