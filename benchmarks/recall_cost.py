@@ -1,29 +1,24 @@
 """What recall costs per turn and per decode step as a branch's host history grows: the real recall path
-(`recall.arm` / `recall.after_compress`, then `recall.before_attention` at every layer, as the forward
-calls it) on SGLang's real pools (`sgl_kvevict.tools.pools.Pools`, SmolLM2-135M's shapes: 30 layers, 3
-KV heads, 9 query heads, head dim 64, bf16), no model.
+on SGLang's real pools (`sgl_kvevict.tools.pools.Pools`, SmolLM2-135M's shapes: 30 layers, 3 KV heads, 9
+query heads, head dim 64, bf16), no model.
 
     python benchmarks/recall_cost.py --host 2048,8192,32768
 
 For each host size E: one request whose region of E + budget tokens is compressed to the budget (the
 evicted E entries per layer and head are demoted to the host tier), then
-- a prefill of `--new-tokens` tokens recalls layer by layer (scores: the new tokens' queries over the E
-  host keys and the row's keys, every layer);
-- the turn's append (`recall.append`, `--kv-recall-config` `append`): a window of 32 queries brings R entries per
-  layer and head back into appended slots;
+- a prefill of `--new-tokens` tokens over both tiers (`exact_prefill.attend_row` at every layer: the new
+  tokens' queries over the E host entries and the row);
+- the turn's append (`recall.append`): a window of 32 queries brings R entries per layer and head back
+  into appended slots, picked among the pages their key summaries rank best;
 - `--steps` decode steps recall, one query each (at most one page per step): the scheduler's plan
   (`recall.plan_step`), the fixed-shape exchange at every layer, the records read back
-  (`recall.finish_step`). A decode step scores every host key of the branch (`--summary` applies to the
-  prefill recall and the append only).
-The score floor is 0 unless `--min-score` says otherwise (the most a recall moves). Each size runs
-once per `--summary` variant: `off` scores every host key; `minmax` and `mean` score the
-branch's page summaries and fetch the columns of the best pages only (`--kv-recall-config` `summary`), at least
-`--fetch-pages` of them (`--kv-recall-config` `fetch_pages`).
-Printed per host size and variant: seconds per prefill recall (all layers) and per decode step (all
-layers), the entries recalled, the bytes moved (K and V, both directions) and the host key bytes read to
-score (every key, or the fetched pages' twice: scoring and re-summarising after the swap). On a GPU the host keys would be read
-over PCIe (pinned memory); here both tiers are in RAM, so the bytes are the measure and the seconds are
-this CPU's only.
+  (`recall.finish_step`). A decode step scores every host key of the branch.
+The score floor is 0 unless `--min-score` says otherwise (the most a recall moves; the random queries here
+are no evidence for the floor). Printed per host size: seconds per prefill over both tiers (all layers)
+and the host bytes it reads, then per append and per decode step (all layers) the entries recalled, the
+bytes moved (K and V, both directions) and the host key bytes read to score. On a GPU the host entries
+would be read over PCIe (pinned memory); here both tiers are in RAM, so the bytes are the measure and the
+seconds are this CPU's only.
 """
 
 from __future__ import annotations
@@ -39,9 +34,9 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sgl_kvevict.cache import capture, compressor, host, recall, threads  # noqa: E402
+from sgl_kvevict.cache import capture, compressor, exact_prefill, host, recall, recall_core, threads  # noqa: E402
 from sgl_kvevict.cache import state as st  # noqa: E402
-from sgl_kvevict.config import DEFAULT_RECALL_FETCH_PAGES, SETTINGS_ENV_VAR, RecallTuning, ServerSettings  # noqa: E402
+from sgl_kvevict.config import SETTINGS_ENV_VAR, RecallTuning, ServerSettings  # noqa: E402
 from sgl_kvevict.tools.pools import Pools  # noqa: E402
 
 LAYERS, KV_HEADS, GROUP, DIM = 30, 3, 3, 64
@@ -53,7 +48,8 @@ class _ForwardBatch(SimpleNamespace):
 
 
 def forward_batch(p: Pools, decode: bool, n_new: int) -> SimpleNamespace:
-    """The fields of SGLang's ForwardBatch that `recall.before_attention` reads, for row 0 of `p`."""
+    """The fields of SGLang's ForwardBatch that `recall.before_attention` reads in a decode step, for row
+    0 of `p`."""
     mode = SimpleNamespace(is_decode=lambda: decode, is_extend=lambda: not decode)
     return _ForwardBatch(
         forward_mode=mode,
@@ -87,13 +83,16 @@ def measure(e: int, budget: int, r: int, new_tokens: int, steps: int) -> dict:
         s.recall.host.count if s.recall.host else 0,
         e,
     )
-    # a new turn's prefill: the row's history is the compacted region, the new tokens follow it
+    # a new turn's prefill over both tiers: the row's last `new_tokens` slots stand for its new tokens
     kv_len = int(req.kv.kv_committed_len)
-    req.prefix_len, req.extend_end, req.output_ids = s.slot_map.tokens_for(kv_len), None, []
-    moved0, in0, read0 = s.recall.bytes_moved, s.recall.recalled, p.ctx.host.totals.keys_read
-    assert recall.arm(req, s), "the prefill recall did not arm"
-    prefill_s = run_layers(p, forward_batch(p, False, new_tokens), new_tokens)
-    prefill = (s.recall.recalled - in0, s.recall.bytes_moved - moved0, p.ctx.host.totals.keys_read - read0)
+    slots = p.r2t.req_to_token[0, :kv_len].to(torch.int64)
+    one = exact_prefill.ExactArm(req, s, s.recall.host.cols.clone())
+    q = torch.randn(new_tokens, p.q_heads, DIM, generator=p.gen).to(torch.bfloat16)
+    t0 = time.perf_counter()
+    for layer in range(LAYERS):
+        exact_prefill.attend_row(one, layer, q, slots, DIM**-0.5)
+    prefill_s = time.perf_counter() - t0
+    prefill_read = int(one.cols.numel()) * 2 * KV_HEADS * DIM * p.ctx.host.k.element_size() * LAYERS
     # the turn's append, with a captured window of random queries at the row's last positions
     moved0, in0, read0 = s.recall.bytes_moved, s.recall.recalled, p.ctx.host.totals.keys_read
     assert capture.ensure(p.ctx, 0, WINDOW, 0)
@@ -120,14 +119,11 @@ def measure(e: int, budget: int, r: int, new_tokens: int, steps: int) -> dict:
         step_bytes.append(s.recall.bytes_moved - moved0)
         step_read.append(p.ctx.host.totals.keys_read - read0)
     s.recall.drop_host(s.ctx.host)
-    p.ctx.armed.clear()
     p.ctx.decode_armed.clear()
     return {
         "host": s.recall.host_peak,
         "prefill_s": prefill_s,
-        "prefill_in": prefill[0],
-        "prefill_bytes": prefill[1],
-        "prefill_read": prefill[2],
+        "prefill_read": prefill_read,
         "append_s": append_s,
         "append_in": append[0],
         "append_bytes": append[1],
@@ -150,48 +146,29 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64, help="a turn's new tokens (its prefill's queries)")
     ap.add_argument("--steps", type=int, default=8, help="decode steps timed per size")
-    ap.add_argument(
-        "--summary", default="off,minmax", help="--kv-recall-config summary variants, side by side"
-    )
-    ap.add_argument(
-        "--fetch-pages", type=int, default=DEFAULT_RECALL_FETCH_PAGES, help="--kv-recall-config fetch_pages"
-    )
-    ap.add_argument(
-        "--min-score",
-        type=float,
-        default=0.0,
-        help="--kv-recall-config min_score (default 0: every entry that beats the one it displaces moves, the most "
-        "a recall moves; the random queries here are no evidence for the floor)",
-    )
+    ap.add_argument("--min-score", type=float, default=0.0, help="the score floor (the server's: 0.05)")
     args = ap.parse_args()
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    recall_core.MIN_SCORE = args.min_score
     print(
-        "| host entries per layer and head | summary | prefill recall s (all layers) | entries in | bytes moved "
-        "| host keys read | append s | entries appended | bytes moved | host keys read "
+        "| host entries per layer and head | prefill over both tiers s (all layers) | host bytes read "
+        "| append s | entries appended | bytes moved | host keys read "
         "| decode step recall s (median, all layers) | entries in per step | bytes moved per "
         "step | host keys read per step |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    tuning = RecallTuning(page=args.page, every=1)
+    os.environ[SETTINGS_ENV_VAR] = ServerSettings(recall_tokens=args.recall, recall=tuning).to_env()
     for e in (int(x) for x in args.host.split(",")):
-        for summary in args.summary.split(","):
-            tuning = RecallTuning(
-                page=args.page,
-                every=1,
-                summary=summary,
-                min_score=args.min_score,
-                fetch_pages=args.fetch_pages,
-            )
-            os.environ[SETTINGS_ENV_VAR] = ServerSettings(recall_tokens=args.recall, recall=tuning).to_env()
-            print(f"[recall_cost] host {e}, summary {summary} ...", file=sys.stderr, flush=True)
-            m = measure(e, args.budget, args.recall, args.new_tokens, args.steps)
-            print(
-                f"| {m['host']:,} | {summary} | {m['prefill_s']:.3f} | {m['prefill_in']:,} "
-                f"| {m['prefill_bytes'] / 1e6:.2f} MB | {m['prefill_read'] / 1e6:.2f} MB "
-                f"| {m['append_s']:.3f} | {m['append_in']:,} | {m['append_bytes'] / 1e6:.2f} MB "
-                f"| {m['append_read'] / 1e6:.2f} MB | {m['step_s']:.4f} "
-                f"| {m['step_in']:.0f} | {m['step_bytes'] / 1e3:.1f} KB | {m['step_read'] / 1e3:.1f} KB |",
-                flush=True,
-            )
+        print(f"[recall_cost] host {e} ...", file=sys.stderr, flush=True)
+        m = measure(e, args.budget, args.recall, args.new_tokens, args.steps)
+        print(
+            f"| {m['host']:,} | {m['prefill_s']:.3f} | {m['prefill_read'] / 1e6:.2f} MB "
+            f"| {m['append_s']:.3f} | {m['append_in']:,} | {m['append_bytes'] / 1e6:.2f} MB "
+            f"| {m['append_read'] / 1e6:.2f} MB | {m['step_s']:.4f} "
+            f"| {m['step_in']:.0f} | {m['step_bytes'] / 1e3:.1f} KB | {m['step_read'] / 1e3:.1f} KB |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -104,12 +104,9 @@ def capture_bytes(shape: Shape, slots: int = DEFAULT_CAPTURE_SLOTS, window: int 
     return (slots + 1) * shape.layers * (window + 1) * shape.q_heads * shape.head_dim * shape.dtype_bytes
 
 
-def summary_bytes(shape: Shape, columns: int, page: int = DEFAULT_RECALL_PAGE, mode: str = "minmax") -> int:
-    """Page summaries of `columns` host columns on the device (`minmax`: two tensors, `mean`: one)."""
-    per = {"minmax": 2, "mean": 1, "off": 0}[mode]
-    return (
-        per * math.ceil(columns / page) * shape.layers * shape.kv_heads * shape.head_dim * shape.dtype_bytes
-    )
+def summary_bytes(shape: Shape, columns: int, page: int = DEFAULT_RECALL_PAGE) -> int:
+    """Page summaries of `columns` host columns on the device: each key channel's minimum and maximum."""
+    return 2 * math.ceil(columns / page) * shape.layers * shape.kv_heads * shape.head_dim * shape.dtype_bytes
 
 
 def columns_for_bytes(nbytes: float, shape: Shape, flag: str = "--kv-host-gib") -> int:

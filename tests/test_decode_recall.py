@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_kvevict.cache import compressor, decode_recall, demote, host, recall
+from sgl_kvevict.cache import compressor, decode_recall, demote, host, recall, recall_core
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.retrieval_heads import RecallHeads
 from sgl_kvevict.config import RecallTuning, ServerSettings
@@ -16,15 +16,21 @@ from sgl_kvevict.tools.pools import Pools, SyncCounter
 L, H, G, D, N, W, R = 3, 2, 2, 16, 160, 16, 6
 
 
-def _ready(n_reqs: int, page: int, floor: float, seed: int = 0, recalls: tuple[int, ...] = (R, 3)):
+@pytest.fixture(autouse=True)
+def _exact(monkeypatch) -> None:
+    """Every host key scored (the per-request recall compared with fetches every page) and no score floor
+    unless a test sets one (`recall_core.MIN_SCORE`)."""
+    monkeypatch.setattr(recall, "FETCH_PAGES", 1 << 30)
+    monkeypatch.setattr(recall_core, "MIN_SCORE", 0.0)
+
+
+def _ready(n_reqs: int, page: int, seed: int = 0, recalls: tuple[int, ...] = (R, 3)):
     """`n_reqs` requests, each compressed once (its evictions demoted to the host), and per layer a
     decode step's queries `[B, Hq, D]`."""
     p = Pools(
         layers=L, kv_heads=H, group=G, head_dim=D, max_reqs=4, max_len=256, dtype=torch.float32, seed=seed
     )
-    p.ctx.settings = ServerSettings(
-        recall_tokens=R, recall=RecallTuning(page=page, summary="off", min_score=floor, every=1)
-    )
+    p.ctx.settings = ServerSettings(recall_tokens=R, recall=RecallTuning(page=page, every=1))
     batch = p.batch(n_reqs, N, "snapkv", 48, {"window": W})
     p.ctx.host = host.HostPool(L, H, D, 1024, torch.float32)
     with compressor.one_thread():
@@ -78,7 +84,8 @@ def test_a_step_swaps_what_the_per_request_recall_swaps(
     counters end equal, and entries did move (the comparison is not of two no-ops). With KVEVICT_DEBUG,
     the logical positions the row and the host hold (what the oracle replays) end equal too."""
     monkeypatch.setattr(st, "DEBUG", debug)
-    ref, reqs_ref, q = _ready(n_reqs, page, floor)
+    monkeypatch.setattr(recall_core, "MIN_SCORE", floor)
+    ref, reqs_ref, q = _ready(n_reqs, page)
     for i, req in enumerate(reqs_ref):  # one query head per request leans on its branch's last host entry:
         s = st.get(req)  # its page, partial when the count is not a multiple of `page`, ranks first
         assert s.recall.host.count % page or page == 1
@@ -88,9 +95,9 @@ def test_a_step_swaps_what_the_per_request_recall_swaps(
         m = int(req.kv.kv_committed_len)
         one = recall.Recall.start(req, s, m, s.slot_map.tokens_for(m), *_bounds(req))
         for ly in range(L):
-            one.layer(ly, q[ly, i][:, None], causal=False)
+            one.layer(ly, q[ly, i][:, None])
         one.finish()
-    p, reqs, _ = _ready(n_reqs, page, floor)
+    p, reqs, _ = _ready(n_reqs, page)
     before = [x.clone() for x in _held(p, reqs)]
     one = _step(p, reqs, q)
     assert decode_recall.finish(p.ctx, one) == sum(st.get(r).recall.recalled for r in reqs_ref) > 0
@@ -133,7 +140,7 @@ def test_the_op_sequence_follows_the_shapes_not_the_data():
     move, and one request whose r is smaller), and read nothing back on the host."""
     runs = []
     for seed, recalls in ((0, (R, R)), (1, (R, 1))):
-        p, reqs, q = _ready(2, 4, 0.0, seed=seed, recalls=recalls)
+        p, reqs, q = _ready(2, 4, seed=seed, recalls=recalls)
         for req in reqs:
             decode_recall.arm(req, st.get(req), *_bounds(req))
         one = decode_recall.plan(p.ctx, reqs)
@@ -155,7 +162,7 @@ def test_a_failure_inside_the_step_puts_everything_back(monkeypatch):
     back, so rows and host columns hold what they held, and counts the failure once; the step's requests
     keep recall but run it alone from then on (`recall.safe_recall`, after their compressions), where a
     failure is one request's own. Nothing is counted as recalled by the failed step."""
-    p, reqs, q = _ready(2, 2, 0.0)
+    p, reqs, q = _ready(2, 2)
     before = [x.clone() for x in _held(p, reqs)]
     for req in reqs:
         decode_recall.arm(req, st.get(req), *_bounds(req))
@@ -201,7 +208,7 @@ def test_a_layer_compiles_to_one_graph_equal_to_eager():
     columns and records equal to the eager step's, and entries did move."""
     runs = []
     for compiled in (False, True):
-        p, reqs, q = _ready(2, 3, 0.0, recalls=(R, 2))
+        p, reqs, q = _ready(2, 3, recalls=(R, 2))
         for req in reqs:
             decode_recall.arm(req, st.get(req), *_bounds(req))
         one = decode_recall.plan(p.ctx, reqs)
@@ -221,7 +228,7 @@ def test_the_graph_check_catches_a_planted_branch_on_a_value():
     """The check above can fail: a layer's decision (`choose`) with a Python branch on a tensor's value (what a
     per-request recall does: stop when nothing beats the row) does not compile to one graph. (A host
     read alone may compile, as an unbacked size: the sync count above is that check.)"""
-    p, reqs, q = _ready(1, 3, 0.0)
+    p, reqs, q = _ready(1, 3)
     decode_recall.arm(reqs[0], st.get(reqs[0]), *_bounds(reqs[0]))
     args = _layer_inputs(p, decode_recall.plan(p.ctx, reqs), q)
 
@@ -239,7 +246,7 @@ def test_plans_of_one_bucket_refill_the_same_tensors(monkeypatch):
     row width, host columns, swaps) refills the first one's tensors, inputs and records, and still
     exchanges what the per-request recall would (the first test); another batch size gets its own; a
     server keeps at most `MAX_BUCKETS` of them."""
-    p, reqs, q = _ready(2, 3, 0.0)
+    p, reqs, q = _ready(2, 3)
     first = _step(p, reqs, q)
     decode_recall.finish(p.ctx, first)
     ptrs = [x.data_ptr() for x in (first.buf.rows, first.buf.cols, first.buf.r, first.moved, first.host_cols)]
@@ -292,7 +299,7 @@ def test_overlapped_steps_recall_as_sequential_steps_do():
     counts end as with the steps one after another. The overlapped steps are counted as such."""
     runs = []
     for overlap in (False, True):
-        p, reqs, q = _ready(2, 2, 0.0)
+        p, reqs, q = _ready(2, 2)
         plans, records = _steps(p, reqs, [q, -q], overlap)
         if overlap:  # and the first step's records were read after the second step ran
             assert plans[0].buf is not plans[1].buf and torch.equal(plans[0].moved, records[0])
@@ -310,7 +317,7 @@ def test_a_request_found_finished_gets_its_overlapped_step_undone():
     """The overlap scheduler finds a request finished only after its next step ran: that step's exchanges
     for it go back (`recall.drop_finished`, before its last compression), so its row and host columns
     hold what they held after its real last step; the other request's exchanges stand."""
-    p, reqs, q = _ready(2, 2, 0.0)
+    p, reqs, q = _ready(2, 2)
     for req in reqs:
         decode_recall.arm(req, st.get(req), *_bounds(req))
     recall.plan_step(p.ctx, reqs)
@@ -343,7 +350,7 @@ def test_a_step_recalls_only_in_the_retrieval_heads():
     mask = torch.tensor([[True, False], [False, False], [False, True]])
     runs = []
     for gated in (False, True):
-        p, reqs, q = _ready(2, 3, 0.0)
+        p, reqs, q = _ready(2, 3)
         p.ctx.recall_heads = RecallHeads.of(mask, "cpu") if gated else None
         before = _held(p, reqs)
         before = [x.clone() for x in before]
@@ -368,7 +375,7 @@ def test_a_request_recalling_alone_during_decode_keeps_to_the_retrieval_heads():
     CUDA graph ran without the hook: `recall.recall` after the step's compression) keeps to the same
     heads: outside them rows and host columns stay as they were, inside them entries did move."""
     mask = torch.tensor([[False, True], [False, False], [True, False]])
-    p, reqs, _ = _ready(1, 2, 0.0)
+    p, reqs, _ = _ready(1, 2)
     p.ctx.recall_heads = RecallHeads.of(mask, "cpu")
     before = [x.clone() for x in _held(p, reqs)]
     s = st.get(reqs[0])

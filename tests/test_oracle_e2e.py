@@ -24,7 +24,6 @@ import pytest
 import requests
 
 from sgl_kvevict.cache import recall
-from sgl_kvevict.config import DEFAULT_RECALL_PAGE
 from sgl_kvevict.serve.serverproc import Server
 from sgl_kvevict.tools import oracle
 
@@ -58,13 +57,13 @@ SUMMARY: dict[str, oracle.TokenCheck] = {}
 VARIANTS: dict[str, tuple[str, dict]] = {
     "d2o-merge": ("d2o", {}),  # merge on: the oracle must notice
     "snapkv-branch": ("snapkv", {"scope": "branch"}),  # earlier turns re-compressed with the new tokens
-    # and evicted entries recalled from the host tier: in each prefill layer by layer, appended after its
-    # compression (`append` on), and in every decode step (`every` 1, both in `--kv-recall-config`); every swap
-    # and append is a timeline event
+    # and evicted entries recalled from the host tier at its defaults: each prefill over both tiers,
+    # appended after its compression, and in every decode step; every swap and append is a timeline event
     "snapkv-branch-recall": ("snapkv", {"scope": "branch"}),
 }
 RECALL = 16  # entries per layer and KV head a turn may recall (only the `-recall` labels; the rest 0)
-FETCH_PAGES = 8  # pages a recall fetches: fewer than the sessions' host histories hold (paged)
+PAGE = 1  # host columns per recall page: a recall fetches `recall.FETCH_PAGES` of them, fewer than the
+# sessions' host histories hold (paged)
 
 
 def kv_override(label: str) -> dict:
@@ -122,7 +121,7 @@ def oracle_server() -> Iterator[Server]:
     yield from _server(
         ["--max-total-tokens", "16000", "--dtype", "float32", "--kv-policy", "streaming", "--kv-budget", "64"]
         + ["--kv-recall-tokens", str(RECALL), "--kv-host-tokens", "8000"]
-        + ["--kv-recall-config", json.dumps({"every": 1, "append": "on", "fetch_pages": FETCH_PAGES})]
+        + ["--kv-recall-config", json.dumps({"page": PAGE})]
     )
 
 
@@ -198,7 +197,7 @@ def test_multi_turn_under_eviction_equals_hf(runs, model, policy: str):
             )
             if policy.endswith("-recall"):  # the prefill brought back entries the admission did not hold
                 # from more host entries than a recall fetches: it scored page summaries, then pages
-                fetched = max(recall.FETCH * RECALL, FETCH_PAGES * DEFAULT_RECALL_PAGE)
+                fetched = max(recall.FETCH * RECALL, recall.FETCH_PAGES * PAGE)
                 assert t - held > fetched, f"host history {t - held} too short for a paged recall"
                 at_prefill = [ev for ev in turn.timeline[1:] if int(ev["tokens"]) == t]
                 assert at_prefill and any(

@@ -32,7 +32,7 @@ TEST_ONLY = ("KVEVICT_LOAD", "KVEVICT_DEBUG")
 # the memory free at start, and a shared machine with 10.6 GB free refused to start with it ("Loaded
 # weights leave no GPU memory for the KV cache under --mem-fraction-static=0.1").
 MAKE_SERVE = ["--kv-policy", "lagkv", "--kv-budget", "0.5"]
-# recall at its defaults: whole segments at each turn's start, no decode-time recall
+# recall at its defaults: the prefill over both tiers, the append, and every decode step's recall
 ARGS = [*POOL, "--kv-recall-tokens", "64", "--kv-host-tokens", "1500"]
 BRANCH = {"policy": "snapkv", "budget": 64, "config": {"scope": "branch"}}
 
@@ -109,11 +109,9 @@ def test_a_long_prompt_is_compressed(product_server: Server):
 
 
 def test_recall_in_branch_scope(product_server: Server):
-    """A fact, two filler turns under a 64-token branch budget (snapkv), then a question, recall by
-    segments with no decode-time recall (recall's defaults): the question's append brings
-    host entries back, the host tier's counters move by the request's own numbers, and no decode step
-    recalls (`decode_steps` stays put): the decode forward runs SGLang's own attention only, what a
-    CUDA graph can replay."""
+    """A fact, two filler turns under a 64-token branch budget (snapkv), then a question, recall at its
+    defaults: the question's append brings host entries back, its decode steps recall in the model's
+    retrieval heads, and the host tier's counters move by the request's own numbers."""
     product_server.flush()
     before = host_state(product_server)
     turns = [FACT, *fillers(111, 2), "What is the vault code? Answer with the number only."]
@@ -126,8 +124,8 @@ def test_recall_in_branch_scope(product_server: Server):
     assert after["recalls"] > before["recalls"], (before, after)
     assert after["recalled"] >= before["recalled"] + q["recalled"], (before, after)
     assert after["recall_failures"] == before["recall_failures"], (before, after)
-    assert after["decode_steps"] == before["decode_steps"] and len(q["output_ids"]) > 1, (before, after, q)
-    assert after["decode_heads"] == 0, after  # nothing set up for a decode step's recall either
+    assert after["decode_steps"] > before["decode_steps"] and len(q["output_ids"]) > 1, (before, after, q)
+    assert 0 < after["decode_heads"] < 30 * 3, after  # the retrieval heads of 30 layers x 3 KV heads
     whole(product_server)
 
 

@@ -11,7 +11,7 @@ import torch
 from sgl_kvevict import kernels as K
 from sgl_kvevict.cache import capture, compressor, demote, engine, host, recall, recall_core, trigger
 from sgl_kvevict.cache import state as st
-from sgl_kvevict.config import DEFAULT_RECALL_FETCH_PAGES, RecallTuning, ServerSettings
+from sgl_kvevict.config import RecallTuning, ServerSettings
 from sgl_kvevict.tools.pools import Pools
 
 L, H, G, D, N, W, R = 3, 2, 2, 16, 160, 16, 6
@@ -82,6 +82,21 @@ def _held(p: Pools, req, s) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return ks, vs
 
 
+def _tuning(
+    monkeypatch,
+    page: int = 8,
+    summary: str = "minmax",
+    fetch_pages: int = recall.FETCH_PAGES,
+    min_score: float = 0.0,
+) -> ServerSettings:
+    """Settings with recall page `page`, and recall's fixed constants set for the test: `summary` "off"
+    scores every host key (a recall then never has more pages than it fetches), `fetch_pages` pages at
+    least are fetched, `min_score` is the floor."""
+    monkeypatch.setattr(recall, "FETCH_PAGES", 1 << 30 if summary == "off" else fetch_pages)
+    monkeypatch.setattr(recall_core, "MIN_SCORE", min_score)
+    return ServerSettings(recall_tokens=R, recall=RecallTuning(page=page))
+
+
 def _page_bound(q: torch.Tensor, keys: torch.Tensor, summary: str) -> float:
     """Score of one page of `keys` `[n, D]` for queries `q` `[m, D]`, summed over the queries, by loops:
     minmax: sum_d max(q_d min_d, q_d max_d) (Quest's bound); mean: q . mean key."""
@@ -104,7 +119,7 @@ def _reference_swaps(
     summary: str = "off",
     cap: int = R,
     floor: float = 0.0,
-    fetch: int = DEFAULT_RECALL_FETCH_PAGES,
+    fetch: int = recall.FETCH_PAGES,
     append: int = 0,
 ) -> list[list[set]]:
     """Which host columns each (layer, head) should hold on the device after recall, by plain loops:
@@ -188,9 +203,9 @@ def test_demote_then_recall_keeps_every_entry(
     pools: Pools, policy: str, path: str, page: int, fresh: int, floor: float, monkeypatch
 ):
     """`fresh` > 0: a decode-time recall, which scores with the queries of the last `fresh` steps only.
-    `floor`: `--kv-recall-config` `min_score` (0: beating the displaced entry is enough). Every host key is scored
-    (`summary="off"`); `test_paged_recall_*` covers the page summaries."""
-    cfg = ServerSettings(recall_tokens=R, recall=RecallTuning(page=page, summary="off", min_score=floor))
+    `floor`: `recall_core.MIN_SCORE` (0: beating the displaced entry is enough). Every host key is scored;
+    `test_paged_recall_*` covers the page summaries."""
+    cfg = _tuning(monkeypatch, page=page, summary="off", min_score=floor)
     pools.ctx.settings = cfg
     p = pools
     batch, req, s, heads, orig_k, orig_v = _setup(p, policy)
@@ -344,9 +359,7 @@ def test_a_failure_inside_recall_changes_nothing(pools: Pools, monkeypatch, wher
     the last layer, before it writes, or inside a page-summary refresh after layer 1's swap) leaves the
     device row and the host columns as they were (the layers already swapped are swapped back), turns
     recall off for that request only, and is counted; the request keeps its compression."""
-    pools.ctx.settings = ServerSettings(
-        recall_tokens=R, recall=RecallTuning(page=4, min_score=0, fetch_pages=8)
-    )
+    pools.ctx.settings = _tuning(monkeypatch, page=4, fetch_pages=8)
     p = pools
     batch, req, s, heads, orig_k, orig_v = _setup(p, "snapkv")
     with compressor.one_thread():
@@ -395,25 +408,19 @@ def test_a_failure_inside_recall_changes_nothing(pools: Pools, monkeypatch, wher
     assert p.ctx.host.n_free == p.ctx.host.size
 
 
-@pytest.mark.parametrize("summary", ["minmax", "mean"])
 @pytest.mark.parametrize(("page", "fresh", "fetch"), [(4, 0, 8), (2, 1, 8), (3, 0, 8), (2, 1, 3)])
-def test_paged_recall_swaps_what_the_reference_picks(
-    pools: Pools, summary: str, page: int, fresh: int, fetch: int, monkeypatch
-):
+def test_paged_recall_swaps_what_the_reference_picks(pools: Pools, page: int, fresh: int, fetch: int, monkeypatch):
     """A recall over a host history of more pages than it fetches scores the pages' summaries, fetches
     the best pages' columns only, and swaps exactly what the loop reference picks among them; nothing is
     lost, and the summaries still describe the columns after the swap wrote into them (page 3: the last
-    page is partial). `fetch`: `--kv-recall-config` `fetch_pages`."""
-    tier = {"page": page, "summary": summary, "fetch_pages": fetch}
+    page is partial). `fetch`: the least pages fetched (`recall.FETCH_PAGES`)."""
     p = pools
-    req, s, probe, want = _compressed(
-        p, monkeypatch, ServerSettings(recall_tokens=R, recall=RecallTuning(min_score=0, **tier))
-    )
+    req, s, probe, want = _compressed(p, monkeypatch, _tuning(monkeypatch, page=page, fetch_pages=fetch))
     cap = fresh * page if fresh else R
     sums, n_sel = recall._paged(s.ctx, s.recall.host, min(R, cap))
     assert sums is not None and n_sel < -(-s.recall.host.count // page)  # fewer pages fetched than held
     assert n_sel == max(-(-recall.FETCH * min(R, cap) // page), fetch)
-    expect = _reference_swaps(p, req, s, page, fresh or W, summary, cap, fetch=fetch)
+    expect = _reference_swaps(p, req, s, page, fresh or W, "minmax", cap, fetch=fetch)
     host_k = [p.ctx.host.k[ly][s.recall.host.cols].clone() for ly in range(L)]
     s.recall.steps = fresh
     swapped = recall.recall(req, s)
@@ -424,13 +431,10 @@ def test_paged_recall_swaps_what_the_reference_picks(
     assert torch.allclose(_tags(ks, vs, probe), want, atol=1e-4)  # nothing lost, nothing duplicated
     sm = s.recall.host.summaries
     assert sm is not None and sm.n == s.recall.host.count
-    assert (sm.kmin is None, sm.kmean is None) == ((summary == "mean"), (summary == "minmax"))  # its own only
+    assert sm.kmean is None  # bounds only
     for ly in range(L):
-        fresh_min, fresh_max, fresh_mean = K.page_summaries_ref(p.ctx.host.k[ly][s.recall.host.cols], page)
-        if summary == "minmax":
-            assert torch.equal(sm.kmin[:, ly], fresh_min) and torch.equal(sm.kmax[:, ly], fresh_max)
-        else:
-            assert torch.allclose(sm.kmean[:, ly], fresh_mean, atol=1e-5)
+        fresh_min, fresh_max, _ = K.page_summaries_ref(p.ctx.host.k[ly][s.recall.host.cols], page)
+        assert torch.equal(sm.kmin[:, ly], fresh_min) and torch.equal(sm.kmax[:, ly], fresh_max)
         dev = p.kv.get_key_buffer(ly)[slots]
         for h in range(H):
             for c in expect[ly][h]:  # the chosen host entries' keys are on the device now
@@ -442,7 +446,7 @@ def test_paged_recall_swaps_what_the_reference_picks(
 
 def test_paged_recall_equals_flat_when_it_would_fetch_every_page(pools: Pools, monkeypatch):
     """With no more pages than a paged recall fetches, recall scores every key exactly (no summaries)."""
-    pools.ctx.settings = ServerSettings(recall_tokens=R, recall=RecallTuning(page=128, min_score=0))
+    pools.ctx.settings = _tuning(monkeypatch, page=128)
     p = pools
     batch, req, s, heads, orig_k, orig_v = _setup(p, "snapkv")
     with compressor.one_thread():
@@ -455,17 +459,16 @@ def test_paged_recall_equals_flat_when_it_would_fetch_every_page(pools: Pools, m
 
 
 @pytest.mark.parametrize("policy", ["snapkv", "lagkv"])
-@pytest.mark.parametrize(("summary", "page"), [("off", 1), ("off", 4), ("minmax", 4), ("mean", 3)])
+@pytest.mark.parametrize(("summary", "page"), [("off", 1), ("off", 4), ("minmax", 4), ("minmax", 3)])
 def test_append_brings_the_best_entries_into_fresh_slots(
     pools: Pools, policy: str, summary: str, page: int, monkeypatch
 ):
-    """`--kv-recall-config` `append` on: after the prefill compression, each (layer, head)'s best host entries go
+    """After the prefill compression, each (layer, head)'s best host entries go
     to fresh slots appended after the compacted history (the tail moves right), nothing is displaced,
     the row and the host still hold every entry of the region exactly once, the host gives back as many
     columns as were appended, and the counts say the row holds that many more slots for the same tokens.
     Paged: the summaries still describe the columns (the holes were refilled from the branch's end)."""
-    tier = {"page": page, "summary": summary, "fetch_pages": 2}
-    cfg = ServerSettings(recall_tokens=R, recall=RecallTuning(min_score=0, append="on", **tier))
+    cfg = _tuning(monkeypatch, page=page, summary=summary, fetch_pages=2)
     p = pools
     req, s, probe, want = _compressed(p, monkeypatch, cfg, policy)
     kv_len, comp, offset = req.kv.kv_committed_len, s.slot_map.comp_slots, s.slot_map.offset
@@ -499,10 +502,9 @@ def test_append_brings_the_best_entries_into_fresh_slots(
         assert sm is not None and sm.n <= s.recall.host.count
         for ly in range(L):
             ref = K.page_summaries_ref(p.ctx.host.k[ly][s.recall.host.cols[: sm.n]], page)
-            mine = sm.kmin if summary == "minmax" else sm.kmean
-            theirs = ref[0] if summary == "minmax" else ref[2]
+            mine, theirs = sm.kmin, ref[0]
             assert torch.allclose(mine[:, ly].float(), theirs, atol=1e-5)
-        sm = recall.summaries(s.ctx, s.recall.host, page, summary)  # brought up to the columns again
+        sm = recall.summaries(s.ctx, s.recall.host, page)  # brought up to the columns again
         assert sm.n == s.recall.host.count
     # the turn's decode budget holds the appended columns: no compression fires for them
     assert trigger.fires(req, s, "decode") is None
@@ -514,8 +516,7 @@ def test_a_turns_recall_scores_with_its_own_queries_only(pools: Pools, monkeypat
     """A turn whose own tokens are fewer than the window (a short question after a long answer): the
     append scores with the queries of the turn's tokens only, not the previous turn's tail the window
     also holds (those would bring back what that turn's answer read)."""
-    tier = {"page": 1, "summary": "off"}
-    cfg = ServerSettings(recall_tokens=R, recall=RecallTuning(min_score=0, append="on", **tier))
+    cfg = _tuning(monkeypatch, page=1, summary="off")
     p = pools
     req, s, _, _ = _compressed(p, monkeypatch, cfg)
     kv_len, comp = req.kv.kv_committed_len, s.slot_map.comp_slots
@@ -537,9 +538,7 @@ def test_a_turns_recall_scores_with_its_own_queries_only(pools: Pools, monkeypat
 def test_append_rolls_back_on_a_failure(pools: Pools, monkeypatch):
     """A failure in the last layer of an append: the layers already appended are put back, the fresh
     slots are freed, the row and the host hold what they held, and recall is off for the request."""
-    cfg = ServerSettings(
-        recall_tokens=R, recall=RecallTuning(min_score=0, append="on", page=4, fetch_pages=8)
-    )
+    cfg = _tuning(monkeypatch, page=4, fetch_pages=8)
     pools.ctx.settings = cfg
     p = pools
     batch, req, s, heads, orig_k, orig_v = _setup(p, "snapkv")
@@ -573,8 +572,7 @@ def test_append_rolls_back_on_a_failure(pools: Pools, monkeypatch):
 def test_a_paged_append_takes_no_more_than_its_fetched_pages_hold(pools: Pools, monkeypatch):
     """One fetched page of 16 columns may be the branch's partial last page (one real column): the append
     then takes one entry per head, never a padding column (which would duplicate a host entry)."""
-    tier = {"page": 16, "summary": "minmax", "fetch_pages": 1}
-    cfg = ServerSettings(recall_tokens=R, recall=RecallTuning(min_score=0, append="on", **tier))
+    cfg = _tuning(monkeypatch, page=16, fetch_pages=1)
     p = pools
     req, s, probe, want = _compressed(p, monkeypatch, cfg)
     assert recall._paged(s.ctx, s.recall.host, R)[1] == 1  # one page fetched

@@ -202,7 +202,7 @@ def test_engine_takes_every_setting(monkeypatch):
         "kv_compress_step_tokens": 2048,
         "kv_recall_tokens": 8,
         "kv_host_tokens": "4096",
-        "kv_recall_config": {"page": 4, "every": 0},
+        "kv_recall_config": {"page": 4, "every": 2},
     }
     # --kv-host-gib sizes the same tier as --kv-host-tokens, never beside it: checked on its own below
     assert set(every) | {"kv_host_gib"} == set(plugin.ENGINE_KEYS)
@@ -213,7 +213,7 @@ def test_engine_takes_every_setting(monkeypatch):
     got = ServerSettings.model_validate_json(os.environ[SETTINGS_ENV_VAR])
     assert got.overrides.policies == ["lagkv", "snapkv"] and got.overrides.min_budget_tokens == 64
     assert (got.step_tokens, got.recall_tokens, got.host_tokens) == (2048, 8, 4096)
-    assert (got.recall.page, got.recall.every, got.recall.summary) == (4, 0, "minmax")
+    assert (got.recall.page, got.recall.every) == (4, 2)
     assert (got.capture_window, got.capture_slots) == (48, 16)
     in_gib = {k: v for k, v in every.items() if k != "kv_host_tokens"}
     plugin.server_args_init(object(), model_path="m", **in_gib, kv_host_gib="0.5")

@@ -39,9 +39,6 @@ class KvEvictContext:
     capture: Any = None  # capture.Store, the window-query capture store, built once (`capture.build`)
     capture_conf: tuple[int, int] | None = None  # (window, slots) the server's requests may need
     slot_stats: Any = None  # slotstats.SlotStats, CriticalKV's per-slot statistic, when one can use it
-    armed: dict[int, Any] = field(
-        default_factory=dict
-    )  # request row -> its recall.Recall in the next forward
     decode_armed: dict[int, Any] = field(default_factory=dict)  # request row -> decode_recall.DecodeArm
     exact_armed: dict[int, Any] = field(default_factory=dict)  # request row -> exact_prefill.ExactArm
     step_plan: Any = None  # decode_recall.StepPlan the next decode forward runs (None: it recalls nothing)
@@ -106,8 +103,8 @@ def of_forward(forward_batch: Any) -> KvEvictContext | None:
 
 def batch_rows(ctx: KvEvictContext, forward_batch: Any) -> list[tuple[int, int, int]]:
     """`(row, first token, tokens)` per request of an extend batch, computed once per forward (at its
-    first layer with a recall armed; its later layers find them in the context). The prefill's recall
-    and its attention over both tiers use them; a decode step's recall (`decode_recall`) needs none."""
+    first layer with a request armed; its later layers find them in the context). The prefill's
+    attention over both tiers uses them; a decode step's recall (`decode_recall`) needs none."""
     held = ctx.forward_rows
     if held is not None and held[0]() is forward_batch:
         return held[1]

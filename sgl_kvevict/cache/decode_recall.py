@@ -10,7 +10,7 @@ A decode step's recall has three parts, and only the middle one runs inside the 
 2. `StepPlan.layer` (inside the forward, before each layer's attention): for the whole batch at once,
    the step's query scores the branch's host entries and the row's entries in one softmax; per KV head,
    the best-ranked host pages that beat the lowest-scored displaceable entries (and whose best entry
-   gets at least `min_score` of a query's attention) exchange places with them (`kernels.host_swap`).
+   gets at least `recall_core.MIN_SCORE` of a query's attention) exchange places with them (`kernels.host_swap`).
    Every tensor has a shape fixed by the plan (batch B, row width W, host columns C, swaps R): no host
    sync, no Python branch on a tensor's value, no shape that follows the data
    (`tests/test_decode_recall.py` checks the op sequence). Pairs that do not move name device slot 0
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from sgl_kvevict import kernels as K
-from sgl_kvevict.cache import retrieval_heads
+from sgl_kvevict.cache import recall_core, retrieval_heads
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.recall_core import SwapPositions, account, best_entries, mark_stale
 
@@ -309,7 +309,16 @@ def plan(ctx: KvEvictContext, reqs: list[Any]) -> StepPlan | None:
         dst.copy_(src)
     buf.cols.copy_(cols)
     bounds = StepBounds(
-        buf.m, buf.lo, buf.hi, buf.r, buf.cols, buf.n_cols, tuning.page, swaps, tuning.min_score, pool.scratch
+        buf.m,
+        buf.lo,
+        buf.hi,
+        buf.r,
+        buf.cols,
+        buf.n_cols,
+        tuning.page,
+        swaps,
+        recall_core.MIN_SCORE,
+        pool.scratch,
     )
     return StepPlan(
         arms=arms,
@@ -352,7 +361,7 @@ def finish(ctx: KvEvictContext, one: StepPlan) -> int:
         total += n
         if n:
             a.s.recall.host.summaries = None
-        if st.tracks_positions(a.s.ctx) and a.s.recall.host.positions is not None:
+        if st.DEBUG and a.s.recall.host.positions is not None:
             _debug_positions(a, one, i, done)
         account(a.s, n)
     return total

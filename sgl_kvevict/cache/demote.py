@@ -41,11 +41,7 @@ def take(s: st.ReqState) -> None:
     s.recall.host_src = None
     got = src.host_entries if src is not None else None
     pool = s.ctx.host
-    if got is None or pool is None:
-        return
-    if got.count == 0:  # nothing on the host (the LRU took it): what the branch attended still counts
-        mine = s.recall.entries()
-        mine.habit = mine.habit if mine.habit is not None else got.habit
+    if got is None or pool is None or got.count == 0:  # nothing on the host (or the LRU took it)
         return
     mine = pool.copy(got)
     if mine is None:
@@ -58,7 +54,6 @@ def take(s: st.ReqState) -> None:
     else:  # already holds some (a retracted request coming back): merge
         pool.append(s.recall.host, mine.cols, mine.positions if s.recall.host.positions is not None else None)
         pool.lru.pop(id(mine), None)
-        s.recall.host.habit = s.recall.host.habit if s.recall.host.habit is not None else mine.habit
         mine.cols = torch.zeros(0, dtype=torch.int64)
     pool.touch(s.recall.host)
 
@@ -93,7 +88,7 @@ def plan_demote(s: st.ReqState, a: int, slots: torch.Tensor, keep: torch.Tensor)
                 rt.k_buffer(layer)[src, heads].transpose(0, 1),
                 rt.v_buffer(layer)[src, heads].transpose(0, 1),
             )
-        pos = st.row_positions(s, a + n)[..., a:].gather(-1, ev.cpu()) if st.tracks_positions(s.ctx) else None
+        pos = st.row_positions(s, a + n)[..., a:].gather(-1, ev.cpu()) if st.DEBUG else None
         return Demotion(cols, pos)
     except Exception:
         fail(s, "demotion")

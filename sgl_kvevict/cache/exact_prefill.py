@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sgl_kvevict.cache import context, demote, segments
+from sgl_kvevict.cache import context, demote
 from sgl_kvevict.cache import state as st
 
 if TYPE_CHECKING:
@@ -37,22 +37,11 @@ SCORE_BYTES = 64 << 20  # and fewer where the history is long: one product's fp3
 
 @dataclass(eq=False)
 class ExactArm:
-    """One request's prefill chunk over both tiers: the branch's host columns as they are when armed
-    (none: the branch holds nothing there yet, and the chunk only scores)."""
+    """One request's prefill chunk over both tiers: the branch's host columns as they are when armed."""
 
     req: Any
     s: st.ReqState
     cols: torch.Tensor
-    scores: bool = False  # add every entry's attention to `position_scores` (`segments`)
-    # `[L, H, C + kv]` logical positions of what the chunk sees (host entries, then the row), and one past
-    # the last of them: built at its first layer
-    seen: torch.Tensor | None = None
-    tokens: int = 0
-
-    @property
-    def reads_host(self) -> bool:
-        """False for a chunk that only scores (its branch holds nothing on the host): SGLang's output stands."""
-        return bool(self.cols.numel())
 
 
 def attend(
@@ -62,13 +51,10 @@ def attend(
     k_host: torch.Tensor,
     v_host: torch.Tensor,
     scale: float,
-    key_best: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a chunk's `n` queries `q` `[n, Hq, D]` over the host entries `[C, H, D]` (all visible)
     and the row `[m + n, H, D]`, whose last `n` slots are the chunk's own tokens (causal). Returns
-    `[n, Hq, D]` in fp32. The order of the keys does not matter: each head's softmax is over a set.
-    `key_best` (`[H, C + m + n]` fp32: the host entries, then the row), when given, is raised to each
-    key's best probability over the queries and the KV head's query heads."""
+    `[n, Hq, D]` in fp32. The order of the keys does not matter: each head's softmax is over a set."""
     n, hq, d = q.shape
     h = k_row.shape[1]
     m = k_row.shape[0] - n
@@ -86,8 +72,6 @@ def attend(
         on_row = on_row.masked_fill(~seen, -torch.inf)
         p = torch.softmax(torch.cat([on_host, on_row], dim=-1) * scale, dim=-1)
         c = kh.shape[1]
-        if key_best is not None:
-            torch.maximum(key_best, p.amax(dim=(1, 2)), out=key_best)
         o = torch.einsum("hgbc,hcd->hgbd", p[..., :c], vh) + torch.einsum("hgbw,hwd->hgbd", p[..., c:], vr)
         out[i:j] = o.permute(2, 0, 1, 3).reshape(j - i, hq, -1)
     return out
@@ -99,24 +83,10 @@ def arm(req: Any, s: st.ReqState) -> bool:
     host = s.recall.host
     if host is None or host.count == 0:
         return False
-    _arm(req, s, host.cols.clone())
+    s.ctx.exact_armed[req.kv.req_pool_idx] = ExactArm(req, s, host.cols.clone())
     s.ctx.host.touch(host)  # read by this turn: the most recently used branch
     s.ctx.host.in_use[req.kv.req_pool_idx] = host  # the LRU must not take what the forward reads
     return True
-
-
-def arm_scores(req: Any, s: st.ReqState) -> None:
-    """Score the request's next prefill chunk where its branch holds nothing on the host yet, when the
-    turn may evict: what it attends becomes the next turn's habit (`segments.contrast`), so the first
-    turn that recalls has one. SGLang's attention output is kept (its product is the same over the row).
-    Nothing to arm without segments."""
-    if s.ctx.settings.recall.segments:
-        _arm(req, s, torch.zeros(0, dtype=torch.int64))
-
-
-def _arm(req: Any, s: st.ReqState, cols: torch.Tensor) -> None:
-    scores = s.ctx.settings.recall.segments > 0  # (segments on: every entry's logical position is tracked)
-    s.ctx.exact_armed[req.kv.req_pool_idx] = ExactArm(req, s, cols, scores=scores)
 
 
 def disarm(ctx: KvEvictContext, row: int) -> ExactArm | None:
@@ -144,14 +114,13 @@ def after_attention(result, layer_mod, q, k, v, forward_batch, *args, **kwargs):
         try:
             if layer_mod.logit_cap:
                 raise ValueError("a layer with a logit cap: the product here does not cap")
-            if layer == 0 and st.DEBUG and one.reads_host:
+            if layer == 0 and st.DEBUG:
                 _debug_both_tiers(one, int(seq_lens[i]) - n)
             slots = rt.req_to_token[row, : int(seq_lens[i])].to(torch.int64)
             got = attend_row(
                 one, layer, q[start : start + n].view(n, rt.n_q_heads, rt.head_dim), slots, layer_mod.scaling
             )
-            if got is not None:
-                out[start : start + n] = got.to(out.dtype)
+            out[start : start + n] = got.to(out.dtype)
             if last:
                 disarm(ctx, row)
                 _finish(one, int(seq_lens[i]))
@@ -161,43 +130,24 @@ def after_attention(result, layer_mod, q, k, v, forward_batch, *args, **kwargs):
     return result
 
 
-def attend_row(
-    one: ExactArm, layer: int, q: torch.Tensor, slots: torch.Tensor, scale: float
-) -> torch.Tensor | None:
-    """`attend` for one armed request at `layer`: its row's `slots` and its branch's host columns. None
-    when it holds no host columns: SGLang's output stands, and the chunk only scored."""
+def attend_row(one: ExactArm, layer: int, q: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
+    """`attend` for one armed request at `layer`: its row's `slots` and its branch's host columns."""
     rt, pool = one.s.ctx.rt, one.s.ctx.host
     cols = one.cols.to(pool.k.device)
     k_host, v_host = (buf[layer][cols].to(q.device) for buf in (pool.k, pool.v))
-    best = None
-    if one.scores:
-        best = torch.zeros(k_host.shape[1], k_host.shape[0] + slots.numel(), device=q.device)
-    out = attend(q, rt.k_buffer(layer)[slots], rt.v_buffer(layer)[slots], k_host, v_host, scale, best)
-    if best is not None:  # every entry the chunk sees scores its position: both tiers' and its own
-        r = one.s.recall
-        if one.seen is None:
-            c, m = int(one.cols.numel()), int(slots.numel()) - int(q.shape[0])
-            row = st.row_positions(one.s, int(slots.numel()))
-            one.seen = row if not c else torch.cat([r.host.positions[..., :c], row], dim=-1)
-            one.tokens = int(one.seen.max()) + 1 if one.seen.numel() else 0
-            if r.scored_from is None:  # the turn's own tokens start here: its choice ranks what precedes
-                r.scored_from = one.s.slot_map.tokens_for(m)
-        r.position_scores = segments.add(r.position_scores, one.seen[layer], best, one.tokens)
-    return out if one.reads_host else None
+    return attend(q, rt.k_buffer(layer)[slots], rt.v_buffer(layer)[slots], k_host, v_host, scale)
 
 
 def _finish(one: ExactArm, kv_len: int) -> None:
     """Counters (host bytes read), and under KVEVICT_DEBUG the row's own positions as the event that
     governs the tokens after a chunk that saw host entries (they attend to the row only)."""
     s, pool, rt = one.s, one.s.ctx.host, one.s.ctx.rt
-    pool.totals.prefills_scored += one.scores
-    if one.reads_host:
-        pool.totals.prefill_bytes_read += (
-            int(one.cols.numel()) * 2 * rt.n_kv_heads * rt.head_dim * pool.k.element_size() * rt.n_layers
-        )
-        pool.totals.prefills_both_tiers += 1
-        if st.DEBUG:
-            s.trace.event(s.trace.positions(kv_len), s.slot_map.tokens_for(kv_len))
+    pool.totals.prefill_bytes_read += (
+        int(one.cols.numel()) * 2 * rt.n_kv_heads * rt.head_dim * pool.k.element_size() * rt.n_layers
+    )
+    pool.totals.prefills_both_tiers += 1
+    if st.DEBUG:
+        s.trace.event(s.trace.positions(kv_len), s.slot_map.tokens_for(kv_len))
 
 
 def _debug_both_tiers(one: ExactArm, m: int) -> None:

@@ -57,14 +57,12 @@ class HostEntries:
     """One branch's host columns, in demotion order, and (where tracked) the logical positions they hold."""
 
     cols: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
-    positions: torch.Tensor | None = None  # [L, H, e] logical positions (`state.tracks_positions`)
+    positions: torch.Tensor | None = None  # [L, H, e] logical positions (KVEVICT_DEBUG)
     dropped: int = 0  # columns the pool took back (LRU) from this branch
     summaries: PageSummaries | None = None  # of a prefix of `cols`, built and kept by `recall.py`
     # a stored history a request took a copy of (`HostPool.drop_first`) and nobody used since: a copy
     # may take room from it, never from a live history
     copied: bool = False
-    # per logical position, what the branch's last scored turn attended (`segments.contrast`)
-    habit: torch.Tensor | None = None
 
     @property
     def count(self) -> int:
@@ -87,7 +85,6 @@ class HostTotals:
     decode_steps_overlapped: int = 0  # of them, planned before the previous step's results were processed
     prefills_both_tiers: int = 0  # prefill chunks that attended over the host entries too (`exact_prefill`)
     prefill_bytes_read: int = 0  # host keys and values those chunks read
-    prefills_scored: int = 0  # prefill chunks whose attention scored logical positions (`segments`)
     decode_step_syncs: int = 0  # KVEVICT_DEBUG only: host syncs counted inside them (`syncs.SyncCounter`)
     decode_heads: int = 0  # (layer, KV head) pairs a decode step recalls in (this rank's; retrieval heads)
 
@@ -197,9 +194,7 @@ class HostPool:
         for buf in (self.k, self.v):
             buf.index_copy_(1, dst, buf.index_select(1, src))
         self.totals.copied += e.count
-        out = HostEntries(
-            cols=cols, positions=None if e.positions is None else e.positions.clone(), habit=e.habit
-        )
+        out = HostEntries(cols=cols, positions=None if e.positions is None else e.positions.clone())
         out.summaries, e.summaries = e.summaries, None  # same columns in the same order: same pages
         self.touch(out)
         return out

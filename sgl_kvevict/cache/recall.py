@@ -1,37 +1,37 @@
 """Recall: the stage after a policy's selection that makes eviction non-final (`demote.py` keeps what
-a compression evicts on the host tier; this brings back what a new turn needs).
+a compression evicts on the host tier; this brings back what a turn needs).
 
-*When*: inside a turn's prefill, layer by layer (`arm`, then `before_attention`): before layer l's
-attention, the new tokens' own layer-l queries pick what to bring back at layer l, so the prompt is
-read with what it recalled, and so is the first answer token, which the prefill's logits decide
-(a turn that asks for a code answers its first digit there). Where that cannot run (a chunked
-prefill's earlier chunks, the history not copyable into own slots), right after the turn's prefill
-compression instead, before its first decode step. With `--kv-recall-config` `every` N, again every N decode
-steps.
+*When*, three times, each with the queries of the moment:
+1. a turn's prefill attends over both tiers (`exact_prefill`): its new tokens, its first answer token
+   and the queries its compression ranks by are the full cache's;
+2. once that compression committed, before the first decode step, the turn's own window queries bring
+   their best host entries back into fresh slots appended to the row (*Append*, below);
+3. every `--kv-recall-config` `every` decode steps, the step's own query exchanges host entries with
+   the row's weakest inside the step's forward, in fixed shapes for the whole batch (`decode_recall`).
+   Where a decode forward ran without the hook (a CUDA graph replay runs no Python), or a request's
+   batched recall failed once, the same exchange runs after the step's compression instead (`recall`),
+   with the captured queries of the steps since the last one.
 
 *Scores*: queries attend over the branch's host keys and the row's keys in one softmax; an entry's
 score is the largest probability any of those queries (and query heads of its KV head) gives it: a fact
 one query of the question leans on is worth bringing back, however many other queries ignore it (the
-mean the policies use dilutes it by the window's length). In a prefill the queries are the turn's new
-tokens (the last `PREFILL_QUERIES` of them); after it, the captured window's queries of the turn's own
-tokens (`own`); during decode, the queries of the steps since the last recall.
+mean the policies use dilutes it by the window's length).
 
 *Pages*: a host entry ranks by the best score of its page (`--kv-recall-config` `page` consecutive host columns of
 its head, which hold tokens evicted together, mostly neighbours), so the token a query finds brings its
 neighbours: the query of "the vault code is" finds "code", and the digits come with it.
 
 *Swap*: per layer and KV head, the `R` best-ranked host entries that beat the lowest-scored displaceable
-kept ones, and whose page a query gives at least `--kv-recall-config` `min_score` of its attention, swap places
+kept ones, and whose page a query gives at least `recall_core.MIN_SCORE` of its attention, swap places
 with them in the request's own slots (`kernels.host_swap`). The floor keeps weak evidence from moving
 entries back and forth (without it a turn moved 3-5x the bytes and answered no better). The displaced
 entries go to the host in exchange, so the row keeps its length and the request's offset does not
 change. A decode-time recall moves at most one page per step since the last recall. Sinks and the uncompressed
 tail (the recent window, where the queries sit) are never displaced. Shared slots are never written
 (invariant 1): recall runs only when the compacted history is the request's own (after a prefill
-compression it always is; before a prefill, `arm` copies it out of the tree into the request's slots
-first, as `compressor.own_region` does for a turn whose compression did not fire).
+compression it always is; otherwise `compressor.own_region` copies it out of the tree first).
 
-*Append* (`append`, `--kv-recall-config` `append`): once a turn's prefill compression committed, before its first
+*Append* (`append`): once a turn's prefill compression committed, before its first
 decode step, the turn's window queries bring their best `a` <= R host entries per layer and KV head into
 fresh slots inserted after the compacted history, displacing nothing; the row grows by `a` for the same
 tokens (`ReqState.unevicted`), the turn's decode budget grows with it, and the turn's last compression
@@ -40,9 +40,7 @@ those columns back.
 
 Every failure here degrades the request's recall only (logged, counted); its compression continues.
 A failure part-way swaps back what the recall had swapped (`Recall.rollback`), so the row and the host
-hold what they held before it. Inside a prefill's forward the layers before the failure have already
-computed the new tokens over the recalled entries: those tokens' KV stays (it is what the model computed
-over a consistent set of entries), only the history is restored.
+hold what they held before it.
 """
 
 from __future__ import annotations
@@ -63,9 +61,8 @@ from sgl_kvevict.cache import (
     demote,
     exact_prefill,
     host,
+    recall_core,
     retrieval_heads,
-    segments,
-    trigger,
 )
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.recall_core import SwapPositions, account, best_entries, mark_stale
@@ -76,25 +73,22 @@ if TYPE_CHECKING:
     from sgl_kvevict.cache.context import KvEvictContext
 
 logger = logging.getLogger("sgl_kvevict")
-# A prefill's recall scores with at most this many of the turn's newest tokens' queries (bounds its cost).
-PREFILL_QUERIES = 512
 # A paged recall of R entries fetches the columns of ceil(FETCH * R / page) pages per layer and KV head
-# (chosen by their summaries), at least `--kv-recall-config` `fetch_pages`, then keeps the best R of them by exact
-# score.
+# (chosen by their minmax key summaries), at least `FETCH_PAGES`, then keeps the best R of them by exact
+# score. In a history of hundreds of pages, 64 candidate pages per layer and head found 7 of 12 planted
+# facts where 8 (16 for a turn's R) found 2, and scoring every key 6 (measured on the long recall replay).
 FETCH = 2
+FETCH_PAGES = 64
 
 
 def tick(req: Any) -> None:
-    """A decode step of a request with recall on: every `--kv-recall-config` `every` steps its newest window
+    """A decode step of a request with recall on: every `--kv-recall-config` `every` steps its newest
     queries recall again (a turn's answer may need what its prompt did not look at)."""
     s = st.get(req)
     if s is None or not s.recall.tokens:
         return
-    every = s.ctx.settings.recall.every
-    if not every:
-        return
     s.recall.steps += 1
-    if s.recall.steps >= every:
+    if s.recall.steps >= s.ctx.settings.recall.every:
         s.recall.due = True
 
 
@@ -167,7 +161,7 @@ def recall(req: Any, s: st.ReqState) -> int:
             if not retrieval_heads.scores_at(heads, layer):
                 continue
             q = s.ctx.capture.get(kv.req_pool_idx, layer, length)[:, -w:]  # [Hq, w, D], the row's last w
-            one.layer(layer, q, causal=True)
+            one.layer(layer, q)
     except Exception:
         one.rollback("recall")
         return 0
@@ -192,7 +186,6 @@ def append(req: Any, s: st.ReqState) -> int:
     evictable: SGLang's next memory check must not retract for it). Returns `a` (0: nothing appended;
     the turn's other recalls are unchanged)."""
     demote.take(s)
-    member = _segment_members(s)
     kv, rt = req.kv, s.ctx.rt
     if (
         s.recall.host is None
@@ -211,19 +204,16 @@ def append(req: Any, s: st.ReqState) -> int:
         s.recall.tokens, s.slot_map.own_evicted, s.recall.host.count, int(rt.req_to_token.shape[1]) - kv_len
     )
     paged = None, 0
-    if (
-        member is None and a > 0
-    ):  # segments score every host key (flat); a paged append picks from fetched pages
+    if a > 0:  # a paged append picks from the fetched pages
         a, paged = _paged_room(s, a)
     if a <= 0 or w <= 0 or free_slots(rt) < 2 * a:
         return 0
     one = Recall.start(req, s, kv_len, length, lo, hi, a, paged=paged)
     one.new = alloc_slots(rt, a)
-    one.member = member
     try:
         for layer in range(rt.n_layers):
             q = s.ctx.capture.get(kv.req_pool_idx, layer, length)[:, -w:]
-            one.layer(layer, q, causal=True)
+            one.layer(layer, q)
     except Exception:
         one.rollback("recall (append)")
         rt.allocator.free(one.new)
@@ -241,24 +231,6 @@ def _paged_room(s: st.ReqState, a: int) -> tuple[int, tuple[host.PageSummaries |
         if room == a or room <= 0:
             return room, paged
         a = room
-
-
-def _segment_members(s: st.ReqState) -> torch.Tensor | None:
-    """`[L, H, C]` bool: the branch's host entries inside the segments this turn's prefill chose
-    (`segments.py`); None when it scored none. The scores are used once, then kept as the branch's habit
-    (with its host entries; a branch that holds none yet keeps it in an empty `HostEntries`)."""
-    scores, s.recall.position_scores = s.recall.position_scores, None
-    own, s.recall.scored_from = s.recall.scored_from, None
-    cfg = s.ctx.settings.recall
-    if scores is None or not cfg.segments:
-        return None
-    e = s.recall.entries()
-    habit, e.habit = e.habit, scores  # this turn is the next one's habit
-    if habit is None or e.positions is None or e.count == 0:
-        return None  # the branch's first scored turn has nothing to contrast with: entries rank one by one
-    chosen = segments.choose(segments.contrast(scores[:own], habit), cfg.segment_tokens, cfg.segments)
-    s.recall.segments += int(chosen.sum())
-    return segments.members(e.positions[..., : e.count], chosen, cfg.segment_tokens)
 
 
 def _displaceable(s: st.ReqState) -> tuple[int, int]:
@@ -296,7 +268,7 @@ def exchange(
         hidx = cand.gather(-1, hidx)
     cs, cidx = (-row_sc[..., lo:hi]).topk(r, dim=-1)  # lowest-scored displaceable kept entries
     # the i-th best host entry beats the i-th worst kept one, with a query's attention behind it
-    swap = (hs > -cs) & (hs >= cfg.recall.min_score)
+    swap = (hs > -cs) & (hs >= recall_core.MIN_SCORE)
     if only is not None:  # `[L, H]`: the heads that may recall (a decode-time recall's retrieval heads)
         swap &= only[layer : layer + int(row_sc.shape[0])].to(swap.device).unsqueeze(-1)
     counts = swap.sum(-1)  # hs falls and the displaced score rises with i, so swap is a prefix
@@ -317,8 +289,8 @@ def exchange(
 
 
 # ---- page summaries: score pages, fetch only the chosen pages' columns ----------------------------
-def summaries(ctx: KvEvictContext, e: host.HostEntries, page: int, mode: str) -> host.PageSummaries:
-    """The branch's page summaries (`mode`'s only, in the KV dtype), brought up to its column count.
+def summaries(ctx: KvEvictContext, e: host.HostEntries, page: int) -> host.PageSummaries:
+    """The branch's page summaries (per-channel key bounds, in the KV dtype), brought up to its column count.
     Columns demoted since the last recall are read from the host once, and merged into the partial last
     page (`page_summaries_append`); a swap refreshes the pages it wrote (`Recall.layer`), so summaries
     always describe the columns."""
@@ -326,10 +298,9 @@ def summaries(ctx: KvEvictContext, e: host.HostEntries, page: int, mode: str) ->
     kb = rt.k_buffer(0)
     lh = rt.n_layers * pool.heads
     sm = e.summaries
-    if sm is None or sm.page != page or sm.n > e.count or (sm.kmin is None) != (mode == "mean"):
+    if sm is None or sm.page != page or sm.n > e.count:
         empty = torch.zeros(0, rt.n_layers, pool.heads, pool.dim, dtype=kb.dtype, device=kb.device)
-        keep = (mode == "minmax", mode == "minmax", mode == "mean")
-        sm = host.PageSummaries(*(empty.clone() if k else None for k in keep), n=0, page=page)
+        sm = host.PageSummaries(empty, empty.clone(), None, n=0, page=page)
     if sm.n < e.count:
         new = pool.k[:, e.cols[sm.n :].to(pool.k.device)]  # [L, m, H, D]
         new = new.transpose(0, 1).reshape(new.shape[1], lh, pool.dim).to(kb.device)  # [m, L*H, D]
@@ -348,14 +319,13 @@ def summaries(ctx: KvEvictContext, e: host.HostEntries, page: int, mode: str) ->
 
 def _paged(ctx: KvEvictContext, e: host.HostEntries, r: int) -> tuple[host.PageSummaries | None, int]:
     """`(summaries, pages to fetch per head)` when a recall of `r` entries scores pages, `(None, 0)` when
-    it scores every host key (summaries off, or the branch has no more pages than a paged recall would
-    fetch anyway: then it is exact and costs no more)."""
-    cfg = ctx.settings
-    page = cfg.recall.page
-    n_sel = max(-(-FETCH * r // page), cfg.recall.fetch_pages)
-    if cfg.recall.summary == "off" or K.n_pages(e.count, page) <= n_sel:
+    it scores every host key (the branch has no more pages than a paged recall would fetch anyway: then
+    it is exact and costs no more)."""
+    page = ctx.settings.recall.page
+    n_sel = max(-(-FETCH * r // page), FETCH_PAGES)
+    if K.n_pages(e.count, page) <= n_sel:
         return None, 0
-    return summaries(ctx, e, page, cfg.recall.summary), n_sel
+    return summaries(ctx, e, page), n_sel
 
 
 # ---- the undo log of one recall: what `Recall.rollback` replays backwards --------------------------
@@ -398,7 +368,6 @@ class Recall:
     # [L, H] bool: the only heads that may exchange (a decode-time recall's retrieval heads); None: every head
     only: torch.Tensor | None = None
     new: torch.Tensor | None = None  # appending: the fresh device slots (int64) the columns go to
-    member: torch.Tensor | None = None  # appending: `[L, H, C]` entries of the chosen segments, ranked first
     appended_pos: list[torch.Tensor] = field(default_factory=list)  # tracked: their positions, per layer
     swapped: torch.Tensor | None = None  # on the device, read once at the end
     done: list[Undo] = field(default_factory=list)  # what this recall wrote so far, in order (`rollback`)
@@ -425,16 +394,12 @@ class Recall:
         pool.touch(s.recall.host)
         sums, n_sel = paged if paged is not None else _paged(s.ctx, s.recall.host, r)
         row_slots = s.ctx.rt.req_to_token[req.kv.req_pool_idx, :m].to(torch.int64)
-        dbg = (
-            SwapPositions(s, m)
-            if st.tracks_positions(s.ctx) and s.recall.host.positions is not None
-            else None
-        )
+        dbg = SwapPositions(s, m) if st.DEBUG and s.recall.host.positions is not None else None
         cols = s.recall.host.cols.to(pool.k.device)
         return cls(req, s, m, tokens, lo, hi, r, row_slots, cols, sums, n_sel, dbg)
 
-    def layer(self, layer: int, q: torch.Tensor, causal: bool) -> None:
-        """Score and exchange (or append) at `layer` with queries `q` `[Hq, w, D]` (causal: they are the
+    def layer(self, layer: int, q: torch.Tensor) -> None:
+        """Score and exchange (or append) at `layer` with queries `q` `[Hq, w, D]` (they are the
         row's last `w` entries; else every key precedes them)."""
         rt, pool = self.s.ctx.rt, self.s.ctx.host
         dev = self.row_slots.device
@@ -444,15 +409,14 @@ class Recall:
             hk = pool.k[layer].index_select(0, self.cols).to(dev)  # [e, H, D]
         else:
             sm = self.sums
-            mode = "minmax" if sm.kmin is not None else "mean"
-            sc = K.page_scores(q.transpose(0, 1), *sm.at(layer), mode, rt.scale, "sum")
+            sc = K.page_scores(q.transpose(0, 1), *sm.at(layer), "minmax", rt.scale, "sum")
             page_ids = K.select_pages(sc, self.n_sel)  # [H, n]
             cand, valid = K.gather_columns(page_ids, sm.page, int(self.cols.numel()))  # [H, c]
             hk = _host_keys(pool, layer, self.cols[cand.to(pool.k.device)], heads).to(dev)  # [c, H, D]
         e = int(hk.shape[0])
         pool.totals.keys_read += hk.numel() * hk.element_size() * (1 if cand is None else 2)  # + refresh
         keys = torch.cat([hk, rt.k_buffer(layer).index_select(0, self.row_slots)])
-        p = K.window_attention(q, keys, torch.arange(keys.shape[0], device=dev), rt.scale, causal, "max")
+        p = K.window_attention(q, keys, torch.arange(keys.shape[0], device=dev), rt.scale, True, "max")
         host_sc = p[:, :e] if valid is None else p[:, :e].masked_fill(~valid, float("-inf"))
         if self.appending:
             self.append_layer(layer, host_sc, cand)
@@ -487,9 +451,6 @@ class Recall:
         pool, s = self.s.ctx.host, self.s
         a = int(self.new.numel())
         page = s.ctx.settings.recall.page
-        if self.member is not None:  # a chosen segment's entries first (probabilities are at most 1), one
-            # by one: a page of host columns holds entries of other positions, which its best would lift
-            host_sc, page = host_sc + 2.0 * self.member[layer].to(host_sc.device), 1
         _, idx = best_entries(host_sc[None], page, a)
         hidx = idx[0] if cand is None else cand.gather(-1, idx[0])  # [H, a] branch column indices
         hidx = hidx.to(pool.k.device)
@@ -612,10 +573,10 @@ def _host_keys(pool: host.HostPool, layer: int, cols: torch.Tensor, heads: torch
     return pool.k[layer][cols, heads].transpose(0, 1)
 
 
-# ---- recall inside a forward (a prefill or a decode step) -----------------------------------------
+# ---- recall inside a forward (a prefill over both tiers, a decode step) -----------------------------------------
 def after_compress(req: Any, decode: bool) -> int:
     """Called per request once a scheduler step's compressions committed: after a prefill, recalled
-    columns are appended (`safe_append`, with `--kv-recall-config` `append`); a due decode-time recall is armed
+    columns are appended (`safe_append`); a due decode-time recall is armed
     for the step's forward (its own queries, layer by layer), else runs now (`safe_recall`). Returns
     the slots the request's row grew by (the batch's lengths grow with it)."""
     s = st.get(req)
@@ -638,14 +599,15 @@ def after_compress(req: Any, decode: bool) -> int:
 
 
 def arm(req: Any, s: st.ReqState, decode: bool = False) -> bool:
-    """Prepare a recall inside the request's next forward, layer by layer. True when armed (the recall
-    is no longer due); False when the request recalls otherwise (after its compression) or not at all.
+    """Prepare the request's next forward to read the host tier, layer by layer. True when armed (the
+    recall is no longer due); False when the request recalls otherwise (after its compression) or not
+    at all.
 
-    A prefill (`decode` False) is armed once the turn has its slots: its compacted history still sits in
-    the tree node it matched (shared), so it is copied into slots the request owns first
-    (`compressor.own_region`, up to the new tokens); not for a chunk with more to come. A decode step's
-    query recalls for the token it is about to write, at most one page per step since the last recall,
-    in fixed shapes for the whole batch (`decode_recall`).
+    A prefill chunk (`decode` False) attends over both tiers (`exact_prefill`), once the turn has its
+    slots: its compacted history still sits in the tree node it matched (shared), so it is copied into
+    slots the request owns first (`compressor.own_region`, up to the new tokens). A decode step's query
+    recalls for the token it is about to write, at most one page per step since the last recall, in
+    fixed shapes for the whole batch (`decode_recall`).
     A failure here turns recall off for the request (logged, counted); nothing else changes."""
     row = req.kv.req_pool_idx
     disarm(s.ctx, row)
@@ -659,49 +621,33 @@ def arm(req: Any, s: st.ReqState, decode: bool = False) -> bool:
     return armed
 
 
-def disarm(ctx: KvEvictContext, row: int) -> Recall | decode_recall.DecodeArm | None:
-    """Drop the recall armed for a request row (if any), and its hold on the branch's host entries."""
+def disarm(ctx: KvEvictContext, row: int) -> decode_recall.DecodeArm | None:
+    """Drop what is armed for a request row (if anything), and its hold on the branch's host entries;
+    returns a decode step's arm."""
     if ctx.host is not None:
         ctx.host.in_use.pop(row, None)
     ctx.exact_armed.pop(row, None)
-    one = ctx.armed.pop(row, None)
-    return ctx.decode_armed.pop(row, None) if one is None else one
+    return ctx.decode_armed.pop(row, None)
 
 
 def _plan_arm(req: Any, s: st.ReqState, decode: bool) -> bool:
     kv, row = req.kv, req.kv.req_pool_idx
     if not demote.enabled(s) or s.pending is not None or row is None:
         return False
-    both = not decode and s.ctx.settings.recall.prefill == "both"  # every chunk: each writes exact K/V
-    if not decode and not both and req.extend_end is not None:
-        if req.extend_end < len(req.origin_input_ids) + len(req.output_ids):
-            return False  # a chunk with more to come: the last chunk's queries recall
     demote.take(s)
     if s.recall.host is None or s.recall.host.count == 0 or s.slot_map.comp_slots == 0:
-        if both and trigger.may_fire(req, s):
-            exact_prefill.arm_scores(req, s)  # nothing to recall yet: this turn's scores are the habit
         return False
-    if both:
+    if not decode:  # every chunk of a prefill: each writes exact K/V
         m = s.slot_map.slots_for(int(req.prefix_len))
         return compressor.own_region(req, s, upto=m) and exact_prefill.arm(req, s)
+    if kv.cache_protected_len > s.slot_map.anchor_kv:
+        return False  # the history is not the request's own yet (`recall` copies it)
     lo, hi = _displaceable(s)
-    if decode:
-        if kv.cache_protected_len > s.slot_map.anchor_kv:
-            return False  # the history is not the request's own yet (`recall` copies it)
-        fresh, s.recall.steps = max(1, s.recall.steps), 0
-        r = min(s.recall.tokens, hi - lo, s.recall.host.count, fresh * s.ctx.settings.recall.page)
-        if r > 0:
-            decode_recall.arm(req, s, lo, hi, r)
-        return r > 0
-    m = s.slot_map.slots_for(int(req.prefix_len))
-    if not compressor.own_region(req, s, upto=m):
-        return False
-    r = min(s.recall.tokens, hi - lo, s.recall.host.count)
-    if r <= 0:
-        return False
-    s.ctx.armed[row] = Recall.start(req, s, m, int(req.prefix_len), lo, hi, r)
-    s.ctx.host.in_use[row] = s.recall.host  # the LRU must not take what the forward will read and write
-    return True
+    fresh, s.recall.steps = max(1, s.recall.steps), 0
+    r = min(s.recall.tokens, hi - lo, s.recall.host.count, fresh * s.ctx.settings.recall.page)
+    if r > 0:
+        decode_recall.arm(req, s, lo, hi, r)
+    return r > 0
 
 
 # A guard only: one decode step is prepared ahead of the one whose results are processed (overlap).
@@ -778,40 +724,24 @@ def drop_finished(req: Any, s: st.ReqState) -> None:
 
 
 def before_attention(layer_mod, q, k, v, forward_batch, *args, **kwargs):
-    """BEFORE hook on RadixAttention.forward: armed requests recall at this layer, before its attention."""
+    """BEFORE hook on RadixAttention.forward: a decode step's planned recall runs at this layer, before its
+    attention."""
     if q is None:
         return None
     ctx = context.of_forward(forward_batch)
-    if ctx is None or not (ctx.armed or ctx.step_plan is not None):
-        return None
-    mode = forward_batch.forward_mode
-    if not (mode.is_extend() or mode.is_decode()):
+    if ctx is None or ctx.step_plan is None or not forward_batch.forward_mode.is_decode():
         return None
     rt = ctx.rt
     layer = layer_mod.layer_id - rt.start_layer
-    if mode.is_decode():
-        one = ctx.step_plan
-        if one is not None and not one.failed and one.layers_done == layer:  # each layer once, in order
-            try:
-                # KVEVICT_DEBUG: count what would make the host wait for a GPU (the tests expect none)
-                with SyncCounter() if st.DEBUG else contextlib.nullcontext() as syncs:
-                    one.layer(ctx, layer, q.view(-1, rt.n_q_heads, rt.head_dim))
-                if syncs is not None:
-                    ctx.host.totals.decode_step_syncs += syncs.total
-            except Exception:  # the batch's decode recall only: its earlier layers are swapped back
-                logger.exception("kvevict: a decode step's recall failed")
-                decode_recall.fail(ctx, one)
-        return None
-    last = layer == rt.n_layers - 1
-    rows = context.batch_rows(ctx, forward_batch)
-    for _, row, start, n, one in st.live_arms(ctx.armed, rows, lambda r: disarm(ctx, r)):
+    one = ctx.step_plan
+    if not one.failed and one.layers_done == layer:  # each layer once, in order
         try:
-            qv = q[start : start + n].reshape(n, rt.n_q_heads, rt.head_dim)[-PREFILL_QUERIES:]
-            one.layer(layer, qv.transpose(0, 1), causal=False)
-            if last:
-                disarm(ctx, row)
-                one.finish()
-        except Exception:  # this request's recall only: its earlier layers are swapped back
-            disarm(ctx, row)
-            one.rollback("recall")
+            # KVEVICT_DEBUG: count what would make the host wait for a GPU (the tests expect none)
+            with SyncCounter() if st.DEBUG else contextlib.nullcontext() as syncs:
+                one.layer(ctx, layer, q.view(-1, rt.n_q_heads, rt.head_dim))
+            if syncs is not None:
+                ctx.host.totals.decode_step_syncs += syncs.total
+        except Exception:  # the batch's decode recall only: its earlier layers are swapped back
+            logger.exception("kvevict: a decode step's recall failed")
+            decode_recall.fail(ctx, one)
     return None

@@ -1,5 +1,5 @@
 """What a turn's recall (`recall.py`) and a decode step's (`decode_recall.py`) share: how host entries
-rank (by their page's best score), how a recall is counted, and the logical positions an exchange moves
+rank (by their page's best score) and the least score that moves one, how a recall is counted, and the logical positions an exchange moves
 (where tracked)."""
 
 from __future__ import annotations
@@ -7,6 +7,10 @@ from __future__ import annotations
 import torch
 
 from sgl_kvevict.cache import state as st
+
+# A host page comes back only where a query gives its best entry at least this much attention: weaker
+# evidence swapped entries back and forth (3-5x the bytes moved) and answered no better (measured).
+MIN_SCORE = 0.05
 
 
 def best_entries(sc: torch.Tensor, page: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +50,7 @@ def mark_stale(stats: torch.Tensor | None, layer: int, dev_slots: torch.Tensor, 
 
 
 class SwapPositions:
-    """Where positions are tracked (`state.tracks_positions`): the row's and the host's logical positions,
+    """Where positions are tracked (KVEVICT_DEBUG): the row's and the host's logical positions,
     updated by each exchange (under KVEVICT_DEBUG the oracle replays them as a timeline event)."""
 
     def __init__(self, s: st.ReqState, kv_len: int) -> None:

@@ -42,7 +42,6 @@ def stats(req: Any) -> dict[str, Any] | None:
             host_tokens=s.recall.host_peak,
             peak_kv_tokens=max(s.counters.kv_peak, int(req.kv.kv_committed_len)),
             recall_skipped=s.recall.skipped,
-            segments=s.recall.segments,
             recall_seconds=round(s.counters.recall_seconds, 4),
         )
     if st.DEBUG:

@@ -261,13 +261,12 @@ def attach(cache: Any, ctx: Any) -> Runtime:
             )
         kv.host = host.build(rt.n_layers, rt.n_kv_heads, rt.head_dim, columns, k0.dtype, k0.device)
         logger.info(
-            "sgl-kvevict: %s: host tier %.1f MiB; on %s: page summaries up to %.1f MiB (%s, page %d), "
+            "sgl-kvevict: %s: host tier %.1f MiB; on %s: page summaries up to %.1f MiB (page %d), "
             "capture buffer %.1f MiB",
             given,
             need / sizing.MIB,
             k0.device,
-            sizing.summary_bytes(shape, columns, settings.recall.page, settings.recall.summary) / sizing.MIB,
-            settings.recall.summary,
+            sizing.summary_bytes(shape, columns, settings.recall.page) / sizing.MIB,
             settings.recall.page,
             (kv.capture.nbytes if kv.capture is not None else 0) / sizing.MIB,
         )

@@ -11,8 +11,8 @@ concern:
 - `recall` (`RecallState`): the host-tier entries the request owns, where it stands in a turn's
   recalls, and its recall counters.
 - `counters` (`Counters`): compressions, seconds spent, the row's peak slots.
-- `trace` (`PositionTrace`): the logical positions the row's slots hold, where tracked (`tracks_positions`);
-  under KVEVICT_DEBUG also prefix digests and the kept-position timeline.
+- `trace` (`PositionTrace`): the logical positions the row's slots hold, under KVEVICT_DEBUG, with prefix
+  digests and the kept-position timeline.
 
 Moves that change several parts at once (a compression's commit, a recall's append, the anchor moving
 down) are `ReqState` methods (`compacted`, `unevicted`, `move_anchor`).
@@ -60,16 +60,10 @@ DEBUG = os.environ.get("KVEVICT_DEBUG", "0") == "1"
 
 
 def row_positions(s: ReqState, kv_len: int) -> torch.Tensor:
-    """`[L, H, kv_len]` logical positions of the row's first slots (`tracks_positions`)."""
+    """`[L, H, kv_len]` logical positions of the row's first slots (KVEVICT_DEBUG)."""
     rt = s.ctx.rt
     pos = s.trace.positions(kv_len)
     return pos.view(1, 1, -1).expand(rt.n_layers, rt.n_kv_heads, -1) if pos.dim() == 1 else pos
-
-
-def tracks_positions(ctx: KvEvictContext) -> bool:
-    """Whether rows and host entries keep the logical position of every (layer, KV head) entry they
-    hold: for the test oracle (KVEVICT_DEBUG), and for the append's segments (`segments.py`)."""
-    return DEBUG or (ctx.host is not None and ctx.settings.recall.segments > 0)
 
 
 def fingerprint(cfg: KvConfig, policy: Policy, recall: int = 0) -> str | None:
@@ -184,7 +178,7 @@ class Counters:
 @dataclass
 class PositionTrace:
     """The logical positions held by the row's slots [0, m) per layer and KV head (`pos`) and the logical
-    tokens they stand for (`tokens`), where positions are tracked (`tracks_positions`); under KVEVICT_DEBUG
+    tokens they stand for (`tokens`), where positions are tracked (KVEVICT_DEBUG); under KVEVICT_DEBUG
     also digests of the shared prefix and the events a test oracle replays (`timeline`, see `event`)."""
 
     prefix_digest: str = ""
@@ -232,11 +226,6 @@ class RecallState:
     due: bool = False  # a prefill ran: recall once its compression has committed
     append_due: bool = False  # a prefill ran: append recalled columns once its compression committed
     appended: int = 0  # columns recall appended this turn: the turn's decode budget grows by them
-    # per logical position, the best attention this turn's prefill over both tiers gave its entries,
-    # summed over every layer and KV head (`segments.add`); None when not scored
-    position_scores: torch.Tensor | None = None
-    scored_from: int | None = None  # the logical position of the scored turn's first own token
-    segments: int = 0  # segments the request's appends chose by contrast (`segments.choose`)
     steps: int = 0  # decode steps since the last recall
     # a recall swapped entries into the compacted history since it was last formed: it is no longer
     # the stored node it was adopted from (the tree must not treat it as a duplicate of that node)
@@ -252,8 +241,8 @@ class RecallState:
     host_peak: int = 0
 
     def entries(self) -> host_tier.HostEntries:
-        """The request's host entries, an empty set when it holds none yet (what a demotion appends to,
-        and what keeps the branch's habit before anything is demoted)."""
+        """The request's host entries, an empty set when it holds none yet (what a demotion
+        appends to)."""
         if self.host is None:
             self.host = host_tier.HostEntries()
         return self.host

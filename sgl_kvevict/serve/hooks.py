@@ -13,8 +13,8 @@ Each hook is one of the places where SGLang assumes "one KV slot per token", whi
 - `release_kv_cache` (BEFORE): a last compression when the turn ends, so the stored history is small.
 - `Req.owned_kv_len`, `_release_overallocated_kv_indices` (AROUND): slot counts for compressed requests.
 - `RadixAttention.forward` (BEFORE, three hooks): capture the last W queries for attention-based policies;
-  write the per-slot ||v W_O||_1 statistic of the values being written (`slotstats`, CriticalKV); recall
-  host entries inside a prefill or a decode step, layer by layer (`recall.before_attention`).
+  write the per-slot ||v W_O||_1 statistic of the values being written (`slotstats`, CriticalKV); a decode
+  step's recall of host entries, layer by layer (`recall.before_attention`).
 - `Scheduler.get_next_batch_to_run`, `process_batch_result` (AROUND): under the overlap scheduler, a
   step in which a compression is due processes the previous step's results first (overlap off for that
   step only); a finished request gives back the slot of its in-flight last token before its last
@@ -129,7 +129,7 @@ def _after_extend_alloc(ctx: KvEvictContext | None, reqs: list, offs: list[int])
             continue
         if s.recall.due:
             t0 = time.perf_counter()
-            recall.arm(r, s)  # it recalls inside its prefill, layer by layer (else after its compression)
+            recall.arm(r, s)  # its prefill attends over both tiers, layer by layer
             s.counters.recall_seconds += time.perf_counter() - t0
             if s.counters.recall_mark is None:  # the forward's recall hooks count from here (`_recall_time`)
                 s.counters.recall_mark = rt.totals.recall_forward_seconds
@@ -540,9 +540,9 @@ def recall_heads(ctx: Any, rt: Any, kv: KvEvictContext) -> Any:
     """Where a decode step recalls (`KvEvictContext.recall_heads`), and how many (layer, KV head) pairs
     that is (the server total `decode_heads`): the model's retrieval heads, measured once per model
     (`cache/retrieval_heads.py`); None (every head) when `head_score` is 0 or the scores cannot be
-    measured (logged: the server still serves), or when decode steps do not recall."""
+    measured (logged: the server still serves), or when the host tier is off."""
     tuning = kv.settings.recall
-    if kv.host is None or tuning.every <= 0:
+    if kv.host is None:
         return None
     heads = _measured_heads(ctx, rt, tuning.head_score) if tuning.head_score > 0 else None
     kv.host.totals.decode_heads = rt.n_layers * rt.n_kv_heads if heads is None else int(heads.mask.sum())
