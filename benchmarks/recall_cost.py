@@ -34,7 +34,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sgl_kvevict.cache import capture, compressor, exact_prefill, host, recall, recall_core, threads  # noqa: E402
+from sgl_kvevict.cache import capture, compressor, demote, exact_prefill, host, recall, recall_core, threads  # noqa: E402
 from sgl_kvevict.cache import state as st  # noqa: E402
 from sgl_kvevict.config import SETTINGS_ENV_VAR, RecallTuning, ServerSettings  # noqa: E402
 from sgl_kvevict.tools.pools import Pools  # noqa: E402
@@ -72,7 +72,7 @@ def measure(e: int, budget: int, r: int, new_tokens: int, steps: int) -> dict:
     p = Pools(
         layers=LAYERS, kv_heads=KV_HEADS, group=GROUP, head_dim=DIM, max_reqs=2, max_len=e + budget + 256
     )
-    p.ctx.host = host.HostPool(LAYERS, KV_HEADS, DIM, e + 64, torch.bfloat16)
+    demote.attach(p.ctx, host.HostPool(LAYERS, KV_HEADS, DIM, e + 64, torch.bfloat16))
     batch = p.batch(1, e + budget, "streaming", budget)
     req = batch.reqs[0]
     s = st.get(req)

@@ -315,19 +315,21 @@ def _all_nodes(tree: KvEvictRadixCache) -> list:
 
 
 @pytest.mark.parametrize("policy", ["knorm", "snapkv"])
-def test_demotion_records_each_entrys_logical_position_after_a_shared_prefix(policy: str, monkeypatch) -> None:
+def test_demotion_records_each_entrys_logical_position_after_a_shared_prefix(
+    policy: str, monkeypatch
+) -> None:
     """A region that starts after a 40-token shared prefix, compressed at prefill and again after its
     decode tokens (so that row indices no longer equal positions): every entry a compression demotes to
     the host tier records the logical position of its token in the conversation (what the oracle
     replays under KVEVICT_DEBUG), not its index in the region or the row. Each host column's K must be
     the K of the token at the position it records, in every layer and head."""
-    from sgl_kvevict.cache import host
+    from sgl_kvevict.cache import demote, host
     from sgl_kvevict.config import ServerSettings
 
     monkeypatch.setattr(st, "DEBUG", True)
     rank = Rank(slice(0, 4))
     rank.tree.ctx.settings = ServerSettings(recall_tokens=8)
-    rank.tree.ctx.host = host.HostPool(L, 4, D, 512, torch.float32)
+    demote.attach(rank.tree.ctx, host.HostPool(L, 4, D, 512, torch.float32))
     req = _start(rank, policy, {"shared_prefix": 40, "scope": "branch"}, share_prompt=True)
     s = st.get(req)
     s.recall.tokens = 8

@@ -32,7 +32,7 @@ def _ready(n_reqs: int, page: int, seed: int = 0, recalls: tuple[int, ...] = (R,
     )
     p.ctx.settings = ServerSettings(recall_tokens=R, recall=RecallTuning(page=page, every=1))
     batch = p.batch(n_reqs, N, "snapkv", 48, {"window": W})
-    p.ctx.host = host.HostPool(L, H, D, 1024, torch.float32)
+    demote.attach(p.ctx, host.HostPool(L, H, D, 1024, torch.float32))
     with compressor.one_thread():
         for req, r in zip(batch.reqs, recalls, strict=False):
             s = st.get(req)

@@ -39,7 +39,7 @@ def _setup(p: Pools, policy: str):
     req = batch.reqs[0]
     s = st.get(req)
     s.recall.tokens = R
-    p.ctx.host = host.HostPool(L, H, D, 512, torch.float32)
+    demote.attach(p.ctx, host.HostPool(L, H, D, 512, torch.float32))
     if "attn" not in s.policy.needs:  # recall scores with the window even for attention-free policies
         assert capture.ensure(p.ctx, 0, W, 0)
     q = torch.randn(L, W, H * G, D, generator=p.gen)
@@ -409,7 +409,9 @@ def test_a_failure_inside_recall_changes_nothing(pools: Pools, monkeypatch, wher
 
 
 @pytest.mark.parametrize(("page", "fresh", "fetch"), [(4, 0, 8), (2, 1, 8), (3, 0, 8), (2, 1, 3)])
-def test_paged_recall_swaps_what_the_reference_picks(pools: Pools, page: int, fresh: int, fetch: int, monkeypatch):
+def test_paged_recall_swaps_what_the_reference_picks(
+    pools: Pools, page: int, fresh: int, fetch: int, monkeypatch
+):
     """A recall over a host history of more pages than it fetches scores the pages' summaries, fetches
     the best pages' columns only, and swaps exactly what the loop reference picks among them; nothing is
     lost, and the summaries still describe the columns after the swap wrote into them (page 3: the last
@@ -486,7 +488,7 @@ def test_append_brings_the_best_entries_into_fresh_slots(
         and s.slot_map.comp_slots == comp + R
         and s.slot_map.offset == offset - R
     )
-    assert s.slot_map.tokens_for(req.kv.kv_committed_len) == length and s.recall.appended == R
+    assert s.slot_map.tokens_for(req.kv.kv_committed_len) == length and s.slot_map.appended == R
     assert torch.equal(p.r2t.req_to_token[0, comp + R : kv_len + R], tail)  # the tail moved right, whole
     assert s.recall.host.count == count - R and p.ctx.host.n_free == free + R
     _assert_appended(p, comp, expect, host_k, cols_before)
@@ -564,7 +566,7 @@ def test_append_rolls_back_on_a_failure(pools: Pools, monkeypatch):
     assert req.kv.kv_committed_len == kv_len and torch.equal(p.r2t.req_to_token[0, :kv_len], row)
     assert torch.equal(s.recall.host.cols, cols)
     assert torch.equal(p.ctx.host.k[:, cols], host_k) and torch.equal(p.ctx.host.v[:, cols], host_v)
-    assert p.alloc.available_size() == avail and s.recall.tokens == 0 and s.recall.appended == 0
+    assert p.alloc.available_size() == avail and s.recall.tokens == 0 and s.slot_map.appended == 0
     s.recall.drop_host(s.ctx.host)
     assert p.ctx.host.n_free == p.ctx.host.size
 

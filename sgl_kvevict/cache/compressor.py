@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from sgl_kvevict import kernels
-from sgl_kvevict.cache import demote, slotstats
+from sgl_kvevict.cache import eviction, slotstats
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.context import KvEvictContext
 from sgl_kvevict.cache.slots import target_slots
@@ -192,21 +192,21 @@ def _plan(p: Pending) -> Plan | None:
 def _commit(req: Any, s: st.ReqState, plan: Plan, own_start: int) -> bool:
     """Write the plan into the pool and the request's row. Returns False when it cannot (nothing changed).
 
-    With recall on, the entries the plan evicts are copied to the host tier before any slot is written
-    (`demote.plan_demote`) and join the request's host entries only when the commit happens."""
-    if demote.enabled(s):
-        demote.take(s)  # before `target_slots` may take the adopted node out of the tree
-    dem: list = []
+    The evicted entries are shown to the request's `eviction.Eviction` (the host tier, when recall is
+    on) before any slot is written; it is opened before `target_slots` may take the adopted node out of
+    the tree."""
+    ev = eviction.open_for(s)
     ok = False
     try:
-        ok = _write(req, s, plan, own_start, dem)
+        ok = _write(req, s, plan, own_start, ev)
         return ok
     finally:
-        demote.commit_demote(s, dem[0] if dem else None, ok)
+        if ev is not None:
+            ev.close(ok)
 
 
-def _write(req: Any, s: st.ReqState, plan: Plan, own_start: int, dem: list) -> bool:
-    """`_commit`'s writes; the demotion (if any) is appended to `dem` right before the first one."""
+def _write(req: Any, s: st.ReqState, plan: Plan, own_start: int, ev: eviction.Eviction | None) -> bool:
+    """`_commit`'s writes; `ev` (if any) sees the evicted entries right before the first one."""
     rt = s.ctx.rt
     kv, a, k = req.kv, s.slot_map.anchor_kv, plan.k
     row = rt.req_to_token[kv.req_pool_idx]
@@ -216,7 +216,8 @@ def _write(req: Any, s: st.ReqState, plan: Plan, own_start: int, dem: list) -> b
     v_bufs = [rt.v_buffer(layer) for layer in range(rt.n_layers)]
     stats = s.ctx.stats
     if own_start <= a:  # the whole region is the request's own: compact in place
-        dem.append(demote.plan_demote(s, a, plan.slots, plan.keep))
+        if ev is not None:
+            ev.evicting(a, plan.slots, plan.keep)
         if plan.dense_k is None:  # the batched step's commit, for a batch of one
             compact_own(s.ctx, plan.slots.view(1, -1), plan.keep.unsqueeze(0), [k], [plan.n])
         else:
@@ -231,7 +232,8 @@ def _write(req: Any, s: st.ReqState, plan: Plan, own_start: int, dem: list) -> b
         target = target_slots(req, s, plan.n, plan.k, own_start)
         if target is None:
             return False
-        dem.append(demote.plan_demote(s, a, plan.slots, plan.keep))
+        if ev is not None:
+            ev.evicting(a, plan.slots, plan.keep)
         new, spare = target[:k], target[k:]
         if stats is not None:
             slotstats.write(stats, new, _staged_stats(stats, plan))
@@ -443,7 +445,7 @@ def account(job: Job, k: int, tail: int, keep: torch.Tensor | None, dt: float, a
         s.trace.event(pos, s.slot_map.tokens_for(a + n + after))
     s.compacted(n, k, tail)
     if job.phase != "decode":  # folded into the budget: the turn's appended columns are gone
-        s.recall.appended = 0
+        s.slot_map.appended = 0
     s.counters.compressions += 1
     s.counters.seconds += dt
     tot = rt.totals

@@ -36,6 +36,7 @@ class KvEvictContext:
     # imports none of them: it sits under all of them, `tests/test_layout.py`).
     rt: Any = None  # runtime.Runtime, set when the scheduler attaches (`runtime.attach`)
     host: Any = None  # host.HostPool, the host tier, when recall is on
+    evictions: Any = None  # eviction.EvictionSink where compressions' evicted entries go (None: dropped)
     capture: Any = None  # capture.Store, the window-query capture store, built once (`capture.build`)
     capture_conf: tuple[int, int] | None = None  # (window, slots) the server's requests may need
     slot_stats: Any = None  # slotstats.SlotStats, CriticalKV's per-slot statistic, when one can use it

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from sgl_kvevict.cache import host
 from sgl_kvevict.cache import state as st
+
+if TYPE_CHECKING:
+    from sgl_kvevict.cache.context import KvEvictContext
 
 logger = logging.getLogger("sgl_kvevict")
 
@@ -56,6 +61,39 @@ def take(s: st.ReqState) -> None:
         pool.lru.pop(id(mine), None)
         mine.cols = torch.zeros(0, dtype=torch.int64)
     pool.touch(s.recall.host)
+
+
+def attach(ctx: KvEvictContext, pool: host.HostPool) -> None:
+    """Turn the host tier on for a server: its pool, and compressions' evicted entries demoted into it."""
+    ctx.host = pool
+    ctx.evictions = HostTier()
+
+
+class HostTier:
+    """The host tier as the compression core's `eviction.EvictionSink` (`KvEvictContext.evictions`): a
+    request with recall on takes its adopted history's host entries (`take`), then each commit's evicted
+    entries are demoted."""
+
+    def open(self, s: st.ReqState) -> Demoting | None:
+        if not enabled(s):
+            return None
+        take(s)
+        return Demoting(s)
+
+
+@dataclass(eq=False)
+class Demoting:
+    """One commit's demotion (`eviction.Eviction`): the host columns are written in `evicting` and join
+    the request's entries in `close` only if the commit went through."""
+
+    s: st.ReqState
+    planned: Demotion | None = None
+
+    def evicting(self, a: int, slots: torch.Tensor, keep: torch.Tensor) -> None:
+        self.planned = plan_demote(self.s, a, slots, keep)
+
+    def close(self, committed: bool) -> None:
+        commit_demote(self.s, self.planned, committed)
 
 
 @dataclass

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from sgl_kvevict.cache import capture, compressor, demote, tp, trigger
+from sgl_kvevict.cache import capture, compressor, eviction, tp, trigger
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.trigger import Job
 from sgl_kvevict.policies.base import BatchView, Phase
@@ -180,17 +180,18 @@ def _batch_view(jobs: list[Job], counts: list) -> BatchView:
 
 
 def _commit_group(jobs: list[Job], slots_pad: torch.Tensor, keep: torch.Tensor, ks: list[int]) -> None:
-    """The group's commit: demoted entries to the host tier first, then `compressor.compact_own` for
-    all requests at once (the commit the per-request path uses for a region of its own). Nothing here
-    can fail on valid indices; a failure before it left everything as it was."""
-    # demote (recall on): the entries each request evicts, copied to host columns before any write
-    dems = [
-        demote.plan_demote(j.s, j.a, slots_pad[r, : j.n], keep[r, :, :, :k]) if demote.enabled(j.s) else None
-        for r, (j, k) in enumerate(zip(jobs, ks, strict=True))
-    ]
+    """The group's commit: each request's evicted entries shown to its `eviction.Eviction` first (the
+    host tier copies them), then `compressor.compact_own` for all requests at once (the commit the
+    per-request path uses for a region of its own). Nothing here can fail on valid indices; a failure
+    before it left everything as it was."""
+    evs = [eviction.open_for(j.s) for j in jobs]
+    for r, (j, k, ev) in enumerate(zip(jobs, ks, evs, strict=True)):
+        if ev is not None:
+            ev.evicting(j.a, slots_pad[r, : j.n], keep[r, :, :, :k])
     compressor.compact_own(jobs[0].s.ctx, slots_pad, keep, ks, [j.n for j in jobs])
-    for j, d in zip(jobs, dems, strict=True):
-        demote.commit_demote(j.s, d, True)
+    for ev in evs:
+        if ev is not None:
+            ev.close(True)
 
 
 def _bookkeeping(jobs: list[Job], batch: BatchView, keep: torch.Tensor, counts: list, t0: float) -> None:

@@ -244,7 +244,7 @@ def attach(cache: Any, ctx: Any) -> Runtime:
     cfg, settings = kv.server, kv.settings
     if settings.recall_tokens > 0 and cfg.active:
         from sgl_kvevict import sizing
-        from sgl_kvevict.cache import host
+        from sgl_kvevict.cache import demote, host
 
         k0 = rt.k_buffer(0)
         shape = sizing.Shape("", rt.n_layers, rt.n_q_heads, rt.n_kv_heads, rt.head_dim, k0.element_size())
@@ -259,7 +259,7 @@ def attach(cache: Any, ctx: Any) -> Runtime:
                 f"sgl-kvevict: {given} needs {need / 2**30:.1f} GiB of host "
                 f"memory, more than half of this machine's {total / 2**30:.1f} GiB: lower it"
             )
-        kv.host = host.build(rt.n_layers, rt.n_kv_heads, rt.head_dim, columns, k0.dtype, k0.device)
+        demote.attach(kv, host.build(rt.n_layers, rt.n_kv_heads, rt.head_dim, columns, k0.dtype, k0.device))
         logger.info(
             "sgl-kvevict: %s: host tier %.1f MiB; on %s: page summaries up to %.1f MiB (page %d), "
             "capture buffer %.1f MiB",

@@ -92,6 +92,9 @@ class SlotMap:
     inherited_evicted: int = 0  # of `own_evicted`, those of a matched branch history (not this request's)
     comp_slots: int = 0
     comp_tokens: int = 0
+    # slots joined to the compacted history this turn beyond the budget (a recall's append): the turn's
+    # decode budget grows by them, and its next compression that is not a decode step's folds them back
+    appended: int = 0
 
     @property
     def offset(self) -> int:
@@ -122,6 +125,7 @@ class SlotMap:
         """`count` entries per layer and KV head joined the end of the compacted history: the row holds
         `count` more slots for the same tokens (fewer evicted)."""
         self.comp_slots += count
+        self.appended += count
         self.own_evicted -= count
         self.inherited_evicted = min(self.inherited_evicted, self.own_evicted)
 
@@ -225,7 +229,6 @@ class RecallState:
     turn_start: int | None = None
     due: bool = False  # a prefill ran: recall once its compression has committed
     append_due: bool = False  # a prefill ran: append recalled columns once its compression committed
-    appended: int = 0  # columns recall appended this turn: the turn's decode budget grows by them
     steps: int = 0  # decode steps since the last recall
     # a recall swapped entries into the compacted history since it was last formed: it is no longer
     # the stored node it was adopted from (the tree must not treat it as a duplicate of that node)
@@ -286,7 +289,6 @@ class ReqState:
         """A recall appended `count` host entries per layer and KV head to the compacted history: the row
         holds `count` more slots for the same tokens (fewer evicted), until a compression folds them."""
         self.slot_map.unevicted(count)
-        self.recall.appended += count
         self.recall.changed_history = True
         self.policy_state.slots_inserted(self.slot_map.comp_slots - count, count)
 
@@ -384,7 +386,6 @@ def on_match(req: Any, ctx: KvEvictContext, region: Any, prefix_pos: torch.Tenso
     m = s.slot_map = SlotMap(region.anchor, region.anchor_tokens, region.anchor_kv)
     m.reused_evicted = region.tokens - region.kv
     s.recall.changed_history = False
-    s.recall.appended = 0
     s.releasing = False
     s.pending = None  # planned against slots the request no longer holds
     # Per-head policy state (D2O's tau) survives a retraction; per-slot entries do not (the slots change).

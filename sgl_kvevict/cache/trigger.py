@@ -79,7 +79,7 @@ def _counts(s: st.ReqState, n: int, phase: Phase) -> tuple[int, int, int, int] |
     n_recent = max(0, min(cfg.recent, n - n_sink))
     budget = s.cfg.resolve_budget(s.slot_map.region_tokens(n), n_sink + n_recent)
     if phase == "decode":  # the columns a recall appended this turn stay until the turn ends
-        budget += s.recall.appended
+        budget += s.slot_map.appended
     if not s.policy.should_compress(n, n_sink, n_recent, s.slot_map.comp_slots, budget, phase):
         return None
     return n, n_sink, n_recent, budget
