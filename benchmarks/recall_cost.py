@@ -34,8 +34,9 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sgl_kvevict.cache import capture, compressor, demote, exact_prefill, host, recall, recall_core, threads  # noqa: E402
+from sgl_kvevict.cache import capture, compressor, threads  # noqa: E402
 from sgl_kvevict.cache import state as st  # noqa: E402
+from sgl_kvevict.cache.host_tier import demote, exact_prefill, host, recall, recall_core  # noqa: E402
 from sgl_kvevict.config import SETTINGS_ENV_VAR, RecallTuning, ServerSettings  # noqa: E402
 from sgl_kvevict.tools.pools import Pools  # noqa: E402
 

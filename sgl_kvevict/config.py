@@ -55,7 +55,7 @@ DEFAULT_RECALL_PAGE = 8
 # 10-11 of 12 where recall at each turn's start only answered 4-7 (docs/benchmarks.md, "Recall suite").
 DEFAULT_RECALL_EVERY = 1
 # A decode step recalls only in the (layer, KV head) pairs whose induction score reaches this
-# (`cache/retrieval_heads.py`): SmolLM2-135M has 10 of 90, and recalling in them alone answered within
+# (`cache/host_tier/retrieval_heads.py`): SmolLM2-135M has 10 of 90, and recalling in them alone answered within
 # one of recalling in every head, per policy, on the long recall scenario, for 1.08x decode, not 1.36x (measured).
 DEFAULT_RECALL_HEAD_SCORE = 0.1
 MAX_CAPTURE = 4096  # bound on the capture buffer's window and slots (the buffer is their product)

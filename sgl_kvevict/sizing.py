@@ -1,7 +1,7 @@
 """Memory the plugin reserves beside SGLang's own KV pool, in bytes, for a model's shape.
 
 - the **host tier** (`--kv-recall-tokens`): `columns` columns, each one evicted entry of every layer and KV
-  head, K and V (`cache/host.py`), in host memory (pinned on a GPU);
+  head, K and V (`cache/host_tier/host.py`), in host memory (pinned on a GPU);
 - the **window-query capture buffer** (attention-based policies, or recall): `(slots + 1) x layers x
   (window + 1) x query heads x head dim` in the model's dtype, on the device (`cache/capture.py`);
 - the **page summaries** recall scores host pages with (`kernels/page_scores.py`): per page of `page` host

@@ -323,7 +323,7 @@ def test_demotion_records_each_entrys_logical_position_after_a_shared_prefix(
     the host tier records the logical position of its token in the conversation (what the oracle
     replays under KVEVICT_DEBUG), not its index in the region or the row. Each host column's K must be
     the K of the token at the position it records, in every layer and head."""
-    from sgl_kvevict.cache import demote, host
+    from sgl_kvevict.cache.host_tier import demote, host
     from sgl_kvevict.config import ServerSettings
 
     monkeypatch.setattr(st, "DEBUG", True)

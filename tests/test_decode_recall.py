@@ -1,4 +1,4 @@
-"""The decode step's recall in fixed shapes (`cache/decode_recall.py`) on SGLang's real pools: it swaps
+"""The decode step's recall in fixed shapes (`cache/host_tier/decode_recall.py`) on SGLang's real pools: it swaps
 exactly what the per-request recall swaps for the same query, its op sequence depends on its shapes
 only (what a CUDA graph needs) with no host sync, and a failure inside it puts everything back."""
 
@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_kvevict.cache import compressor, decode_recall, demote, host, recall, recall_core
+from sgl_kvevict.cache import compressor
 from sgl_kvevict.cache import state as st
-from sgl_kvevict.cache.retrieval_heads import RecallHeads
+from sgl_kvevict.cache.host_tier import decode_recall, demote, host, recall, recall_core
+from sgl_kvevict.cache.host_tier.retrieval_heads import RecallHeads
 from sgl_kvevict.config import RecallTuning, ServerSettings
 from sgl_kvevict.tools.pools import Pools, SyncCounter
 

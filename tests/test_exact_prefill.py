@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_kvevict.cache import exact_prefill
+from sgl_kvevict.cache.host_tier import exact_prefill
 
 
 def _reference(q, k_all, v_all, visible, scale):

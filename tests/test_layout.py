@@ -196,6 +196,36 @@ def private_uses(name: str, tree: ast.Module) -> list[str]:
     return hits
 
 
+# The compression core: what plans and commits a compression. It meets the host tier through the one
+# eviction hook (`cache/eviction.py`) only.
+COMPRESSION_CORE = ("sgl_kvevict.cache.compressor", "sgl_kvevict.cache.engine", "sgl_kvevict.cache.trigger")
+
+
+def host_tier_uses(name: str) -> list[str]:
+    """Imports of `cache.host_tier` and reads of a request's or server's host-tier state (`.recall`,
+    `.host`) in the module."""
+    hits = [f"imports {m}" for m, _ in GRAPH[name] if m.startswith("sgl_kvevict.cache.host_tier")]
+    return hits + [
+        f"line {n.lineno}: .{n.attr}"
+        for n in ast.walk(TREES[name])
+        if isinstance(n, ast.Attribute) and n.attr in ("recall", "host")
+    ]
+
+
+def test_the_compression_core_meets_the_host_tier_through_the_eviction_hook_only():
+    for name in COMPRESSION_CORE:
+        assert not host_tier_uses(name), (name, host_tier_uses(name))
+    assert "sgl_kvevict.cache.eviction" in {m for m, _ in GRAPH["sgl_kvevict.cache.compressor"]}
+
+
+def test_the_host_tier_check_catches_a_planted_use():
+    GRAPH["planted"], TREES["planted"] = [], ast.parse("def f(s):\n    return s.recall.appended\n")
+    try:
+        assert host_tier_uses("planted") == ["line 2: .recall"]
+    finally:
+        del GRAPH["planted"], TREES["planted"]
+
+
 def test_no_module_uses_another_modules_privates():
     hits = [h for n in MODULES for h in private_uses(n, TREES[n])]
     assert not hits, "private names used across modules (make them public in one module):\n" + "\n".join(hits)
@@ -284,10 +314,13 @@ REGISTRIES: dict[str, str] = {
 }
 # Another module's attribute set from outside it: only test machinery, each named here.
 PATCHES: dict[tuple[str, str], str] = {
-    ("sgl_kvevict.tools.testing", "sgl_kvevict.cache.recall.exchange"): "the recall fault policy's failure",
     (
         "sgl_kvevict.tools.testing",
-        "sgl_kvevict.cache.exact_prefill.attend_row",
+        "sgl_kvevict.cache.host_tier.recall.exchange",
+    ): "the recall fault policy's failure",
+    (
+        "sgl_kvevict.tools.testing",
+        "sgl_kvevict.cache.host_tier.exact_prefill.attend_row",
     ): "the same, in a prefill over both tiers",
 }
 # Module-level instances of the module's own class that hold nothing that changes (markers, stand-ins).

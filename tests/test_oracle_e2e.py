@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from sgl_kvevict.cache import recall
+from sgl_kvevict.cache.host_tier import recall
 from sgl_kvevict.serve.serverproc import Server
 from sgl_kvevict.tools import oracle
 
@@ -222,7 +222,7 @@ def test_multi_turn_under_eviction_equals_hf(runs, model, policy: str):
 
 
 def test_decode_steps_recall_in_fixed_shapes_without_a_host_sync(runs, oracle_server: Server):
-    """The recall session's decode steps ran the fixed-shape recall (`cache/decode_recall.py`, the form a
+    """The recall session's decode steps ran the fixed-shape recall (`cache/host_tier/decode_recall.py`, the form a
     CUDA graph can hold) on the real server, under the overlap scheduler (SGLang's default), and nothing
     inside them would make the host wait for a GPU:
     under KVEVICT_DEBUG each layer of the step runs under `SyncCounter`, which counts scalar reads,

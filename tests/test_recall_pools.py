@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from sgl_kvevict import kernels as K
-from sgl_kvevict.cache import capture, compressor, demote, engine, host, recall, recall_core, trigger
+from sgl_kvevict.cache import capture, compressor, engine, trigger
 from sgl_kvevict.cache import state as st
+from sgl_kvevict.cache.host_tier import demote, host, recall, recall_core
 from sgl_kvevict.config import RecallTuning, ServerSettings
 from sgl_kvevict.tools.pools import Pools
 

@@ -1,4 +1,4 @@
-"""The model's retrieval heads (`cache/retrieval_heads.py`), measured on the embedded SmolLM2-135M: few
+"""The model's retrieval heads (`cache/host_tier/retrieval_heads.py`), measured on the embedded SmolLM2-135M: few
 heads copy from an earlier occurrence, none in the first layers, and the scores are measured once per
 model and read back from disk after that."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from sgl_kvevict.cache import retrieval_heads
+from sgl_kvevict.cache.host_tier import retrieval_heads
 from sgl_kvevict.model import default_model_path
 
 

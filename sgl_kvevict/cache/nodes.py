@@ -16,7 +16,7 @@ import torch
 from sglang.srt.mem_cache.radix_cache import TreeNode
 
 if TYPE_CHECKING:
-    from sgl_kvevict.cache.host import HostEntries
+    from sgl_kvevict.cache.host_tier.host import HostEntries
 
 
 class CompressedNode(TreeNode):

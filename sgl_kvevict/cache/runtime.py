@@ -244,7 +244,7 @@ def attach(cache: Any, ctx: Any) -> Runtime:
     cfg, settings = kv.server, kv.settings
     if settings.recall_tokens > 0 and cfg.active:
         from sgl_kvevict import sizing
-        from sgl_kvevict.cache import demote, host
+        from sgl_kvevict.cache.host_tier import demote, host
 
         k0 = rt.k_buffer(0)
         shape = sizing.Shape("", rt.n_layers, rt.n_q_heads, rt.n_kv_heads, rt.head_dim, k0.element_size())

@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sgl_kvevict.cache import host as host_tier
 from sgl_kvevict.cache.counts import LazyCount
+from sgl_kvevict.cache.host_tier import host as host_tier
 from sgl_kvevict.cache.nodes import CompressedNode, is_compressed
 from sgl_kvevict.config import KvConfig, request_override
 from sgl_kvevict.policies import Policy

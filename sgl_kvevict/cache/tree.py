@@ -33,8 +33,9 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
-from sgl_kvevict.cache import context, events, host
+from sgl_kvevict.cache import context, events
 from sgl_kvevict.cache import state as st
+from sgl_kvevict.cache.host_tier import host
 from sgl_kvevict.cache.nodes import CompressedNode, is_compressed
 
 if TYPE_CHECKING:

@@ -40,8 +40,6 @@ from sgl_kvevict.cache import (
     compressor,
     context,
     engine,
-    exact_prefill,
-    recall,
     report,
     runtime,
     slotstats,
@@ -50,6 +48,7 @@ from sgl_kvevict.cache import (
 )
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.context import KvEvictContext
+from sgl_kvevict.cache.host_tier import exact_prefill, recall
 from sgl_kvevict.cache.tree import KvEvictRadixCache
 from sgl_kvevict.config import KvConfig
 
@@ -539,7 +538,7 @@ def verify_installed() -> list[str]:
 def recall_heads(ctx: Any, rt: Any, kv: KvEvictContext) -> Any:
     """Where a decode step recalls (`KvEvictContext.recall_heads`), and how many (layer, KV head) pairs
     that is (the server total `decode_heads`): the model's retrieval heads, measured once per model
-    (`cache/retrieval_heads.py`); None (every head) when `head_score` is 0 or the scores cannot be
+    (`cache/host_tier/retrieval_heads.py`); None (every head) when `head_score` is 0 or the scores cannot be
     measured (logged: the server still serves), or when the host tier is off."""
     tuning = kv.settings.recall
     if kv.host is None:
@@ -550,7 +549,7 @@ def recall_heads(ctx: Any, rt: Any, kv: KvEvictContext) -> Any:
 
 
 def _measured_heads(ctx: Any, rt: Any, min_score: float) -> Any:
-    from sgl_kvevict.cache import retrieval_heads
+    from sgl_kvevict.cache.host_tier import retrieval_heads
     from sgl_kvevict.model import cache_root
 
     path = ctx.model_config.model_path

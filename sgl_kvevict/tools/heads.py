@@ -1,5 +1,5 @@
 """Print a model's induction score per (layer, KV head), the retrieval heads a decode step recalls in
-(`sgl_kvevict/cache/retrieval_heads.py`), measuring it first when the server has not:
+(`sgl_kvevict/cache/host_tier/retrieval_heads.py`), measuring it first when the server has not:
 
     python -m sgl_kvevict.tools.heads [--model-path PATH] [--min-score S]
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sgl_kvevict.cache import retrieval_heads
+from sgl_kvevict.cache.host_tier import retrieval_heads
 from sgl_kvevict.config import DEFAULT_RECALL_HEAD_SCORE
 from sgl_kvevict.model import cache_root, default_model_path
 

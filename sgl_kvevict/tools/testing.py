@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from sgl_kvevict.cache import context, exact_prefill, recall
+from sgl_kvevict.cache import context
+from sgl_kvevict.cache.host_tier import exact_prefill, recall
 from sgl_kvevict.policies import REGISTRY, LayerView, Policy, register
 from sgl_kvevict.policies.knorm import KNormPolicy
 from sgl_kvevict.policies.snapkv import SnapKVPolicy

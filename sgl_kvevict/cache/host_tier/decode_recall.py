@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from sgl_kvevict import kernels as K
-from sgl_kvevict.cache import recall_core, retrieval_heads
 from sgl_kvevict.cache import state as st
-from sgl_kvevict.cache.recall_core import SwapPositions, account, best_entries, mark_stale
+from sgl_kvevict.cache.host_tier import recall_core, retrieval_heads
+from sgl_kvevict.cache.host_tier.recall_core import SwapPositions, account, best_entries, mark_stale
 
 if TYPE_CHECKING:
     from sgl_kvevict.cache.context import KvEvictContext

@@ -53,10 +53,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sgl_kvevict import kernels as K
-from sgl_kvevict.cache import (
-    capture,
-    compressor,
-    context,
+from sgl_kvevict.cache import capture, compressor, context
+from sgl_kvevict.cache import state as st
+from sgl_kvevict.cache.host_tier import (
     decode_recall,
     demote,
     exact_prefill,
@@ -64,8 +63,7 @@ from sgl_kvevict.cache import (
     recall_core,
     retrieval_heads,
 )
-from sgl_kvevict.cache import state as st
-from sgl_kvevict.cache.recall_core import SwapPositions, account, best_entries, mark_stale
+from sgl_kvevict.cache.host_tier.recall_core import SwapPositions, account, best_entries, mark_stale
 from sgl_kvevict.cache.slots import alloc_slots, free_slots
 from sgl_kvevict.cache.syncs import SyncCounter
 

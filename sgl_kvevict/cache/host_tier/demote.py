@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sgl_kvevict.cache import host
 from sgl_kvevict.cache import state as st
+from sgl_kvevict.cache.host_tier import host
 
 if TYPE_CHECKING:
     from sgl_kvevict.cache.context import KvEvictContext

@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sgl_kvevict.cache import context, demote
+from sgl_kvevict.cache import context
 from sgl_kvevict.cache import state as st
+from sgl_kvevict.cache.host_tier import demote
 
 if TYPE_CHECKING:
     from sgl_kvevict.cache.context import KvEvictContext
