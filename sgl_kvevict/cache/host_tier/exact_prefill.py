@@ -78,16 +78,13 @@ def attend(
     return out
 
 
-def arm(req: Any, s: st.ReqState) -> bool:
+def arm(req: Any, s: st.ReqState) -> None:
     """Arm the request's next prefill chunk over both tiers (the scheduler, once its slots are allocated
-    and its branch's host entries taken, `demote.take`). False when the branch holds nothing there."""
+    and its branch's host entries taken: `recall.has_history`)."""
     host = s.recall.host
-    if host is None or host.count == 0:
-        return False
     s.ctx.exact_armed[req.kv.req_pool_idx] = ExactArm(req, s, host.cols.clone())
     s.ctx.host.touch(host)  # read by this turn: the most recently used branch
     s.ctx.host.in_use[req.kv.req_pool_idx] = host  # the LRU must not take what the forward reads
-    return True
 
 
 def disarm(ctx: KvEvictContext, row: int) -> ExactArm | None:

@@ -122,17 +122,19 @@ def _degrading(req: Any, s: st.ReqState, run: Any, what: str) -> int:
         return 0
 
 
+def has_history(s: st.ReqState) -> bool:
+    """Whether a recall has something to bring back and somewhere to put it: the branch's host entries
+    (taken first, `demote.take`), a compacted history, and no split compression under way."""
+    demote.take(s)
+    e = s.recall.host
+    return e is not None and e.count > 0 and s.pending is None and s.slot_map.comp_slots > 0
+
+
 def recall(req: Any, s: st.ReqState) -> int:
     """Swap the best host entries into the lowest-scored displaceable kept slots (see the module), with
     the captured window's queries, after the turn's compression. Returns the entries swapped in."""
-    demote.take(s)
     kv = req.kv
-    if (
-        s.recall.host is None
-        or s.recall.host.count == 0
-        or s.pending is not None
-        or s.slot_map.comp_slots == 0
-    ):
+    if not has_history(s):
         s.recall.skipped += 1  # nothing on the host (or no compacted history to swap into)
         return 0
     if not compressor.own_region(req, s):
@@ -183,14 +185,8 @@ def append(req: Any, s: st.ReqState) -> int:
     R, the entries the branch evicted, and what the slot pool can spare (twice `a` must be free or
     evictable: SGLang's next memory check must not retract for it). Returns `a` (0: nothing appended;
     the turn's other recalls are unchanged)."""
-    demote.take(s)
     kv, rt = req.kv, s.ctx.rt
-    if (
-        s.recall.host is None
-        or s.recall.host.count == 0
-        or s.pending is not None
-        or s.slot_map.comp_slots == 0
-    ):
+    if not has_history(s):
         return 0
     if kv.kv_allocated_len != kv.kv_committed_len or not compressor.own_region(req, s):
         return 0
@@ -630,14 +626,14 @@ def disarm(ctx: KvEvictContext, row: int) -> decode_recall.DecodeArm | None:
 
 def _plan_arm(req: Any, s: st.ReqState, decode: bool) -> bool:
     kv, row = req.kv, req.kv.req_pool_idx
-    if not demote.enabled(s) or s.pending is not None or row is None:
-        return False
-    demote.take(s)
-    if s.recall.host is None or s.recall.host.count == 0 or s.slot_map.comp_slots == 0:
+    if not demote.enabled(s) or row is None or not has_history(s):
         return False
     if not decode:  # every chunk of a prefill: each writes exact K/V
         m = s.slot_map.slots_for(int(req.prefix_len))
-        return compressor.own_region(req, s, upto=m) and exact_prefill.arm(req, s)
+        if not compressor.own_region(req, s, upto=m):
+            return False
+        exact_prefill.arm(req, s)
+        return True
     if kv.cache_protected_len > s.slot_map.anchor_kv:
         return False  # the history is not the request's own yet (`recall` copies it)
     lo, hi = _displaceable(s)
