@@ -5,8 +5,7 @@
 - the **window-query capture buffer** (attention-based policies, or recall): `(slots + 1) x layers x
   (window + 1) x query heads x head dim` in the model's dtype, on the device (`cache/capture.py`);
 - the **page summaries** recall scores host pages with (`kernels/page_scores.py`): per page of `page` host
-  columns, the per-channel min and max key (`minmax`, the default) or the mean key (`mean`), `[pages,
-  layers, KV heads, head dim]` each, in the KV dtype, on the device; built for the columns the host tier
+  columns, the per-channel min and max key, `[pages, layers, KV heads, head dim]` each, in the KV dtype, on the device; built for the columns the host tier
   holds, so at most about `columns / page` pages (plus one partial page per branch).
 
 `--kv-host-gib` is turned into columns here (`columns_for_bytes`). Under tensor parallelism each rank

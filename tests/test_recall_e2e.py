@@ -293,10 +293,9 @@ def test_host_cap_drops_the_least_recently_used_branch(recall_server: Server):
 
 def test_a_failure_inside_recall_leaves_the_turn_as_without_recall(recall_server: Server):
     """`test_recall_fault` (SnapKV, test-only) fails inside each turn's recall: at the first layer of its
-    prefill over both tiers, once computed and before it replaces SGLang's output (with `prefill` `swap`:
-    right after a swap that moved entries, which is undone); recall is then off for that request, the
-    failure is counted and logged, and the session runs token for token as with recall off (same KV, so
-    the same tokens), turn after turn. The server keeps recalling for everyone else, and nothing leaks."""
+    prefill over both tiers, once computed and before it replaces SGLang's output; recall is then off for
+    that request, the failure is counted and logged, and the session runs token for token as with recall
+    off (same KV, so the same tokens), turn after turn. The server keeps recalling for everyone else, and nothing leaks."""
     turns = [FACT, *fillers(61, 3), "What is the vault code? Answer with the number only."]
     faulty = {"policy": "test_recall_fault", "budget": BUDGET, "config": {"scope": "branch"}}
     failures0 = host_state(recall_server)["recall_failures"]

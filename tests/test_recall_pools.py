@@ -125,11 +125,11 @@ def _reference_swaps(
 ) -> list[list[set]]:
     """Which host columns each (layer, head) should hold on the device after recall, by plain loops:
     the last `w` window queries score (the largest probability any of them gives), and a host entry ranks
-    by the best score of its page. Paged (`summary` on and more pages than a recall fetches): only the
+    by the best score of its page. Paged (`summary` "minmax" and more pages than a recall fetches): only the
     columns of the best pages by their summary's score are candidates (a partial last page is padded
     with its last column, which takes part in the softmax but is never chosen). A chosen entry's page
-    scores at least `floor` (`--kv-recall-config` `min_score`). `append` > 0: the `append` best come back
-    whatever they beat (`--kv-recall-config` `append`)."""
+    scores at least `floor` (`recall_core.MIN_SCORE`). `append` > 0: the `append` best come back
+    whatever they beat (the turn's append)."""
     kv_len = req.kv.kv_committed_len
     slots = p.r2t.req_to_token[0, :kv_len].long()
     n_sink = min(s.policy.config.sinks, s.slot_map.comp_slots)

@@ -360,7 +360,7 @@ class KvEvictRadixCache(RadixCache):
         return mine
 
     def _path_positions(self, path: list[TreeNode]) -> torch.Tensor | None:
-        """`[L, H, slots]` logical positions held along a matched path (`st.tracks_positions`)."""
+        """`[L, H, slots]` logical positions held along a matched path (KVEVICT_DEBUG)."""
         rt = self.ctx.rt
         if rt is None:
             return None

@@ -108,7 +108,7 @@ def _after_extend_alloc(ctx: KvEvictContext | None, reqs: list, offs: list[int])
             continue
         s.after_extend = True
         s.recall.due = s.recall.tokens > 0
-        s.recall.append_due = s.recall.tokens > 0 and ctx.settings.recall.append == "on"
+        s.recall.append_due = s.recall.tokens > 0
         s.recall.steps = 0
         needs_window = "attn" in s.policy.needs or s.recall.tokens > 0
         if needs_window and not capture.ensure(ctx, row, s.policy.config.window, r.prefix_len):
