@@ -351,3 +351,27 @@ def test_demotion_records_each_entrys_logical_position_after_a_shared_prefix(
                 want = _kvq(int(pos[layer, h, j]))[0][layer, h]
                 assert torch.allclose(keys[j, h], want), (layer, h, j, int(pos[layer, h, j]))
     s.recall.drop_host(rank.tree.ctx.host)
+
+
+def test_own_region_copies_a_tree_held_history_into_own_slots() -> None:
+    """A request whose region still sits in the tree (its compression did not fire: a short question
+    turn) gets its own copy before a recall writes into it: new slots with the same K and V, the tree's
+    copy untouched, and the allocator short by exactly the copy (a failure inside the copy once leaked
+    the slots it had taken)."""
+    rank = Rank(slice(0, 4))
+    req = _start(rank, "lagkv", {"lag": 16}, share_prompt=True)
+    s = st.get(req)
+    assert req.kv.cache_protected_len == PROMPT > s.slot_map.anchor_kv  # the tree holds the region
+    before = rank.r2t.req_to_token[0, :PROMPT].clone().long()
+    keys = [rank.kv.get_key_buffer(layer)[before].clone() for layer in range(L)]
+    free0, tree0 = rank.alloc.available_size(), _tree_keys(rank.tree)
+    assert compressor.own_region(req, s)
+    after = rank.r2t.req_to_token[0, :PROMPT].long()
+    assert not set(after.tolist()) & set(before.tolist())  # the request's own slots now
+    assert rank.alloc.available_size() == free0 - PROMPT
+    assert _tree_keys(rank.tree) == tree0
+    for layer in range(L):
+        assert torch.equal(rank.kv.get_key_buffer(layer)[after], keys[layer])
+        assert torch.equal(rank.kv.get_key_buffer(layer)[before], keys[layer])
+    assert compressor.own_region(req, s)  # already its own: nothing more is copied
+    assert rank.alloc.available_size() == free0 - PROMPT

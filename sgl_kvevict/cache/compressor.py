@@ -315,7 +315,7 @@ def own_region(req: Any, s: st.ReqState, upto: int | None = None) -> bool:
         dense_k=[rt.k_buffer(layer)[slots] for layer in range(rt.n_layers)],
         dense_v=[rt.v_buffer(layer)[slots] for layer in range(rt.n_layers)],
     )
-    return _write(req, s, plan, int(kv.cache_protected_len), [])
+    return _write(req, s, plan, int(kv.cache_protected_len), None)
 
 
 def _staged_stats(stats: torch.Tensor, plan: Plan) -> torch.Tensor:
