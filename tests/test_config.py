@@ -311,6 +311,44 @@ def test_parse_min_budget_rejects(text):
         parse_min_budget(text)
 
 
+# -- a flag's value is checked by its field --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "words"),
+    [
+        ("--kv-recall-tokens", "4097", ["4097 out of range", "[0, 4096]"]),
+        ("--kv-recall-tokens", -1, ["out of range", "[0, 4096]"]),
+        ("--kv-recall-tokens", True, ["must be an integer in [0, 4096]", "True"]),
+        ("--kv-recall-tokens", 2.0, ["must be an integer in [0, 4096]"]),
+        ("--kv-recall-tokens", "5.0", ["must be an integer in [0, 4096]"]),
+        ("--kv-host-tokens", 0, ["out of range", "[1, 2097152]"]),
+        ("--kv-host-gib", float("nan"), ["out of range", "[0.001, 4096.0]"]),
+        ("--kv-host-gib", "lots", ["must be a number in [0.001, 4096.0]"]),
+        ("--kv-host-gib", False, ["must be a number"]),
+        ("--kv-compress-step-tokens", "1e9", ["must be an integer in [1, 16777216]"]),
+    ],
+)
+def test_a_number_flag_is_checked_by_its_field(flag: str, value, words: list[str]):
+    """A number flag's type and bounds are its field's, checked by pydantic (strictly: no bool, no 2.0
+    for 2); the refusal names the range, as the command line and `sgl.Engine` report it."""
+    from sgl_kvevict.config import FLAG
+
+    with pytest.raises(ValueError) as e:
+        FLAG[flag].coerce(value)
+    for word in words:
+        assert word in str(e.value), str(e.value)
+
+
+def test_a_number_flag_takes_its_fields_values():
+    from sgl_kvevict.config import FLAG
+
+    assert FLAG["--kv-recall-tokens"].parse(" 8 ") == 8
+    gib = FLAG["--kv-host-gib"].coerce(1)
+    assert gib == 1.0 and type(gib) is float
+    assert FLAG["--kv-compress-step-tokens"].coerce(1 << 24) == 1 << 24
+
+
 # -- the flag tables of docs/usage.md are the models' ------------------------------------------------
 
 

@@ -6,27 +6,21 @@ so `--help`, the docs' tables (checked by tests/test_settings_docs.py) and the c
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
-from typing import Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
 from sgl_kvevict import policies
+from sgl_kvevict.config.base import first_error
 from sgl_kvevict.config.budget import parse_budget
 from sgl_kvevict.config.policy import KvConfig
 from sgl_kvevict.config.server import ServerSettings
 from sgl_kvevict.policies import short
 from sgl_kvevict.policies.base import PolicyConfig
-
-
-def _bounds(info: FieldInfo) -> tuple[Any, Any]:
-    lo = hi = None
-    for m in info.metadata:
-        lo = getattr(m, "ge", None) if getattr(m, "ge", None) is not None else lo
-        hi = getattr(m, "le", None) if getattr(m, "le", None) is not None else hi
-    return lo, hi
 
 
 def interval(info: FieldInfo) -> str:
@@ -56,11 +50,8 @@ def _json_object(text: str) -> dict[str, Any]:
     return val
 
 
-def _first_error(e: ValidationError) -> str:
-    err = e.errors()[0]
-    loc = ".".join(str(x) for x in err["loc"])
-    msg = str(err["msg"]).removeprefix("Value error, ")
-    return f"{short(loc, 40).strip(chr(39))}: {msg}" if loc else msg
+# pydantic's error types for a number outside a field's bounds (NaN, which no bound admits, among them)
+_BOUND_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal"})
 
 
 @dataclass(frozen=True)
@@ -144,37 +135,45 @@ class Flag:
             bits.append(f"in {self.range}")
         return "; ".join(b for b in bits if b)
 
+    @functools.cached_property
+    def validator(self) -> TypeAdapter[Any]:
+        """The field's own type and bounds (`Field(ge=..., le=...)`), to check a number flag's value with."""
+        return TypeAdapter(Annotated[(self.info.annotation, *self.info.metadata)])
+
+    def is_off(self, value: Any) -> bool:
+        """`off`: the one text a JSON-object flag takes besides JSON (`--kv-overrides off`)."""
+        return self.nested is not None and isinstance(value, str) and value.strip() == "off"
+
+    def wanted(self, got: Any) -> str:
+        """Why a value of the wrong type is refused: the type and the range it must have."""
+        kind = "a number" if self.is_float else "an integer"
+        return f"must be {kind} in {self.range}, got {short(got)}"
+
     def parse(self, text: str) -> Any:
         """A command-line value -> the field's value. Raises ValueError naming the range or choices."""
-        nested, kind = self.nested, self.extra.get("parse")
-        if kind == "budget":
+        if self.extra.get("parse") == "budget":
             return parse_budget(text)
         if self.choices is not None:
             if text not in self.choices:
                 raise ValueError(f"invalid choice: {short(text)}; valid choices: {', '.join(self.choices)}")
             return text
-        if nested is not None or self.info.annotation == dict[str, Any]:
-            obj: Any = text.strip() if nested is not None and text.strip() == "off" else _json_object(text)
-            return self.coerce(obj)
-        lo, hi = _bounds(self.info)
-        if self.is_float:
-            try:
-                num = float(text.strip())
-            except ValueError:
-                raise ValueError(f"must be a number in [{lo}, {hi}], got {short(text)}") from None
-            return self.coerce(num)
+        if self.nested is not None or self.info.annotation == dict[str, Any]:
+            return self.coerce(text.strip() if self.is_off(text) else _json_object(text))
         try:
-            val = int(text.strip())
+            num = (float if self.is_float else int)(text.strip())
         except ValueError:
-            raise ValueError(f"must be an integer in [{lo}, {hi}], got {short(text)}") from None
-        return self.coerce(val)
+            raise ValueError(self.wanted(text)) from None
+        return self.coerce(num)
 
     def coerce(self, value: Any) -> Any:
-        """A Python value (an `sgl.Engine` keyword, or a parsed flag) -> the field's value, checked."""
-        if isinstance(value, str) and not (self.nested is not None and value.strip() == "off"):
+        """A Python value (an `sgl.Engine` keyword, or a parsed flag) -> the field's value, checked by the
+        field itself (a number strictly: no bool, no 2.0 for 2); the error names the range or choices."""
+        if isinstance(value, str) and not self.is_off(value):
             return self.parse(value)
         if self.extra.get("parse") == "budget":
             return parse_budget(value)
+        if self.choices is not None:
+            return self.parse(repr(value))
         nested = self.nested
         if nested is not None:
             if isinstance(value, nested):
@@ -187,25 +186,17 @@ class Flag:
                 key = e.errors()[0]["loc"][:1]
                 sub = key[0] if key and key[0] in nested.model_fields else None
                 rng = Flag(str(sub), nested, str(sub)).range if sub else ""
-                raise ValueError(_first_error(e) + (f" (valid: {rng})" if rng else "")) from None
+                raise ValueError(first_error(e) + (f" (valid: {rng})" if rng else "")) from None
         if self.info.annotation == dict[str, Any]:
             if not isinstance(value, dict):
                 raise ValueError(f"must be a JSON object, got {type(value).__name__}")
             return value
-        if self.choices is not None:
-            return self.parse(str(value)) if not isinstance(value, bool) else self.parse(repr(value))
-        lo, hi = _bounds(self.info)
-        if self.is_float:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-                raise ValueError(f"must be a number in [{lo}, {hi}], got {short(value)}")
-            if not lo <= value <= hi:
-                raise ValueError(f"{short(value)} out of range: must be in [{lo}, {hi}]")
-            return float(value)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"must be an integer in [{lo}, {hi}], got {short(value)}")
-        if not lo <= value <= hi:
-            raise ValueError(f"{short(value)} out of range: must be in [{lo}, {hi}]")
-        return value
+        try:
+            return self.validator.validate_python(value, strict=True)
+        except ValidationError as e:
+            if e.errors()[0]["type"] in _BOUND_ERRORS:
+                raise ValueError(f"{short(value)} out of range: must be in {self.range}") from None
+            raise ValueError(self.wanted(value)) from None
 
 
 def _flags() -> tuple[Flag, ...]:

@@ -8,13 +8,13 @@ fields and its `ServerArgs` is a frozen-schema msgspec struct).
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
 
 from sgl_kvevict import policies
+from sgl_kvevict.config.base import Published
 from sgl_kvevict.config.budget import (
     DEFAULT_BUDGET,
     MAX_BUDGET_TOKENS,
@@ -29,10 +29,10 @@ ENV_VAR = "KVEVICT_SERVER_CONFIG"
 MAX_CAPTURE = 4096  # bound on the capture buffer's window and slots (the buffer is their product)
 
 
-class KvConfig(BaseModel):
+class KvConfig(Published):
     """Which policy compresses a request, with what budget and policy config."""
 
-    model_config = ConfigDict(extra="forbid")
+    ENV: ClassVar[str] = ENV_VAR
 
     policy: str = Field(
         "none",
@@ -112,9 +112,6 @@ class KvConfig(BaseModel):
         if isinstance(self.budget, int):
             return self.budget
         return max(0, int(round(self.budget * suffix_tokens)) - always_kept)
-
-    def to_env(self) -> str:
-        return self.model_dump_json()
 
     @property
     def active(self) -> bool:
@@ -217,7 +214,4 @@ class OverridePolicy(BaseModel):
 
 def server_config() -> KvConfig:
     """The server-wide config in this process (from the launcher's environment)."""
-    raw = os.environ.get(ENV_VAR)
-    if not raw:
-        return KvConfig()
-    return KvConfig.model_validate(json.loads(raw))
+    return KvConfig.from_env(os.environ.get(ENV_VAR))

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from sgl_kvevict import policies
+from pydantic import ValidationError
+
+from sgl_kvevict.config.base import first_error
 from sgl_kvevict.config.budget import spelling
 from sgl_kvevict.config.policy import KvConfig
 from sgl_kvevict.config.server import ServerSettings, server_settings
@@ -105,14 +107,9 @@ def request_override(
     try:
         cfg = KvConfig.model_validate(merged)
         cfg.build()
-    except policies.PolicyConfigError as e:
-        raise ValueError(f"custom_params.{REQUEST_KEY}: {e}") from None
-    except Exception as e:  # pydantic ValidationError
-        errs = getattr(e, "errors", None)
-        if errs:
-            err = errs()[0]
-            loc = short(".".join(str(x) for x in err["loc"]), 60).strip("'\"")
-            raise ValueError(f"custom_params.{REQUEST_KEY}.{loc}: {err['msg']}") from None
+    except ValidationError as e:
+        raise ValueError(first_error(e, f"custom_params.{REQUEST_KEY}")) from None
+    except Exception as e:  # PolicyConfigError, or whatever a policy's build raises: HTTP 400, never 500
         raise ValueError(f"custom_params.{REQUEST_KEY}: {e}") from None
     _check_operator_rules(raw, cfg, base, settings)
     return cfg

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from sgl_kvevict.config.base import Published
 from sgl_kvevict.config.policy import MAX_CAPTURE, OverridePolicy
 from sgl_kvevict.config.recall import (
     DEFAULT_HOST_TOKENS,
@@ -27,11 +29,11 @@ MAX_STEP_TOKENS = 1 << 24
 DEFAULT_CAPTURE_SLOTS = 128  # capture slots when --max-running-requests is not given
 
 
-class ServerSettings(BaseModel):
+class ServerSettings(Published):
     """Server-wide settings known to every process (HTTP and scheduler); the fields with a `flag` are the
     launcher's flags (see `FLAGS`), the others are derived at start."""
 
-    model_config = ConfigDict(extra="forbid")
+    ENV: ClassVar[str] = SETTINGS_ENV_VAR
 
     overrides: OverridePolicy = Field(
         default_factory=OverridePolicy,
@@ -97,9 +99,6 @@ class ServerSettings(BaseModel):
         json_schema_extra={"flag": "--kv-recall-config"},
     )
 
-    def to_env(self) -> str:
-        return self.model_dump_json()
-
 
 def server_settings() -> ServerSettings:
     """The operator's override rules in this process (from the launcher's environment; parsed once per
@@ -109,4 +108,4 @@ def server_settings() -> ServerSettings:
 
 @functools.lru_cache(maxsize=8)
 def _settings_from(raw: str | None) -> ServerSettings:
-    return ServerSettings.model_validate_json(raw) if raw else ServerSettings()
+    return ServerSettings.from_env(raw)
