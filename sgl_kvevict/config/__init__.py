@@ -1,10 +1,12 @@
 """User-facing configuration: the server-wide KV policy, the server's settings and the per-request
 override, all validated by pydantic models. One module per concern:
 
+- `base.py`: what the models share: their trip through the environment, one error line;
 - `budget.py`: how a budget is written (`parse_budget`, `spelling`, `parse_min_budget`);
 - `policy.py`: the policy a request runs (`KvConfig`) and what a request may override (`OverridePolicy`);
 - `recall.py`: the host tier's bounds and measured defaults, and recall's knobs (`RecallTuning`);
-- `server.py`: the settings every process shares (`ServerSettings`);
+- `server.py`: the settings every process shares (`ServerSettings`), and the server as the launcher
+  starts it (`Launch`), whose validators are the rules that relate two settings;
 - `request.py`: a request's own config, judged by the operator's rules (`request_override`);
 - `flags.py`: the launcher's flags and `sgl.Engine`'s keywords, made from the models' fields (`FLAGS`).
 
@@ -13,6 +15,7 @@ Server-wide settings travel from the launcher to SGLang's other processes in the
 `custom_params={"kvevict": {"policy": ..., "budget": ..., "config": {...}}}`.
 """
 
+from sgl_kvevict.config.base import first_error
 from sgl_kvevict.config.budget import (
     DEFAULT_BUDGET,
     MAX_BUDGET_TOKENS,
@@ -47,7 +50,9 @@ from sgl_kvevict.config.server import (
     DEFAULT_CAPTURE_SLOTS,
     MAX_STEP_TOKENS,
     SETTINGS_ENV_VAR,
+    Launch,
     ServerSettings,
+    capture_needed,
     server_settings,
 )
 
@@ -81,9 +86,12 @@ __all__ = [
     "SETTINGS_ENV_VAR",
     "Flag",
     "KvConfig",
+    "Launch",
     "OverridePolicy",
     "RecallTuning",
     "ServerSettings",
+    "capture_needed",
+    "first_error",
     "interval",
     "parse_budget",
     "parse_min_budget",

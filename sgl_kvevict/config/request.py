@@ -60,13 +60,11 @@ def _check_operator_rules(
             f"custom_params.{REQUEST_KEY}.recall_tokens: {cfg.recall_tokens} is above this server's "
             f"{settings.recall_tokens} (--kv-recall-tokens)"
         )
-    if settings.quantization and cfg.active:
-        pol = cfg.build()
-        if "o_proj" in pol.needs:
-            raise ValueError(
-                f"custom_params.{REQUEST_KEY}.policy: {cfg.policy!r} reads o_proj's weights, which are "
-                f"quantized on this server ({settings.quantization})"
-            )
+    if settings.quantized_o_proj(cfg):
+        raise ValueError(
+            f"custom_params.{REQUEST_KEY}.policy: {cfg.policy!r} reads o_proj's weights, which are "
+            f"quantized on this server ({settings.quantization})"
+        )
 
 
 def request_override(
