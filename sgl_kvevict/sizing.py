@@ -29,8 +29,8 @@ from sgl_kvevict.config import (
     DEFAULT_HOST_TOKENS,
     DEFAULT_RECALL_PAGE,
     MAX_HOST_TOKENS,
-    PolicyConfig,
 )
+from sgl_kvevict.policies.base import PolicyConfig
 
 GIB = 1 << 30
 MIB = 1 << 20

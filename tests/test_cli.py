@@ -182,6 +182,10 @@ def check_in_process(monkeypatch, capsys, args: list[str], model: str = MISSING_
             ],
             ["--kv-overrides max_window 32", "window 48"],
         ),
+        (  # the buffer's bound: once published and refused only by the scheduler's settings
+            ["--kv-policy", "snapkv", "--kv-policy-config", '{"window": 5000, "recent": 5000}'],
+            ["--kv-policy-config", "window 5000", "4096"],
+        ),
         (
             ["--kv-policy", "snapkv", "--kv-overrides", '{"max_window": 0}'],
             ["--kv-overrides", "max_window", "greater than or equal to 1"],
@@ -349,8 +353,7 @@ def test_supported_model_configs_pass_the_check():
     ],
 )
 def test_capture_buffer_only_when_a_request_may_capture(policy: str, overrides: dict, capture: bool) -> None:
-    from sgl_kvevict.config import KvConfig, OverridePolicy, ServerSettings
-    from sgl_kvevict.serve.plugin import capture_needed
+    from sgl_kvevict.config import KvConfig, OverridePolicy, ServerSettings, capture_needed
 
     cfg = KvConfig.model_validate({"policy": policy, "budget": 0.5})
     settings = ServerSettings(overrides=OverridePolicy(**overrides))

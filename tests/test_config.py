@@ -311,6 +311,166 @@ def test_parse_min_budget_rejects(text):
         parse_min_budget(text)
 
 
+# -- the rules that relate two settings: Launch's validators --------------------------------------------
+
+
+def _launch(policy: str = "snapkv", config: dict | None = None, scope=None, running=None, **settings):
+    """The server as the launcher validates it: the flags given, as the plugin hands them over."""
+    from sgl_kvevict.config import Launch
+
+    kv = {"policy": policy, "config": config or {}}
+    return Launch.model_validate(
+        {"kv": kv, "settings": settings, "scope": scope, "max_running_requests": running}
+    )
+
+
+def _refused(*words: str, **kw) -> None:
+    """`_launch(**kw)` is refused with one line holding every word (what the start prints, exit 2)."""
+    from pydantic import ValidationError
+
+    from sgl_kvevict.config import first_error
+
+    with pytest.raises(ValidationError) as e:
+        _launch(**kw)
+    line = first_error(e.value)
+    for word in words:
+        assert word in line, line
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "flag"),
+    [
+        ("host_tokens", 16384, "--kv-host-tokens"),
+        ("host_gib", 1.0, "--kv-host-gib"),
+        ("recall", {}, "--kv-recall-config"),
+    ],
+)
+def test_host_tier_settings_need_recall(field: str, value, flag: str):
+    """A host-tier setting given without the tier is refused, even at its default (it would do nothing);
+    with the tier on it is taken. The published settings carry every field and still read back."""
+    _refused(flag, "--kv-recall-tokens N (N >= 1)", **{field: value})
+    _refused(flag, "--kv-recall-tokens", recall_tokens=0, **{field: value})
+    got = _launch(recall_tokens=8, **{field: value}).settings
+    assert ServerSettings.from_env(got.to_env()) == got
+    assert ServerSettings.from_env(ServerSettings().to_env()) == ServerSettings()
+
+
+def test_one_host_size():
+    _refused("--kv-host-gib and --kv-host-tokens", "give one", recall_tokens=8, host_gib=1.0, host_tokens=64)
+    assert _launch(recall_tokens=8, host_gib=1.0).settings.host_gib == 1.0
+
+
+@pytest.mark.parametrize(
+    ("kw", "want"),
+    [
+        ({"scope": "branch"}, {"scope": "branch"}),
+        ({"config": {"scope": "branch"}}, {"scope": "branch"}),
+        ({"scope": "branch", "config": {"scope": "branch"}}, {"scope": "branch"}),
+        ({"scope": "request"}, {}),  # the policy's default, written as no scope
+        ({"recall_tokens": 8}, {"scope": "branch"}),  # a server that recalls: branch by default
+        ({"recall_tokens": 8, "scope": "request"}, {}),
+        ({"recall_tokens": 8, "config": {"scope": "request"}}, {"scope": "request"}),
+        ({}, {}),
+    ],
+)
+def test_scope_is_one_field_with_a_default_for_recall(kw: dict, want: dict):
+    assert _launch(**kw).kv.config == want
+
+
+def test_scope_given_twice_must_agree():
+    _refused(
+        "argument --kv-scope", "'request'", "'branch'", "once", scope="request", config={"scope": "branch"}
+    )
+
+
+def test_policy_config_is_checked_with_its_scope():
+    _refused("argument --kv-policy-config", "'window' (64)", "'recent' (32)", config={"window": 64})
+    _refused("argument --kv-policy-config", "scope", policy="lagkv", config={"scope": "tree"})
+
+
+def test_recall_needs_a_compressing_policy():
+    _refused("--kv-recall-tokens", "give --kv-policy", policy="none", recall_tokens=8)
+    assert _launch(policy="none").kv.config == {}  # no recall: nothing to default
+
+
+def test_quantized_o_proj_refuses_the_policy_that_reads_it():
+    _refused(
+        "--kv-policy criticalkv",
+        "o_proj",
+        "--quantization fp8",
+        policy="criticalkv",
+        quantization="--quantization fp8",
+    )
+    assert _launch(policy="snapkv", quantization="--quantization fp8").settings.quantization
+    assert _launch(policy="criticalkv").kv.policy == "criticalkv"
+
+
+@pytest.mark.parametrize(
+    ("kw", "window", "slots"),
+    [
+        ({"policy": "lagkv", "overrides": {"enabled": False}}, None, 128),  # no request may capture
+        ({"policy": "lagkv"}, 32, 128),  # an override may name snapkv (default window 32)
+        ({"config": {"window": 48, "recent": 64}}, 48, 128),
+        ({"policy": "h2o", "overrides": {"max_window": 64}, "running": 8}, 64, 8),
+        ({"policy": "h2o", "running": 100000}, 32, 4096),  # capped: MAX_CAPTURE
+        ({"policy": "lagkv", "overrides": {"enabled": False}, "recall_tokens": 8}, 32, 128),  # recall scores
+        ({"policy": "none"}, None, 128),
+    ],
+)
+def test_capture_buffer_is_sized_at_start(kw: dict, window, slots):
+    got = _launch(**kw).settings
+    assert (got.capture_window, got.capture_slots) == (window, slots)
+
+
+def test_capture_buffer_holds_the_server_policys_window():
+    _refused(
+        "--kv-overrides max_window 32",
+        "window 48",
+        config={"window": 48, "recent": 64},
+        overrides={"max_window": 32},
+    )
+    # above the buffer's bound: refused at start, not published for the scheduler to refuse
+    _refused("--kv-policy-config window 5000", "4096", config={"window": 5000, "recent": 5000})
+
+
+# -- a flag's value is checked by its field --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "words"),
+    [
+        ("--kv-recall-tokens", "4097", ["4097 out of range", "[0, 4096]"]),
+        ("--kv-recall-tokens", -1, ["out of range", "[0, 4096]"]),
+        ("--kv-recall-tokens", True, ["must be an integer in [0, 4096]", "True"]),
+        ("--kv-recall-tokens", 2.0, ["must be an integer in [0, 4096]"]),
+        ("--kv-recall-tokens", "5.0", ["must be an integer in [0, 4096]"]),
+        ("--kv-host-tokens", 0, ["out of range", "[1, 2097152]"]),
+        ("--kv-host-gib", float("nan"), ["out of range", "[0.001, 4096.0]"]),
+        ("--kv-host-gib", "lots", ["must be a number in [0.001, 4096.0]"]),
+        ("--kv-host-gib", False, ["must be a number"]),
+        ("--kv-compress-step-tokens", "1e9", ["must be an integer in [1, 16777216]"]),
+    ],
+)
+def test_a_number_flag_is_checked_by_its_field(flag: str, value, words: list[str]):
+    """A number flag's type and bounds are its field's, checked by pydantic (strictly: no bool, no 2.0
+    for 2); the refusal names the range, as the command line and `sgl.Engine` report it."""
+    from sgl_kvevict.config import FLAG
+
+    with pytest.raises(ValueError) as e:
+        FLAG[flag].coerce(value)
+    for word in words:
+        assert word in str(e.value), str(e.value)
+
+
+def test_a_number_flag_takes_its_fields_values():
+    from sgl_kvevict.config import FLAG
+
+    assert FLAG["--kv-recall-tokens"].parse(" 8 ") == 8
+    gib = FLAG["--kv-host-gib"].coerce(1)
+    assert gib == 1.0 and type(gib) is float
+    assert FLAG["--kv-compress-step-tokens"].coerce(1 << 24) == 1 << 24
+
+
 # -- the flag tables of docs/usage.md are the models' ------------------------------------------------
 
 

@@ -15,27 +15,26 @@ import importlib
 import logging
 import os
 import sys
+from typing import Any
 
+from pydantic import BaseModel, ValidationError
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sgl_kvevict import policies, sizing
+from sgl_kvevict import sizing
 from sgl_kvevict.config import (
-    DEFAULT_CAPTURE_SLOTS,
-    ENV_VAR,
     FLAG,
     FLAGS,
-    MAX_CAPTURE,
     REQUEST_KEY,
-    SETTINGS_ENV_VAR,
     Flag,
     KvConfig,
+    Launch,
     ServerSettings,
+    first_error,
     request_override,
     server_config,
     spelling,
 )
 from sgl_kvevict.cpu_compat import bf16_linear
-from sgl_kvevict.policies.base import PolicyConfig
 from sgl_kvevict.serve import modelcheck
 
 logger = logging.getLogger("sgl_kvevict")
@@ -104,39 +103,6 @@ def _given(ns: argparse.Namespace, flag: str):
     return getattr(ns, FLAG[flag].dest, None)
 
 
-def _kv_config(ns: argparse.Namespace, policy: str, recalls: bool) -> KvConfig:
-    """`--kv-policy`, `--kv-budget`, `--kv-scope`, `--kv-policy-config` -> the server's config.
-
-    The scope may come from `--kv-scope` or from `--kv-policy-config '{"scope": ...}'` (the spelling a
-    request uses); given both ways, they must agree (exit 2 otherwise). Given neither way, it is `branch`
-    on a server that recalls (`recalls`): one budget caps a conversation's whole history, and what an
-    earlier turn lost comes back from the host when a later turn asks for it."""
-    conf = dict(_given(ns, "--kv-policy-config") or {})
-    scope = _given(ns, "--kv-scope")
-    if scope is None and "scope" not in conf and recalls:
-        conf["scope"] = "branch"
-    if scope is not None:
-        if conf.get("scope", scope) != scope:
-            _fail(
-                f"argument --kv-scope: {scope!r} contradicts --kv-policy-config's scope "
-                f"{conf['scope']!r}: give the scope once"
-            )
-        if scope != PolicyConfig.model_fields["scope"].default:
-            conf["scope"] = scope
-    cfg_kwargs: dict = {"policy": policy, "config": conf}
-    budget = _given(ns, "--kv-budget")
-    if budget is not None:
-        cfg_kwargs["budget"] = spelling(budget)
-    try:
-        cfg = KvConfig.model_validate(cfg_kwargs)
-        cfg.build()
-    except policies.PolicyConfigError as e:
-        _fail(f"argument --kv-policy-config: {e}")
-    except ValueError as e:
-        _fail(f"argument --kv-policy: {e}")
-    return cfg
-
-
 def from_cli_args(cls, ns: argparse.Namespace, *args, **kwargs):
     """BEFORE ServerArgs.from_cli_args: validate, publish to child processes, pick our radix cache. A
     refused value ends the launch with argparse's exit 2 and the reason."""
@@ -155,14 +121,11 @@ def _apply(ns: argparse.Namespace) -> None:
     pick our radix cache. Raises FlagError naming what is refused."""
     policy = ns.kv_policy or FLAG["--kv-policy"].default
     model_cfg = _model_config(ns)
-    settings = _server_settings(ns, model_cfg)
-    cfg = _kv_config(ns, policy, recalls=settings.recall_tokens > 0 and policy != "none")
-    os.environ[ENV_VAR] = cfg.to_env()
-    if cfg.active:
-        settings = _capture_settings(ns, cfg, settings)
-    if settings.recall_tokens and not cfg.active:
-        _fail("--kv-recall-tokens recalls what a compressing policy evicted: give --kv-policy too")
-    os.environ[SETTINGS_ENV_VAR] = settings.to_env()
+    launch = _launch(ns, policy, model_cfg)
+    cfg, settings = launch.kv, launch.settings
+    _check_host_bytes(ns, settings, model_cfg)
+    cfg.publish()
+    settings.publish()
     if cfg.active:
         current = getattr(ns, "radix_cache_backend", None)
         if current not in (None, BACKEND_NAME):
@@ -170,11 +133,36 @@ def _apply(ns: argparse.Namespace) -> None:
         if getattr(ns, "disable_radix_cache", False):
             _fail(f"--kv-policy {policy} needs the radix cache: drop --disable-radix-cache")
         ns.radix_cache_backend = BACKEND_NAME
-        _restrict_features(ns, cfg, settings, model_cfg)
+        _restrict_features(ns, cfg, model_cfg)
         for dest in _BACKEND_FLAGS:
             why = backend_refusal(policy, getattr(ns, dest, None), f"--{dest.replace('_', '-')}")
             if why:
                 _fail(why)
+
+
+def _fields_given(ns: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:
+    """`model`'s fields whose flags `ns` gives, by field name."""
+    return {f.field: _given(ns, f.name) for f in FLAGS if f.model is model and _given(ns, f.name) is not None}
+
+
+def _launch(ns: argparse.Namespace, policy: str, model_cfg: dict | None) -> Launch:
+    """The flags given in `ns`, and what SGLang's own say, validated together (`config.Launch`, whose
+    validators are the rules that relate two settings). Raises FlagError with the first refusal."""
+    kv = {**_fields_given(ns, KvConfig), "policy": policy}
+    if "budget" in kv:
+        kv["budget"] = spelling(kv["budget"])  # one token is {"tokens": 1}: a bare 1 is refused
+    settings = {**_fields_given(ns, ServerSettings), "quantization": _quantization(ns, model_cfg)}
+    try:
+        return Launch.model_validate(
+            {
+                "kv": kv,
+                "settings": settings,
+                "scope": _given(ns, "--kv-scope"),
+                "max_running_requests": getattr(ns, "max_running_requests", None),
+            }
+        )
+    except ValidationError as e:
+        raise FlagError(first_error(e)) from None
 
 
 def backend_refusal(policy: str, backend: str | None, source: str) -> str | None:
@@ -237,83 +225,34 @@ def _model_config(ns: argparse.Namespace) -> dict | None:
         return None
 
 
-def _server_settings(ns: argparse.Namespace, model_cfg: dict | None) -> ServerSettings:
-    """The `ServerSettings` fields given as flags, plus the weights' quantization."""
-    given = {}
-    for flag in FLAGS:
-        if flag.model is ServerSettings and _given(ns, flag.name) is not None:
-            given[flag.field] = _given(ns, flag.name)
-    if not given.get("recall_tokens"):
-        for name in ("--kv-host-tokens", "--kv-host-gib", "--kv-recall-config"):
-            if _given(ns, name) is not None:
-                _fail(f"{name} shapes the host tier, which is on only with --kv-recall-tokens N (N >= 1)")
-    if given.get("host_gib") is not None:
-        if _given(ns, "--kv-host-tokens") is not None:
-            _fail("--kv-host-gib and --kv-host-tokens both size the host tier: give one")
-        if model_cfg is not None:  # estimated from config.json; the scheduler converts with the exact shape
-            try:
-                shape = sizing.shape_of(
-                    model_cfg, getattr(ns, "tp_size", 1) or 1, getattr(ns, "kv_cache_dtype", None)
-                )
-            except (KeyError, TypeError, ValueError):
-                shape = None  # an unusual config.json: the scheduler still checks
-            if shape is not None:
-                try:
-                    sizing.columns_for_bytes(given["host_gib"] * sizing.GIB, shape)
-                except ValueError as e:
-                    _fail(f"argument {e}")
-    quant = None
+def _check_host_bytes(ns: argparse.Namespace, settings: ServerSettings, model_cfg: dict | None) -> None:
+    """`--kv-host-gib` in columns of this model (estimated from config.json; the scheduler converts with
+    the exact shape): a size under one column or above the column bound is refused now."""
+    if settings.host_gib is None or model_cfg is None:
+        return
+    try:
+        shape = sizing.shape_of(
+            model_cfg, getattr(ns, "tp_size", 1) or 1, getattr(ns, "kv_cache_dtype", None)
+        )
+    except (KeyError, TypeError, ValueError):
+        return  # an unusual config.json: the scheduler still checks
+    try:
+        sizing.columns_for_bytes(settings.host_gib * sizing.GIB, shape)
+    except ValueError as e:
+        _fail(f"argument {e}")
+
+
+def _quantization(ns: argparse.Namespace, model_cfg: dict | None) -> str | None:
+    """How the weights are quantized, said as the flag or the checkpoint says it; None when they are not."""
     for flag in ("quantization", "modelopt_quant"):
         if getattr(ns, flag, None):
-            quant = f"--{flag.replace('_', '-')} {getattr(ns, flag)}"
-            break
-    if quant is None and model_cfg is not None and modelcheck.quantization(model_cfg):
-        quant = f"the checkpoint's quantization_config: {modelcheck.quantization(model_cfg)}"
-    return ServerSettings(quantization=quant, **given)
+            return f"--{flag.replace('_', '-')} {getattr(ns, flag)}"
+    if model_cfg is not None and modelcheck.quantization(model_cfg):
+        return f"the checkpoint's quantization_config: {modelcheck.quantization(model_cfg)}"
+    return None
 
 
-def _capture_settings(ns: argparse.Namespace, cfg: KvConfig, settings: ServerSettings) -> ServerSettings:
-    """The window-query buffer's size when some request may capture (see `capture`), else none.
-
-    Its window is the server policy's (at least the default 32), or the operator's `--kv-overrides`
-    `max_window`; its slots are `--max-running-requests` (every running request can capture), else 128."""
-    if not capture_needed(cfg, settings):
-        return settings
-    pol = cfg.build()
-    own = pol.config.window if "attn" in pol.needs or settings.recall_tokens else 0
-    window = settings.overrides.max_window
-    if window is None:
-        window = max(own, PolicyConfig.model_fields["window"].default)
-    elif own > window:
-        _fail(f"--kv-overrides max_window {window} is below the server policy's window {own}")
-    running = getattr(ns, "max_running_requests", None)
-    slots = min(int(running), MAX_CAPTURE) if running else DEFAULT_CAPTURE_SLOTS
-    return settings.model_copy(update={"capture_window": window, "capture_slots": slots})
-
-
-def capture_needed(cfg: KvConfig, settings: ServerSettings) -> bool:
-    """Whether some request of this server may capture window queries (so it allocates the buffer).
-
-    Attention-free policies (streaming, knorm, lagkv, a refiner over lagkv) never capture. A request
-    override could ask for an attention-based policy, so overrides count too: the buffer is left out
-    only when none can ask for one (any may, when `--kv-overrides` names no `policies`; a refiner's
-    base may be attention-based). CUDA graphs stay on either way (the capture is graph-safe)."""
-    if "attn" in cfg.build().needs or settings.recall_tokens > 0:  # recall scores with the window too
-        return True
-    if not settings.overrides.enabled:
-        return False
-    names = settings.overrides.policies
-    if names is None:
-        return True
-    return any(
-        "attn" in policies.REGISTRY[n].needs or issubclass(policies.REGISTRY[n], policies.Refiner)
-        for n in names
-    )
-
-
-def _restrict_features(
-    ns: argparse.Namespace, cfg: KvConfig, settings: ServerSettings, model_cfg: dict | None
-) -> None:
+def _restrict_features(ns: argparse.Namespace, cfg: KvConfig, model_cfg: dict | None) -> None:
     """Features that do not compose with per-request compaction: refuse or switch off, saying why."""
     policy = cfg.policy
     if getattr(ns, "page_size", None) not in (None, 1):
@@ -329,11 +268,6 @@ def _restrict_features(
         _fail(
             f"--kv-policy {policy} does not support pipeline parallelism (--pp-size {ns.pp_size}): "
             "compression runs over all layers of one rank"
-        )
-    if settings.quantization and "o_proj" in cfg.build().needs:
-        _fail(
-            f"--kv-policy {policy} reads o_proj's weights, which are quantized "
-            f"({settings.quantization}); use another policy or an unquantized model"
         )
     if model_cfg is not None:
         why = modelcheck.refusal(model_cfg)

@@ -1,0 +1,54 @@
+"""The host tier and recall: its bounds, its measured defaults and its tuning knobs (`RecallTuning`).
+
+`--kv-recall-tokens` turns the tier on, `--kv-host-tokens` / `--kv-host-gib` size it and `--kv-recall-config`
+tunes it; every default here was measured (the comments say where).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_RECALL_TOKENS = 4096  # bound on --kv-recall-tokens and a request's recall_tokens (per layer and head)
+MAX_HOST_TOKENS = 1 << 21  # bound on --kv-host-tokens (host columns)
+MIN_HOST_GIB, MAX_HOST_GIB = 0.001, 4096.0  # bounds on --kv-host-gib (per rank; then checked in columns too)
+DEFAULT_HOST_TOKENS = 16384
+MAX_RECALL_PAGE = 256  # bound on the recall page (host columns per page)
+MAX_RECALL_EVERY = 4096  # bound on recall every (decode steps)
+DEFAULT_RECALL_PAGE = 8
+# Every decode step recalls by its own query: on the recall suite's client-composed history it answered
+# 10-11 of 12 where recall at each turn's start only answered 4-7 (docs/benchmarks.md, "Host tier and recall").
+DEFAULT_RECALL_EVERY = 1
+# A decode step recalls only in the (layer, KV head) pairs whose induction score reaches this
+# (`cache/host_tier/retrieval_heads.py`): SmolLM2-135M has 10 of 90, and recalling in them alone answered within
+# one of recalling in every head, per policy, on the long recall scenario, for 1.08x decode, not 1.36x (measured).
+DEFAULT_RECALL_HEAD_SCORE = 0.1
+
+
+class RecallTuning(BaseModel):
+    """The host tier's tuning knobs: the `--kv-recall-config` setting (each has a measured default)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    page: int = Field(
+        DEFAULT_RECALL_PAGE,
+        ge=1,
+        le=MAX_RECALL_PAGE,
+        description="host columns per recall page: an entry is ranked by the best entry of its page, so a "
+        "recall brings an attended token's neighbours with it",
+    )
+    every: int = Field(
+        DEFAULT_RECALL_EVERY,
+        ge=1,
+        le=MAX_RECALL_EVERY,
+        description="decode steps between recalls, each by its step's own query inside the step's forward "
+        "(eager decode; where a CUDA graph replays the step, after its compression instead)",
+    )
+    head_score: float = Field(
+        DEFAULT_RECALL_HEAD_SCORE,
+        ge=0.0,
+        le=1.0,
+        allow_inf_nan=False,
+        description="a decode step recalls only in the model's retrieval heads: the (layer, KV head) pairs "
+        "whose induction score (the attention a repeated token gives what followed its first occurrence, "
+        "measured once per model) is at least this; 0: every head",
+    )
