@@ -393,8 +393,8 @@ class Recall:
         return cls(req, s, m, tokens, lo, hi, r, row_slots, cols, sums, n_sel, dbg)
 
     def layer(self, layer: int, q: torch.Tensor) -> None:
-        """Score and exchange (or append) at `layer` with queries `q` `[Hq, w, D]` (they are the
-        row's last `w` entries; else every key precedes them)."""
+        """Score and exchange (or append) at `layer` with queries `q` `[Hq, w, D]`, the row's last `w`
+        entries (each sees the host entries and the row up to itself)."""
         rt, pool = self.s.ctx.rt, self.s.ctx.host
         dev = self.row_slots.device
         heads = torch.arange(pool.heads, device=pool.k.device).unsqueeze(-1)
