@@ -108,6 +108,21 @@ def table(rows: dict[str, dict[str, Any]], families: list[str], f1_families: set
     return head + "\n".join(lines) + "\n"
 
 
+def norecall_spec(policy: str) -> str:
+    """The spec of `policy`'s run without recall: a variant of its own (`d2o#nomerge` -> `d2o#nomerge-norecall`)."""
+    return f"{policy}-norecall" if "#" in policy else f"{policy}#norecall"
+
+
+def policy_configs(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """`--policy-config` by policy or variant, and each policy's run without recall: its own config plus
+    `recall_tokens: 0` per request."""
+    given: dict[str, dict[str, Any]] = json.loads(a.policy_config)
+    out = dict(given)
+    for pol in a.policies.split(","):
+        out[norecall_spec(pol)] = {**given.get(pol, {}), "recall_tokens": 0}
+    return out
+
+
 def replay_cfg(a: argparse.Namespace, family: str, url: str, out: Path, policies: list[str]) -> Any:
     scenario, sizes = FAMILIES[family]
     return replay.BenchConfig(
@@ -118,7 +133,7 @@ def replay_cfg(a: argparse.Namespace, family: str, url: str, out: Path, policies
         concurrency=a.concurrency,
         max_new_tokens=a.max_new_tokens,
         policies=policies,
-        policy_configs={f"{p}#norecall": {"recall_tokens": 0} for p in a.policies.split(",")},
+        policy_configs=policy_configs(a),
         budgets=[0.5],  # unused: every spec names its budget
         server_mode="url",
         url=url,
@@ -145,6 +160,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="store_false",
         help="skip each policy's run without recall",
     )
+    p.add_argument(
+        "--policy-config",
+        default="{}",
+        help='JSON: config per policy or variant, e.g. \'{"d2o#nomerge": {"merge": false}}\' with '
+        "--policies d2o,d2o#nomerge",
+    )
     p.add_argument("--sessions", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--concurrency", type=int, default=4)
@@ -167,6 +188,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         p.error("--fractions are shares of the context in (0, 1)")
     for pol in a.policies.split(","):
         replay.parse_spec(pol)  # exits naming the valid policies
+    try:
+        given = json.loads(a.policy_config)
+    except json.JSONDecodeError as e:
+        p.error(f"--policy-config is not JSON: {e}")
+    if not isinstance(given, dict) or not all(isinstance(v, dict) for v in given.values()):
+        p.error(
+            '--policy-config maps a policy or variant to its config, e.g. {"d2o#nomerge": {"merge": false}}'
+        )
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: dict[str, dict[str, Any]] = {"none": {}}
@@ -198,7 +227,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for pol in a.policies.split(","):
                     specs.append((f"{pol} {frac:.0%}", f"{pol}@branch={b}"))
                     if a.norecall:
-                        specs.append((f"{pol} {frac:.0%} no recall", f"{pol}#norecall@branch={b}"))
+                        specs.append((f"{pol} {frac:.0%} no recall", f"{norecall_spec(pol)}@branch={b}"))
             print(f"[suite] {fam}: context {context}, {len(specs)} runs", file=sys.stderr)
             res = replay.main(replay_cfg(a, fam, url, out / fam / "runs", [s for _, s in specs]))
             for (name, _), run in zip(specs, res["runs"], strict=True):

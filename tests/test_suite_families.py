@@ -3,6 +3,7 @@ without a server: what each family plants, where, and what it asks."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import recall_suite  # noqa: E402
+import replay  # noqa: E402
 
 from sgl_kvevict.scenarios import build, chatloop, locomo  # noqa: E402
 from sgl_kvevict.scenarios.base import ScenarioConfig  # noqa: E402
@@ -133,3 +135,21 @@ def test_suite_refuses_unknown_family(capsys) -> None:
     with pytest.raises(SystemExit) as e:
         recall_suite.main(["--families", "composed,nope"])
     assert e.value.code == 2 and "valid: recall-code" in capsys.readouterr().err
+
+
+def test_suite_runs_a_variant_without_recall_under_its_own_config(capsys) -> None:
+    """`d2o#nomerge` keeps its `merge: false` in its run without recall (a spec of its own)."""
+    args = ["--policies", "d2o,d2o#nomerge", "--policy-config", '{"d2o#nomerge": {"merge": false}}']
+    a = argparse.Namespace(policies=args[1], policy_config=args[3])
+    cfgs = recall_suite.policy_configs(a)
+    assert cfgs["d2o#norecall"] == {"recall_tokens": 0}
+    assert cfgs["d2o#nomerge-norecall"] == {"merge": False, "recall_tokens": 0}
+    spec = replay.parse_spec(recall_suite.norecall_spec("d2o#nomerge") + "@branch=100")
+    assert replay.policy_config(replay.BenchConfig(policy_configs=cfgs), spec) == {
+        "merge": False,
+        "recall_tokens": 0,
+        "scope": "branch",
+    }
+    with pytest.raises(SystemExit) as e:
+        recall_suite.main(["--families", "composed", "--policy-config", "[1]"])
+    assert e.value.code == 2 and "maps a policy or variant" in capsys.readouterr().err
