@@ -25,8 +25,9 @@ docs/benchmarks.md says which families reach it):
 
 Cells: answered / sessions (F1 x 100 for `locomo`) beside the full cache's, then the device KV while
 answering as a percent of the context. The memory-pressure replay is `benchmarks/replay.py`'s own
-command (docs/benchmarks.md). Writes `suite.json` and `suite.md` under `--out`, one replay folder per
-family and run beside them.
+command (docs/benchmarks.md). Writes `suite.json` and `suite.md` under `--out`, and one replay folder
+per run under its family's (`composed/none`, `composed/snapkv-18pct`, ...); `--resume` reads back the
+finished ones instead of running them again, so a cut-off suite continues where it stopped.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def replay_cfg(a: argparse.Namespace, family: str, url: str, out: Path, policies
         budgets=[0.5],  # unused: every spec names its budget
         server_mode="url",
         url=url,
-        baseline=policies == ["none"],
+        baseline=policies == ["none"],  # one spec per replay
         score="none",
         stream=False,
         max_total_tokens=a.max_total_tokens,
@@ -145,7 +146,26 @@ def replay_cfg(a: argparse.Namespace, family: str, url: str, out: Path, policies
     )
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def run_folder(name: str) -> str:
+    """A run's folder under its family's: `snapkv 18% no recall` -> `snapkv-18pct-no-recall`."""
+    return name.replace("%", "pct").replace(" ", "-").replace("#", "-")
+
+
+def run_one(a: argparse.Namespace, family: str, url: str, out: Path, spec: str, what: str) -> dict[str, Any]:
+    """One replay of `spec` on `family` into `out`; with `--resume`, a finished one already there is read
+    back instead (same spec and sessions, not partial)."""
+    done = out / "replay.json"
+    if a.resume and done.exists():
+        old = json.loads(done.read_text())
+        cfg = old["config"]
+        if not old.get("partial") and cfg["policies"] == [spec] and cfg["scenario"]["sessions"] == a.sessions:
+            print(f"[suite] {family}: {what}: reusing {done}", file=sys.stderr)
+            return old["runs"][0]
+    print(f"[suite] {family}: {what}", file=sys.stderr)
+    return replay.main(replay_cfg(a, family, url, out, [spec]))["runs"][0]
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog=__doc__,
@@ -176,6 +196,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--url", help="a running server with the host tier on (else one is started here)")
     p.add_argument("--server-arg", action="append", default=[], help="extra server flag (FLAG=VALUE)")
     p.add_argument("--out", default="results/recall-suite")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="reuse each finished run already under --out (same family and spec) instead of running it",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = parser()
     a = p.parse_args(argv)
     families = a.families.split(",")
     bad = [f for f in families if f not in FAMILIES]
@@ -216,8 +246,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             args += [x for arg in a.server_arg for x in arg.split("=", 1)]
             url = stack.enter_context(Server(args, log_path=out / "server.log", timeout=900)).url
         for fam in families:
-            print(f"[suite] {fam}: full cache", file=sys.stderr)
-            full = replay.main(replay_cfg(a, fam, url, out / fam / "none", ["none"]))["runs"][0]
+            full = run_one(a, fam, url, out / fam / "none", "none", "full cache")
             context = round(statistics.median(t["prompt_tokens"] for t in question_turns(full)))
             base = score(full)
             rows["none"][fam] = {"score": base, "full": base, "device": 1.0, "context": context}
@@ -229,8 +258,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     if a.norecall:
                         specs.append((f"{pol} {frac:.0%} no recall", f"{norecall_spec(pol)}@branch={b}"))
             print(f"[suite] {fam}: context {context}, {len(specs)} runs", file=sys.stderr)
-            res = replay.main(replay_cfg(a, fam, url, out / fam / "runs", [s for _, s in specs]))
-            for (name, _), run in zip(specs, res["runs"], strict=True):
+            for i, (name, spec) in enumerate(specs, 1):
+                run = run_one(a, fam, url, out / fam / run_folder(name), spec, f"{i}/{len(specs)} {name}")
                 rows.setdefault(name, {})[fam] = {
                     "score": score(run),
                     "full": base,

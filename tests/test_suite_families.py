@@ -153,3 +153,31 @@ def test_suite_runs_a_variant_without_recall_under_its_own_config(capsys) -> Non
     with pytest.raises(SystemExit) as e:
         recall_suite.main(["--families", "composed", "--policy-config", "[1]"])
     assert e.value.code == 2 and "maps a policy or variant" in capsys.readouterr().err
+
+
+def test_suite_resume_reads_back_a_finished_run_only(tmp_path, monkeypatch) -> None:
+    """`--resume` reuses a finished replay of the same spec and sessions; a partial one, or another spec's,
+    runs again."""
+    ran: list[str] = []
+
+    def fake_main(cfg):  # the replay itself needs a server: only which runs would start is checked here
+        ran.append(cfg.policies[0])
+        return {"runs": [{"label": "new"}]}
+
+    monkeypatch.setattr(recall_suite.replay, "main", fake_main)
+    a = recall_suite.parser().parse_args(["--resume", "--policies", "snapkv"])
+    folder = tmp_path / recall_suite.run_folder("snapkv 18% no recall")
+    assert folder.name == "snapkv-18pct-no-recall"
+    folder.mkdir()
+    spec = "snapkv#norecall@branch=100"
+    saved = {
+        "config": {"policies": [spec], "scenario": {"sessions": 12}},
+        "partial": False,
+        "runs": [{"label": "old"}],
+    }
+    (folder / "replay.json").write_text(json.dumps(saved))
+    assert recall_suite.run_one(a, "composed", "http://x", folder, spec, "t")["label"] == "old" and not ran
+    assert recall_suite.run_one(a, "composed", "http://x", folder, "snapkv@branch=100", "t")["label"] == "new"
+    (folder / "replay.json").write_text(json.dumps({**saved, "partial": True}))
+    assert recall_suite.run_one(a, "composed", "http://x", folder, spec, "t")["label"] == "new"
+    assert ran == ["snapkv@branch=100", spec]
