@@ -138,7 +138,7 @@ def replay_cfg(a: argparse.Namespace, family: str, url: str, out: Path, policies
         budgets=[0.5],  # unused: every spec names its budget
         server_mode="url",
         url=url,
-        baseline=policies == ["none"],  # one spec per replay
+        baseline=policies == ["none"],
         score="none",
         stream=False,
         max_total_tokens=a.max_total_tokens,
