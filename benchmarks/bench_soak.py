@@ -85,9 +85,12 @@ class Conv:
 class Client:
     """Builds requests and runs them against one server; thread-safe."""
 
-    def __init__(self, url: str, seed: int, max_prompt: int = 1200, overrides: bool = True) -> None:
+    def __init__(
+        self, url: str, seed: int, max_prompt: int = 1200, overrides: bool = True, scope: str | None = None
+    ) -> None:
         self.url = url
         self.overrides = overrides  # False: no `custom_params` (a stock `--kv-policy none` server)
+        self.scope = scope  # every compressing request's scope ("branch": the host tier demotes and recalls)
         self.rng = random.Random(seed)
         self.tok = AutoTokenizer.from_pretrained(default_model_path())
         self.max_prompt = max_prompt
@@ -119,6 +122,8 @@ class Client:
                 if policy != "none":
                     kv["budget"] = r.choice(BUDGETS)
                     kv["config"] = r.choice(CONFIGS.get(policy, [{}]))
+                    if self.scope is not None:
+                        kv["config"] = {**kv["config"], "scope": self.scope}
                 text = log_text(self.tok, r.randrange(30, self.max_prompt), r.randrange(1 << 30))
                 messages = [{"role": "user", "content": text + "\nWhat happened last?"}]
             return {

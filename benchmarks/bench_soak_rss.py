@@ -11,6 +11,9 @@ scheduler process's RSS is sampled. Variants:
 - `d2o-malloc`: as `d2o` with glibc's allocator bounded: `MALLOC_ARENA_MAX=2` and a fixed
   `MALLOC_MMAP_THRESHOLD_` (blocks of 1 MiB and up are mmapped and unmapped when freed).
 - `stock-malloc`: as `stock` with the same allocator bound.
+- `d2o-recall`: as `d2o` with the host tier on (`--kv-recall-tokens 64`, a 20,000-column host pool) and
+  every compressing request in branch scope, so evictions are demoted and later turns recall; after the
+  final flush the host tier must be empty (`host_used_after_flush` 0).
 
 Writes `rss.csv`, `rss.png` (if matplotlib imports), `rss.json` and the printed table to `--out`.
 
@@ -28,6 +31,7 @@ import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 import requests
@@ -39,11 +43,22 @@ from sgl_kvevict.serve.serverproc import Server  # noqa: E402
 
 MALLOC_BOUND = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 POLICY_ARGS = ["--kv-policy", "d2o", "--kv-budget", "256"]
-VARIANTS: dict[str, tuple[list[str], dict[str, str], bool]] = {  # server args, env, per-request overrides
-    "stock": (["--kv-policy", "none"], {}, False),
-    "d2o": (POLICY_ARGS, {}, True),
-    "d2o-malloc": (POLICY_ARGS, MALLOC_BOUND, True),
-    "stock-malloc": (["--kv-policy", "none"], MALLOC_BOUND, False),
+HOST_ARGS = ["--kv-recall-tokens", "64", "--kv-host-tokens", "20000"]
+
+
+class Variant(NamedTuple):
+    args: list[str]  # the server's flags
+    env: dict[str, str]
+    overrides: bool  # the soak's per-request policies (`custom_params`)
+    scope: str | None = None  # every compressing request's scope
+
+
+VARIANTS: dict[str, Variant] = {
+    "stock": Variant(["--kv-policy", "none"], {}, False),
+    "d2o": Variant(POLICY_ARGS, {}, True),
+    "d2o-malloc": Variant(POLICY_ARGS, MALLOC_BOUND, True),
+    "stock-malloc": Variant(["--kv-policy", "none"], MALLOC_BOUND, False),
+    "d2o-recall": Variant(POLICY_ARGS + HOST_ARGS, {}, True, "branch"),
 }
 
 
@@ -139,7 +154,7 @@ def soak(names: list[str], args: argparse.Namespace, rows: list[dict], summary: 
     with ExitStack() as stack:
         servers, clients, scheds, nxt, secs = {}, {}, {}, {}, {}
         for name in names:
-            srv_args, env, _ = VARIANTS[name]
+            srv_args, env = VARIANTS[name].args, VARIANTS[name].env
             srv = Server(
                 ["--max-total-tokens", str(args.max_total_tokens), *srv_args],
                 env={**CHECKED_ENV, **env},
@@ -150,10 +165,11 @@ def soak(names: list[str], args: argparse.Namespace, rows: list[dict], summary: 
             scheds[name] = scheduler(srv.proc.pid)
             summary[name] = {"args": srv_args, "env": env, "rss_mib_start": mem(scheds[name])["rss_mib"]}
         for name in names:  # warm-up: its own seed, not sampled
-            warm = Client(servers[name].url, args.seed + 1, args.max_prompt, VARIANTS[name][2])
+            v = VARIANTS[name]
+            warm = Client(servers[name].url, args.seed + 1, args.max_prompt, v.overrides, v.scope)
             drive(warm, 0, args.warmup, args.concurrency)
             summary[name]["warmup_errors"] = warm.stats.errors
-            clients[name] = Client(servers[name].url, args.seed, args.max_prompt, VARIANTS[name][2])
+            clients[name] = Client(servers[name].url, args.seed, args.max_prompt, v.overrides, v.scope)
             nxt[name], secs[name] = 0, 0.0
             rows.append(
                 {
@@ -196,6 +212,7 @@ def soak(names: list[str], args: argparse.Namespace, rows: list[dict], summary: 
                 pool_whole_after_flush=pool["available_tokens"] == pool["max_total_tokens"]
                 if "available_tokens" in pool
                 else None,
+                host_after_flush=pool.get("host"),  # the host tier's totals (None without one)
                 sched_end_before_flush=before,
                 sched_end_after_flush=mem(scheds[name]),
                 server_alive=servers[name].alive(),
@@ -210,7 +227,8 @@ def write(out: Path, rows: list[dict], summary: dict, names: list[str], argv: di
         w.writerows(rows)
     lines = [
         f"{'variant':<13} {'requests':>8} {'s/req':>6} {'after warm-up':>13} {'end':>7} {'growth':>7} "
-        f"{'%':>6} {'2nd half':>8} {'flushed':>7} {'threads':>7}  (scheduler RSS, MiB)"
+        f"{'%':>6} {'2nd half':>8} {'flushed':>7} {'threads':>7} {'host':>6}  (scheduler RSS, MiB; host: "
+        "columns in use after the flush)"
     ]
     for name in names:
         rs = [r for r in rows if r["variant"] == name]
@@ -222,7 +240,8 @@ def write(out: Path, rows: list[dict], summary: dict, names: list[str], argv: di
         lines.append(
             f"{name:<13} {n:>8} {s['seconds'] / max(n, 1):>6.2f} {base:>13.0f} {end:>7.0f} {end - base:>+7.0f} "
             f"{100 * (end - base) / base:>+5.1f}% {end - mid:>+8.0f} "
-            f"{s['sched_end_after_flush']['rss_mib']:>7.0f} {rs[-1]['threads']:>7}"
+            f"{s['sched_end_after_flush']['rss_mib']:>7.0f} {rs[-1]['threads']:>7} "
+            f"{(s.get('host_after_flush') or {}).get('host_used', '-'):>6}"
         )
     table = "\n".join(lines)
     print(table)

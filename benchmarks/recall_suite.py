@@ -25,8 +25,9 @@ docs/benchmarks.md says which families reach it):
 
 Cells: answered / sessions (F1 x 100 for `locomo`) beside the full cache's, then the device KV while
 answering as a percent of the context. The memory-pressure replay is `benchmarks/replay.py`'s own
-command (docs/benchmarks.md). Writes `suite.json` and `suite.md` under `--out`, one replay folder per
-family and run beside them.
+command (docs/benchmarks.md). Writes `suite.json` and `suite.md` under `--out`, and one replay folder
+per run under its family's (`composed/none`, `composed/snapkv-18pct`, ...); `--resume` reads back the
+finished ones instead of running them again, so a cut-off suite continues where it stopped.
 """
 
 from __future__ import annotations
@@ -108,6 +109,21 @@ def table(rows: dict[str, dict[str, Any]], families: list[str], f1_families: set
     return head + "\n".join(lines) + "\n"
 
 
+def norecall_spec(policy: str) -> str:
+    """The spec of `policy`'s run without recall: a variant of its own (`d2o#nomerge` -> `d2o#nomerge-norecall`)."""
+    return f"{policy}-norecall" if "#" in policy else f"{policy}#norecall"
+
+
+def policy_configs(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """`--policy-config` by policy or variant, and each policy's run without recall: its own config plus
+    `recall_tokens: 0` per request."""
+    given: dict[str, dict[str, Any]] = json.loads(a.policy_config)
+    out = dict(given)
+    for pol in a.policies.split(","):
+        out[norecall_spec(pol)] = {**given.get(pol, {}), "recall_tokens": 0}
+    return out
+
+
 def replay_cfg(a: argparse.Namespace, family: str, url: str, out: Path, policies: list[str]) -> Any:
     scenario, sizes = FAMILIES[family]
     return replay.BenchConfig(
@@ -118,7 +134,7 @@ def replay_cfg(a: argparse.Namespace, family: str, url: str, out: Path, policies
         concurrency=a.concurrency,
         max_new_tokens=a.max_new_tokens,
         policies=policies,
-        policy_configs={f"{p}#norecall": {"recall_tokens": 0} for p in a.policies.split(",")},
+        policy_configs=policy_configs(a),
         budgets=[0.5],  # unused: every spec names its budget
         server_mode="url",
         url=url,
@@ -130,7 +146,26 @@ def replay_cfg(a: argparse.Namespace, family: str, url: str, out: Path, policies
     )
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def run_folder(name: str) -> str:
+    """A run's folder under its family's: `snapkv 18% no recall` -> `snapkv-18pct-no-recall`."""
+    return name.replace("%", "pct").replace(" ", "-").replace("#", "-")
+
+
+def run_one(a: argparse.Namespace, family: str, url: str, out: Path, spec: str, what: str) -> dict[str, Any]:
+    """One replay of `spec` on `family` into `out`; with `--resume`, a finished one already there is read
+    back instead (same spec and sessions, not partial)."""
+    done = out / "replay.json"
+    if a.resume and done.exists():
+        old = json.loads(done.read_text())
+        cfg = old["config"]
+        if not old.get("partial") and cfg["policies"] == [spec] and cfg["scenario"]["sessions"] == a.sessions:
+            print(f"[suite] {family}: {what}: reusing {done}", file=sys.stderr)
+            return old["runs"][0]
+    print(f"[suite] {family}: {what}", file=sys.stderr)
+    return replay.main(replay_cfg(a, family, url, out, [spec]))["runs"][0]
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog=__doc__,
@@ -145,6 +180,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="store_false",
         help="skip each policy's run without recall",
     )
+    p.add_argument(
+        "--policy-config",
+        default="{}",
+        help='JSON: config per policy or variant, e.g. \'{"d2o#nomerge": {"merge": false}}\' with '
+        "--policies d2o,d2o#nomerge",
+    )
     p.add_argument("--sessions", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--concurrency", type=int, default=4)
@@ -155,6 +196,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--url", help="a running server with the host tier on (else one is started here)")
     p.add_argument("--server-arg", action="append", default=[], help="extra server flag (FLAG=VALUE)")
     p.add_argument("--out", default="results/recall-suite")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="reuse each finished run already under --out (same family and spec) instead of running it",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = parser()
     a = p.parse_args(argv)
     families = a.families.split(",")
     bad = [f for f in families if f not in FAMILIES]
@@ -167,6 +218,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         p.error("--fractions are shares of the context in (0, 1)")
     for pol in a.policies.split(","):
         replay.parse_spec(pol)  # exits naming the valid policies
+    try:
+        given = json.loads(a.policy_config)
+    except json.JSONDecodeError as e:
+        p.error(f"--policy-config is not JSON: {e}")
+    if not isinstance(given, dict) or not all(isinstance(v, dict) for v in given.values()):
+        p.error(
+            '--policy-config maps a policy or variant to its config, e.g. {"d2o#nomerge": {"merge": false}}'
+        )
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: dict[str, dict[str, Any]] = {"none": {}}
@@ -187,8 +246,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             args += [x for arg in a.server_arg for x in arg.split("=", 1)]
             url = stack.enter_context(Server(args, log_path=out / "server.log", timeout=900)).url
         for fam in families:
-            print(f"[suite] {fam}: full cache", file=sys.stderr)
-            full = replay.main(replay_cfg(a, fam, url, out / fam / "none", ["none"]))["runs"][0]
+            full = run_one(a, fam, url, out / fam / "none", "none", "full cache")
             context = round(statistics.median(t["prompt_tokens"] for t in question_turns(full)))
             base = score(full)
             rows["none"][fam] = {"score": base, "full": base, "device": 1.0, "context": context}
@@ -198,10 +256,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for pol in a.policies.split(","):
                     specs.append((f"{pol} {frac:.0%}", f"{pol}@branch={b}"))
                     if a.norecall:
-                        specs.append((f"{pol} {frac:.0%} no recall", f"{pol}#norecall@branch={b}"))
+                        specs.append((f"{pol} {frac:.0%} no recall", f"{norecall_spec(pol)}@branch={b}"))
             print(f"[suite] {fam}: context {context}, {len(specs)} runs", file=sys.stderr)
-            res = replay.main(replay_cfg(a, fam, url, out / fam / "runs", [s for _, s in specs]))
-            for (name, _), run in zip(specs, res["runs"], strict=True):
+            for i, (name, spec) in enumerate(specs, 1):
+                run = run_one(a, fam, url, out / fam / run_folder(name), spec, f"{i}/{len(specs)} {name}")
                 rows.setdefault(name, {})[fam] = {
                     "score": score(run),
                     "full": base,

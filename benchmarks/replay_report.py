@@ -63,7 +63,9 @@ def summarize(run: dict, base: dict | None, pool: int) -> dict[str, Any]:
     cached = sum(t["cached_tokens"] for t in turns)
     kv = final_kv(turns)
     kv_mean = mean(list(kv.values()))
-    recall = [t["correct"] for t in turns if t.get("expect") is not None]
+    # answers checked against an expected value; a dataset scored by token F1 (LoCoMo) has `f1` instead
+    recall = [t["correct"] for t in turns if t.get("expect") is not None and t.get("correct") is not None]
+    f1s = [t["f1"] for t in turns if t.get("f1") is not None]
     out: dict[str, Any] = {
         "label": run["label"],
         "policy": run["policy"],
@@ -91,6 +93,7 @@ def summarize(run: dict, base: dict | None, pool: int) -> dict[str, Any]:
         else None,
         "recall_accuracy": mean([float(c) for c in recall]) if recall else None,
         "recall_n": len(recall),
+        "f1_mean": mean(f1s),
         "loglik_mean": mean([s["mean"] for s in run.get("scores", {}).values() if s]),
         "compressions": run.get("totals", {}).get("compressions"),
         "policy_failures": run.get("totals", {}).get("policy_failures"),

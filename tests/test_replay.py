@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import replay  # noqa: E402
-from replay_report import by_kind, final_kv  # noqa: E402
+from replay_report import by_kind, final_kv, summarize  # noqa: E402
 
 from sgl_kvevict.scenarios.base import ScenarioConfig  # noqa: E402
 
@@ -116,6 +116,19 @@ def test_recall_report_counts_answers_by_kind() -> None:
         {"expect": "952", "correct": False, "answer": None},
     ]
     assert by_kind(q) == ("codes 1/1, names 0/1, budgets 0/2", 1)
+
+
+def test_a_run_scored_by_f1_summarizes() -> None:
+    """A LoCoMo question has a reference and an F1, no expected value to check: it counts in `f1_mean`,
+    not in the answer count (the summary once failed on its `correct: None`)."""
+    turn = {"session": 0, "turn": 0, "branch": 0, "prompt_tokens": 10, "cached_tokens": 0, "ttft": 0.1}
+    turn |= {"decode_tps": 5.0, "completion_tokens": 4, "kv_tokens": 10, "answer": "a cat"}
+    f1_turns = [turn | {"expect": "cat", "correct": None, "f1": f} for f in (0.5, 1.0)]
+    checked = turn | {"turn": 1, "expect": "4161", "correct": True, "f1": None}
+    run = {"label": "none", "policy": "none", "budget": None, "turns": [*f1_turns, checked]}
+    run |= {"load": {}, "wall_seconds": 2.0}
+    out = summarize(run, None, 1000)
+    assert out["f1_mean"] == 0.75 and out["recall_accuracy"] == 1.0 and out["recall_n"] == 1
 
 
 def test_recall_question_as_a_fork() -> None:

@@ -3,6 +3,7 @@ without a server: what each family plants, where, and what it asks."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import recall_suite  # noqa: E402
+import replay  # noqa: E402
 
 from sgl_kvevict.scenarios import build, chatloop, locomo  # noqa: E402
 from sgl_kvevict.scenarios.base import ScenarioConfig  # noqa: E402
@@ -133,3 +135,49 @@ def test_suite_refuses_unknown_family(capsys) -> None:
     with pytest.raises(SystemExit) as e:
         recall_suite.main(["--families", "composed,nope"])
     assert e.value.code == 2 and "valid: recall-code" in capsys.readouterr().err
+
+
+def test_suite_runs_a_variant_without_recall_under_its_own_config(capsys) -> None:
+    """`d2o#nomerge` keeps its `merge: false` in its run without recall (a spec of its own)."""
+    args = ["--policies", "d2o,d2o#nomerge", "--policy-config", '{"d2o#nomerge": {"merge": false}}']
+    a = argparse.Namespace(policies=args[1], policy_config=args[3])
+    cfgs = recall_suite.policy_configs(a)
+    assert cfgs["d2o#norecall"] == {"recall_tokens": 0}
+    assert cfgs["d2o#nomerge-norecall"] == {"merge": False, "recall_tokens": 0}
+    spec = replay.parse_spec(recall_suite.norecall_spec("d2o#nomerge") + "@branch=100")
+    assert replay.policy_config(replay.BenchConfig(policy_configs=cfgs), spec) == {
+        "merge": False,
+        "recall_tokens": 0,
+        "scope": "branch",
+    }
+    with pytest.raises(SystemExit) as e:
+        recall_suite.main(["--families", "composed", "--policy-config", "[1]"])
+    assert e.value.code == 2 and "maps a policy or variant" in capsys.readouterr().err
+
+
+def test_suite_resume_reads_back_a_finished_run_only(tmp_path, monkeypatch) -> None:
+    """`--resume` reuses a finished replay of the same spec and sessions; a partial one, or another spec's,
+    runs again."""
+    ran: list[str] = []
+
+    def fake_main(cfg):  # the replay itself needs a server: only which runs would start is checked here
+        ran.append(cfg.policies[0])
+        return {"runs": [{"label": "new"}]}
+
+    monkeypatch.setattr(recall_suite.replay, "main", fake_main)
+    a = recall_suite.parser().parse_args(["--resume", "--policies", "snapkv"])
+    folder = tmp_path / recall_suite.run_folder("snapkv 18% no recall")
+    assert folder.name == "snapkv-18pct-no-recall"
+    folder.mkdir()
+    spec = "snapkv#norecall@branch=100"
+    saved = {
+        "config": {"policies": [spec], "scenario": {"sessions": 12}},
+        "partial": False,
+        "runs": [{"label": "old"}],
+    }
+    (folder / "replay.json").write_text(json.dumps(saved))
+    assert recall_suite.run_one(a, "composed", "http://x", folder, spec, "t")["label"] == "old" and not ran
+    assert recall_suite.run_one(a, "composed", "http://x", folder, "snapkv@branch=100", "t")["label"] == "new"
+    (folder / "replay.json").write_text(json.dumps({**saved, "partial": True}))
+    assert recall_suite.run_one(a, "composed", "http://x", folder, spec, "t")["label"] == "new"
+    assert ran == ["snapkv@branch=100", spec]
