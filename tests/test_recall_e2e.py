@@ -15,39 +15,15 @@ from sgl_kvevict.scenarios.base import ScenarioConfig
 from sgl_kvevict.serve.serverproc import Server
 from sgl_kvevict.tools.oracle import validate
 
-from .helpers import CHECKED_ENV, START_TIMEOUT, chat_ids, host_state, long_text, tokenizer
+from .helpers import RECALL_BUDGET, RECALL_HOST, RECALL_TOKENS, chat_ids, host_state, long_text, tokenizer
 from .test_cli import check_in_process
 
 pytestmark = pytest.mark.server
 
-BUDGET, RECALL, HOST = 64, 64, 1500
+# the server's flags: `conftest.recall_server`, shared with test_ops_e2e.py
+BUDGET, RECALL, HOST = RECALL_BUDGET, RECALL_TOKENS, RECALL_HOST
 SNAP = {"policy": "snapkv", "budget": BUDGET, "config": {"scope": "branch"}}
 FACT = "Remember this: the vault code is 4817."
-
-
-@pytest.fixture(scope="module")
-def recall_server():
-    srv = Server(
-        [
-            "--max-total-tokens",
-            "20000",
-            "--kv-policy",
-            "snapkv",
-            "--kv-budget",
-            str(BUDGET),
-            "--kv-policy-config",
-            '{"scope": "branch"}',
-            "--kv-recall-tokens",
-            str(RECALL),
-            "--kv-host-tokens",
-            str(HOST),
-        ],
-        env=CHECKED_ENV,
-        timeout=START_TIMEOUT,
-    )
-    with srv:
-        yield srv
-        assert srv.alive(), srv.tail()
 
 
 def _user(text: str) -> list[int]:
@@ -85,6 +61,7 @@ def fillers(seed: int, k: int = 4) -> list[str]:
 
 def test_budget_covering_the_context_is_token_identical(recall_server: Server):
     turns = [FACT, *fillers(3, 2), "What is the vault code? Answer with the number only."]
+    recall_server.flush()  # from an empty tree, whichever module used the shared server before
     big, _ = session(recall_server, {**SNAP, "budget": 100000}, turns, n=12)
     full, _ = session(recall_server, {"policy": "none"}, turns, n=12)
     assert [r["output_ids"] for r in big] == [r["output_ids"] for r in full]
