@@ -26,6 +26,9 @@ CHECKED_ENV = {
     "KVEVICT_LOAD": "sgl_kvevict.tools.testing:load",  # the test-only policies (tools/testing.py)
 }
 POOL = ["--max-total-tokens", "40000"]
+# `conftest.recall_server`'s host tier: snapkv's token budget, the entries per layer and KV head a turn
+# may recall, the host columns
+RECALL_BUDGET, RECALL_TOKENS, RECALL_HOST = 64, 64, 1500
 # One start limit for every test server. Readiness is polled (a crash surfaces at once): the long limit
 # only lets a loaded machine, where a start has taken over 300 s, finish starting.
 START_TIMEOUT = 1200

@@ -16,38 +16,14 @@ import requests
 from sgl_kvevict.serve import metrics as M
 from sgl_kvevict.serve.serverproc import Server
 
-from .helpers import CHECKED_ENV, START_TIMEOUT, host_state
+from .helpers import RECALL_BUDGET, host_state
 from .test_recall_e2e import FACT, fillers, session
 
 pytestmark = pytest.mark.server
 
-BUDGET, RECALL = 64, 64
+BUDGET = RECALL_BUDGET  # the server is `conftest.recall_server`, shared with test_recall_e2e.py
 SNAP = {"policy": "snapkv", "budget": BUDGET, "config": {"scope": "branch"}}
 QUESTION = "What is the vault code? Answer with the number only."
-
-
-@pytest.fixture(scope="module")
-def ops_server():
-    srv = Server(
-        [
-            "--max-total-tokens",
-            "20000",
-            "--kv-policy",
-            "snapkv",
-            "--kv-budget",
-            str(BUDGET),
-            "--kv-recall-tokens",
-            str(RECALL),
-            "--kv-host-tokens",
-            "1500",
-            "--enable-metrics",
-        ],
-        env=CHECKED_ENV,
-        timeout=START_TIMEOUT,
-    )
-    with srv:
-        yield srv
-        assert srv.alive(), srv.tail()
 
 
 def scrape(srv: Server) -> dict[str, float]:
@@ -63,11 +39,11 @@ def scrape(srv: Server) -> dict[str, float]:
     return out
 
 
-def test_host_tier_series_move_with_demotion_recall_and_failures(ops_server: Server):
+def test_host_tier_series_move_with_demotion_recall_and_failures(recall_server: Server):
     """A planted fact, three filler turns and the question under snapkv at 64 tokens, branch scope:
     evictions are demoted and the later turns recall; then the test-only `test_recall_fault` policy fails
     inside recall. Each host series on `/metrics` moves, and agrees with `/server_info`'s host totals."""
-    srv = ops_server
+    srv = recall_server
     host0 = host_state(srv)  # /server_info publishes the totals to /metrics first
     before = scrape(srv)
     for _, name, _ in (*M.HOST_COUNTERS, *M.HOST_GAUGES):
@@ -104,12 +80,12 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TURN = re.compile(r"^turn (\d+): (.*)$", re.M)
 
 
-def test_openai_example_runs_a_chat_with_its_own_policy(ops_server: Server):
+def test_openai_example_runs_a_chat_with_its_own_policy(recall_server: Server):
     """`examples/openai_chat.py` through the `openai` client: every turn reports the policy it asked for
     (h2o, not the server's snapkv), at its budget, evicts, and from the second turn reuses the compressed
     history the turn before stored."""
     out = subprocess.run(
-        [sys.executable, str(EXAMPLES / "openai_chat.py"), "--url", ops_server.url, "--policy", "h2o"]
+        [sys.executable, str(EXAMPLES / "openai_chat.py"), "--url", recall_server.url, "--policy", "h2o"]
         + ["--budget", "64", "--turns", "3", "--lines", "30", "--max-tokens", "16"],
         capture_output=True,
         text=True,
@@ -126,7 +102,7 @@ def test_openai_example_runs_a_chat_with_its_own_policy(ops_server: Server):
     assert out.stdout.count("meta_info.kvevict: {") == 3, out.stdout
 
 
-def test_replay_of_the_shipped_traffic_file_compares_with_none(ops_server: Server, tmp_path: Path):
+def test_replay_of_the_shipped_traffic_file_compares_with_none(recall_server: Server, tmp_path: Path):
     """The own-traffic replay of docs/usage.md, reduced (two conversations, two turns each, against the
     running server): it replays `examples/traffic.jsonl` under `none` and snapkv and reports, per run,
     KV held, speed and agreement with `none`'s answers."""
@@ -134,7 +110,7 @@ def test_replay_of_the_shipped_traffic_file_compares_with_none(ops_server: Serve
         [sys.executable, "benchmarks/replay.py", "--scenarios", "sharegpt"]
         + ["--scenario-path", str(EXAMPLES / "traffic.jsonl"), "--sessions", "2", "--turns", "2"]
         + ["--policies", "none,snapkv", "--budgets", "64", "--max-new-tokens", "8", "--concurrency", "2"]
-        + ["--server-mode", "url", "--url", ops_server.url, "--out", str(tmp_path)],
+        + ["--server-mode", "url", "--url", recall_server.url, "--out", str(tmp_path)],
         cwd=EXAMPLES.parent,
         capture_output=True,
         text=True,
