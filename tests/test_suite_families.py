@@ -53,18 +53,24 @@ def test_chatloop_filler_is_not_prose_and_the_fact_is_asked_last() -> None:
     assert kinds == {"Log excerpt", "Word list", "Code", "Tool output"}
 
 
-def test_multikey_plants_three_shapes_and_asks_each_position() -> None:
-    sc = build("multikey", ScenarioConfig(sessions=6, turns=12, filler_tokens=40))
+def test_multikey_plants_three_shapes_and_asks_each_shape_at_each_position() -> None:
+    sc = build("multikey", ScenarioConfig(sessions=9, turns=12, filler_tokens=40))
+    asked = set()
     for i, s in enumerate(sc.sessions):
         texts = [t.inputs[0].content for t in s.turns]
         plants = [k for k, x in enumerate(texts) if x.startswith("Remember this:")]
-        assert len(plants) == 3 and plants[0] == 0 and plants[1] < plants[2] < len(texts) - 2
-        asked = s.turns[-1].expect
-        where = [k for k in plants if asked in texts[k]]
+        history = len(texts) - 1
+        assert len(plants) == 3 and plants[0] == 0
+        assert history / 3 <= plants[1] < 2 * history / 3 <= plants[2] < history  # middle, last third
+        for k in plants:  # the client writes the reply to a plant: its value, never the model's echo
+            assert s.turns[k].reply and s.turns[k].reply.split(" is ")[1].rstrip(".") in texts[k]
+        value = s.turns[-1].expect
+        where = [k for k in plants if value in texts[k]]
         assert where == [plants[i % 3]]  # session i asks the i % 3-th planted fact
-    values = [s.turns[-1].expect for s in sc.sessions]
-    assert any(v.isdigit() for v in values) and any(" " in v for v in values)
-    assert any("-" in v for v in values)  # the multi-token identifier
+        assert texts[-1].startswith("Forget the notes.")
+        shape = "code" if value.isdigit() else "id" if "-" in value else "name"
+        asked.add((i % 3, shape))
+    assert len(asked) == 9  # nine sessions: every shape asked at every position
 
 
 def _fake_locomo(tmp: Path) -> Path:
