@@ -14,7 +14,7 @@ import pytest
 import torch
 from sglang.srt.managers.schedule_batch import ReqKvInfo
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -375,3 +375,59 @@ def test_own_region_copies_a_tree_held_history_into_own_slots() -> None:
         assert torch.equal(rank.kv.get_key_buffer(layer)[before], keys[layer])
     assert compressor.own_region(req, s)  # already its own: nothing more is copied
     assert rank.alloc.available_size() == free0 - PROMPT
+
+
+def _composed_turn(rank: Rank, n_tokens: int, config: dict) -> tuple[int, int]:
+    """One turn of a client-composed session (its prompt the session's first `n_tokens` tokens) as
+    SGLang serves a turn that finishes in its prefill step (one generated token): matched against the
+    tree, its new tokens prefilled, then released. Its one compression is the release's last one, which
+    runs before SGLang's release checkpoints the row: the prompt never went into the tree before it.
+    Returns (prefix slots, device KV slots) at the end of the turn; afterwards the server is idle."""
+    rank.activate()
+    req = _req("knorm", config, n_tokens)
+    req.origin_input_ids = req.full_untruncated_fill_ids
+    res = rank.tree.match_prefix(MatchPrefixParams(key=RadixKey(req.full_untruncated_fill_ids), req=req))
+    node = res.last_device_node
+    held = rank.tree.path_device_indices(node)
+    kv = req.kv
+    kv.req_pool_idx = 0
+    req.lock, req.last_node = rank.tree.lock(node), node
+    rank.r2t.req_to_token[0, : len(held)] = held.to(torch.int32)
+    kv.kv_committed_len = kv.kv_allocated_len = kv.cache_protected_len = len(held)
+    for pos in range(res.device_prefix_len, n_tokens):
+        _append(rank, req, pos)
+    req.done = True
+    compressor.compress(req, "finish")
+    s, end = st.get(req), kv.kv_committed_len
+    out = (s.slot_map.anchor_kv, end)
+    rank.tree.checkpoint(req, up_to=end)  # SGLang's release: checkpoint, free the rest, unlock
+    if end > kv.cache_protected_len:
+        rank.alloc.free(rank.r2t.req_to_token[0, kv.cache_protected_len : end].to(torch.int64))
+    rank.tree.unlock(req.lock)
+    req.lock = None
+    rank.tree.on_release(req, checkpointed=True)
+    # SGLang's idle memory check: every slot is free or evictable cache
+    assert rank.tree.protected_size() == 0
+    assert rank.alloc.available_size() + rank.tree.evictable_size() == POOL
+    return out
+
+
+def test_a_compressed_first_turn_leaves_only_the_declared_prefix_shared() -> None:
+    """A session's first turn longer than the budget compresses in its release, before its prompt was
+    ever checkpointed. The declared `shared_prefix` must still stay out of its compressed history (and go
+    into the tree uncompressed, for the other sessions): a history that started inside the prefix would
+    be shared whole, and every later turn would hold it beside its own budget (about twice the budget on
+    the device). Each later turn re-compresses what the previous one stored: its device KV stays the
+    prefix plus the budget and the windows."""
+    budget, sp, cfg = 48, 16, {"shared_prefix": 16, "scope": "branch"}
+    rank = Rank(slice(0, 4))
+    bound = sp + budget + 4 + 32  # the prefix, the budget, the sinks and the recent window at most
+    for turn, n_tokens in enumerate((PROMPT, 2 * PROMPT, 3 * PROMPT)):
+        prefix, kv_len = _composed_turn(rank, n_tokens, cfg)
+        assert prefix == sp, f"turn {turn}: the prefix it left uncompressed is {prefix} slots, not {sp}"
+        assert kv_len <= bound, f"turn {turn}: {kv_len} slots on the device, above {bound}"
+    probe = rank.tree.match(RadixKey([*range(100, 100 + sp), 7]), None)
+    assert probe.device_prefix_len == sp  # another session finds the declared prefix, uncompressed
+    rank.tree.evict(EvictParams(num_tokens=10**6))
+    assert rank.alloc.available_size() == POOL
+    assert rank.tree.shared_leaks() == []
