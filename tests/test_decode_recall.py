@@ -10,7 +10,6 @@ import torch
 from sgl_kvevict.cache import compressor
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.host_tier import decode_recall, demote, host, recall, recall_core
-from sgl_kvevict.cache.host_tier.retrieval_heads import RecallHeads
 from sgl_kvevict.config import RecallTuning, ServerSettings
 from sgl_kvevict.tools.pools import Pools, SyncCounter
 
@@ -343,49 +342,42 @@ def test_a_request_found_finished_gets_its_overlapped_step_undone():
     assert not p.ctx.steps_in_flight
 
 
-def test_a_step_recalls_only_in_the_retrieval_heads():
-    """With `ctx.recall_heads` (the model's retrieval heads), a step moves in those (layer, KV head) pairs
-    exactly what the step moves there without it, and nothing elsewhere: a layer without one is skipped
-    (its records say nothing moved), a head outside the mask keeps its row and host columns. Checked on
-    two identical pool sets, and the ungated step did move outside the mask (so the gate is tested)."""
-    mask = torch.tensor([[True, False], [False, False], [False, True]])
-    runs = []
-    for gated in (False, True):
-        p, reqs, q = _ready(2, 3)
-        p.ctx.recall_heads = RecallHeads.of(mask, "cpu") if gated else None
-        before = _held(p, reqs)
-        before = [x.clone() for x in before]
-        one = _step(p, reqs, q)
-        runs.append((p, reqs, before, one.moved.clone(), _held(p, reqs)))
-        decode_recall.finish(p.ctx, one)
-    (_, _, _, moved_all, held_all), (p, reqs, before, moved, held) = runs
-    inside = mask[:, None, :, None].expand_as(moved_all)
-    assert moved_all[~inside].any() and moved_all[inside].any()
-    assert torch.equal(moved, moved_all & inside)
-    assert RecallHeads.of(mask, "cpu").layers == {0, 2}
-    # `_held`: per request, per layer: row K, row V, host K, host V ([n, H, D] each)
-    for k, (b, a, g) in enumerate(zip(before, held_all, held, strict=True)):
+def _changed_pairs(before: list[torch.Tensor], after: list[torch.Tensor]) -> set[tuple[int, int]]:
+    """The (layer, KV head) pairs where a request's row or its host columns changed (`_held`'s order:
+    per request, per layer, row K, row V, host K, host V)."""
+    changed = set()
+    for k, (b, a) in enumerate(zip(before, after, strict=True)):
         layer = (k // 4) % L
-        for h in range(H):
-            want = a[:, h] if mask[layer, h] else b[:, h]
-            assert torch.equal(g[:, h], want)
+        changed |= {(layer, h) for h in range(H) if not torch.equal(a[:, h], b[:, h])}
+    return changed
 
 
-def test_a_request_recalling_alone_during_decode_keeps_to_the_retrieval_heads():
+EVERY_PAIR = {(layer, h) for layer in range(L) for h in range(H)}
+
+
+def test_a_step_recalls_in_every_layer_and_head():
+    """A decode step scores and exchanges in every (layer, KV head) pair: each pair moved entries (its
+    records say so, and its row and host columns changed), and the host keys read are every layer's."""
+    p, reqs, q = _ready(2, 3)
+    before = [x.clone() for x in _held(p, reqs)]
+    read = p.ctx.host.totals.keys_read
+    one = _step(p, reqs, q)
+    assert one.layers_done == L
+    assert bool(one.moved.any(dim=-1).any(dim=1).all()), one.moved.any(dim=-1).any(dim=1)  # [L, H]
+    assert _changed_pairs(before, _held(p, reqs)) == EVERY_PAIR
+    cols = sum(int(a.cols.numel()) for a in one.arms if a is not None)
+    decode_recall.finish(p.ctx, one)
+    pool = p.ctx.host
+    assert pool.totals.keys_read - read == cols * H * D * pool.k.element_size() * L
+
+
+def test_a_request_recalling_alone_during_decode_recalls_in_every_head():
     """The other decode-time path (a request that recalls alone after a failure, or every request once a
-    CUDA graph ran without the hook: `recall.recall` after the step's compression) keeps to the same
-    heads: outside them rows and host columns stay as they were, inside them entries did move."""
-    mask = torch.tensor([[False, True], [False, False], [True, False]])
+    CUDA graph ran without the hook: `recall.recall` after the step's compression) recalls in every
+    (layer, KV head) pair too: each pair's row and host columns changed."""
     p, reqs, _ = _ready(1, 2)
-    p.ctx.recall_heads = RecallHeads.of(mask, "cpu")
     before = [x.clone() for x in _held(p, reqs)]
     s = st.get(reqs[0])
     s.recall.alone, s.recall.steps = True, 1
     assert recall.after_compress(reqs[0], decode=True) == 0 and s.recall.recalled > 0
-    changed = set()
-    for k, (b, a) in enumerate(zip(before, _held(p, reqs), strict=True)):
-        layer = (k // 4) % L
-        for h in range(H):
-            if not torch.equal(a[:, h], b[:, h]):
-                changed.add((layer, h))
-    assert changed and all(mask[layer, h] for layer, h in changed)
+    assert _changed_pairs(before, _held(p, reqs)) == EVERY_PAIR

@@ -110,8 +110,8 @@ def test_a_long_prompt_is_compressed(product_server: Server):
 
 def test_recall_in_branch_scope(product_server: Server):
     """A fact, two filler turns under a 64-token branch budget (snapkv), then a question, recall at its
-    defaults: the question's append brings host entries back, its decode steps recall in the model's
-    retrieval heads, and the host tier's counters move by the request's own numbers."""
+    defaults: the question's append brings host entries back, its decode steps recall (in every layer
+    and KV head), and the host tier's counters move by the request's own numbers."""
     product_server.flush()
     before = host_state(product_server)
     turns = [FACT, *fillers(111, 2), "What is the vault code? Answer with the number only."]
@@ -125,7 +125,6 @@ def test_recall_in_branch_scope(product_server: Server):
     assert after["recalled"] >= before["recalled"] + q["recalled"], (before, after)
     assert after["recall_failures"] == before["recall_failures"], (before, after)
     assert after["decode_steps"] > before["decode_steps"] and len(q["output_ids"]) > 1, (before, after, q)
-    assert 0 < after["decode_heads"] < 30 * 3, after  # the retrieval heads of 30 layers x 3 KV heads
     whole(product_server)
 
 

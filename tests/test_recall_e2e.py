@@ -452,19 +452,14 @@ TUNED = ["--kv-policy", "snapkv", "--kv-recall-tokens", "8", "--kv-recall-config
             [*TUNED, '{"every": 1.5}'],
             "every",
         ),
-        (
-            [*TUNED, '{"head_score": 1.5}'],
-            "[0.0, 1.0]",
-        ),
-        (
-            [*TUNED, '{"head_score": "x"}'],
-            "[0.0, 1.0]",
-        ),
         (["--kv-policy", "snapkv", "--kv-recall-config", '{"page": 8}'], "--kv-recall-tokens"),
         (["--kv-policy", "snapkv", "--kv-recall-config", '{"every": 4}'], "--kv-recall-tokens"),
-        (["--kv-policy", "snapkv", "--kv-recall-config", '{"head_score": 0}'], "--kv-recall-tokens"),
         (
             [*TUNED, '{"fetch_pages": 16}'],
+            "not permitted",
+        ),
+        (
+            [*TUNED, '{"head_score": 0}'],
             "not permitted",
         ),
         (["--kv-recall-tokens", "8"], "--kv-policy"),

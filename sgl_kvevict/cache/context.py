@@ -47,8 +47,6 @@ class KvEvictContext:
     # or None. Under the overlap scheduler step N+1 is prepared (and run) before step N's results are
     # processed, so two may be in flight; each is finished when its own step's results are.
     steps_in_flight: deque[Any] = field(default_factory=deque)
-    # retrieval_heads.RecallHeads: where a decode step recalls (the model's retrieval heads); None: everywhere
-    recall_heads: Any = None
     # (batch, row width, host columns, swaps) -> the bucket's decode_recall.StepBuffers (one per step in flight)
     step_buffers: dict[tuple[int, int, int, int], list[Any]] = field(default_factory=dict)
     # Set once a decode forward ran without the recall hook (a CUDA graph replay runs no Python):

@@ -28,7 +28,6 @@ from sgl_kvevict.config.policy import ENV_VAR, MAX_CAPTURE, KvConfig, OverridePo
 from sgl_kvevict.config.recall import (
     DEFAULT_HOST_TOKENS,
     DEFAULT_RECALL_EVERY,
-    DEFAULT_RECALL_HEAD_SCORE,
     DEFAULT_RECALL_PAGE,
     MAX_HOST_GIB,
     MAX_HOST_TOKENS,
@@ -54,7 +53,6 @@ __all__ = [
     "DEFAULT_CAPTURE_SLOTS",
     "DEFAULT_HOST_TOKENS",
     "DEFAULT_RECALL_EVERY",
-    "DEFAULT_RECALL_HEAD_SCORE",
     "DEFAULT_RECALL_PAGE",
     "ENV_VAR",
     "FLAG",

@@ -17,11 +17,9 @@ MAX_RECALL_EVERY = 4096  # bound on recall every (decode steps)
 DEFAULT_RECALL_PAGE = 8
 # Every decode step recalls by its own query: on the recall suite's client-composed history it answered
 # 10-11 of 12 where recall at each turn's start only answered 4-7 (docs/benchmarks.md, "Host tier and recall").
+# It recalls in every (layer, KV head) pair: in the model's retrieval heads alone it answered fewer
+# (docs/design-notes.md, "Recall (host tier)").
 DEFAULT_RECALL_EVERY = 1
-# A decode step recalls only in the (layer, KV head) pairs whose induction score reaches this
-# (`cache/host_tier/retrieval_heads.py`): SmolLM2-135M has 10 of 90, and recalling in them alone answered within
-# one of recalling in every head, per policy, on the long recall scenario, for 1.08x decode, not 1.36x (measured).
-DEFAULT_RECALL_HEAD_SCORE = 0.1
 
 
 class RecallTuning(BaseModel):
@@ -40,15 +38,7 @@ class RecallTuning(BaseModel):
         DEFAULT_RECALL_EVERY,
         ge=1,
         le=MAX_RECALL_EVERY,
-        description="decode steps between recalls, each by its step's own query inside the step's forward "
+        description="decode steps between recalls, each by its step's own query, in every layer and KV head, "
+        "inside the step's forward "
         "(eager decode; where a CUDA graph replays the step, after its compression instead)",
-    )
-    head_score: float = Field(
-        DEFAULT_RECALL_HEAD_SCORE,
-        ge=0.0,
-        le=1.0,
-        allow_inf_nan=False,
-        description="a decode step recalls only in the model's retrieval heads: the (layer, KV head) pairs "
-        "whose induction score (the attention a repeated token gives what followed its first occurrence, "
-        "measured once per model) is at least this; 0: every head",
     )

@@ -535,45 +535,6 @@ def verify_installed() -> list[str]:
     return [t for t, _, _ in HOOKS if t not in HookRegistry._patched]
 
 
-def recall_heads(ctx: Any, rt: Any, kv: KvEvictContext) -> Any:
-    """Where a decode step recalls (`KvEvictContext.recall_heads`), and how many (layer, KV head) pairs
-    that is (the server total `decode_heads`): the model's retrieval heads, measured once per model
-    (`cache/host_tier/retrieval_heads.py`); None (every head) when `head_score` is 0 or the scores cannot be
-    measured (logged: the server still serves), or when the host tier is off."""
-    tuning = kv.settings.recall
-    if kv.host is None:
-        return None
-    heads = _measured_heads(ctx, rt, tuning.head_score) if tuning.head_score > 0 else None
-    kv.host.totals.decode_heads = rt.n_layers * rt.n_kv_heads if heads is None else int(heads.mask.sum())
-    return heads
-
-
-def _measured_heads(ctx: Any, rt: Any, min_score: float) -> Any:
-    from sgl_kvevict.cache.host_tier import retrieval_heads
-    from sgl_kvevict.model import cache_root
-
-    path = ctx.model_config.model_path
-    try:
-        scores = retrieval_heads.cached_scores(path, cache_root() / retrieval_heads.CACHE_FOLDER)
-        mask = retrieval_heads.mask(scores, min_score, int(ctx.tp_rank), rt.tp_size)
-        if tuple(mask.shape) != (rt.n_layers, rt.n_kv_heads):
-            raise ValueError(
-                f"scores {tuple(scores.shape)} for {rt.n_layers} layers x {rt.n_kv_heads} KV heads"
-            )
-    except Exception:
-        logger.exception(
-            "sgl-kvevict: no retrieval heads measured for %s: decode recalls in every head", path
-        )
-        return None
-    logger.info(
-        "sgl-kvevict: a decode step recalls in %d of %d (layer, KV head) pairs (induction score >= %g)",
-        int(mask.sum()),
-        mask.numel(),
-        min_score,
-    )
-    return retrieval_heads.RecallHeads.of(mask, rt.req_to_token.device)
-
-
 def build_tree_cache(ctx: Any) -> Any:
     """Factory registered as `--radix-cache-backend kvevict` (chosen automatically by `--kv-policy`): the
     compressing tree and its runtime, once the model and the hooks are known to fit."""
@@ -592,10 +553,8 @@ def build_tree_cache(ctx: Any) -> Any:
     cache = KvEvictRadixCache(params, params.req_to_token_pool.req_to_token.shape[0])
     cache.release_report = on_release_report
     rt = runtime.attach(cache, ctx)
-    kv = cache.ctx
-    kv.recall_heads = recall_heads(ctx, rt, kv)
     if getattr(params, "enable_metrics", False):
         from sgl_kvevict.serve.metrics import Metrics, labels_for
 
-        rt.metrics = Metrics(labels_for(ctx.server_args, int(ctx.tp_rank)), host=kv.host is not None)
+        rt.metrics = Metrics(labels_for(ctx.server_args, int(ctx.tp_rank)), host=cache.ctx.host is not None)
     return cache

@@ -11,7 +11,7 @@ server recalls. Each module holds one part of the route:
 - `exact_prefill.py`: a turn's prefill over both tiers (its queries see the host entries too);
 - `recall.py`: the turn's append (its best host entries into fresh slots after its compression), the
   exchange a recall outside a forward runs, and the scheduler and forward hooks of a decode step's recall;
-- `decode_recall.py`: a decode step's recall for the whole batch in fixed shapes, inside the forward;
-- `recall_core.py`: how host entries rank (by their page's best score), the score floor, the counters;
-- `retrieval_heads.py`: the (layer, KV head) pairs a decode step recalls in, measured once per model.
+- `decode_recall.py`: a decode step's recall for the whole batch in fixed shapes, inside the forward,
+  in every layer and KV head;
+- `recall_core.py`: how host entries rank (by their page's best score), the score floor, the counters.
 """

@@ -8,9 +8,10 @@ A decode step's recall has three parts, and only the middle one runs inside the 
    the batch, padded: a request that does not recall this step has `r = 0`, padded host columns name the
    host pool's scratch column.
 2. `StepPlan.layer` (inside the forward, before each layer's attention): for the whole batch at once,
-   the step's query scores the branch's host entries and the row's entries in one softmax; per KV head,
-   the best-ranked host pages that beat the lowest-scored displaceable entries (and whose best entry
-   gets at least `recall_core.MIN_SCORE` of a query's attention) exchange places with them (`kernels.host_swap`).
+   the step's query scores the branch's host entries and the row's entries in one softmax; in every
+   layer and every KV head, the best-ranked host pages that beat the lowest-scored displaceable entries
+   (and whose best entry gets at least `recall_core.MIN_SCORE` of a query's attention) exchange places
+   with them (`kernels.host_swap`).
    Every tensor has a shape fixed by the plan (batch B, row width W, host columns C, swaps R): no host
    sync, no Python branch on a tensor's value, no shape that follows the data
    (`tests/test_decode_recall.py` checks the op sequence). Pairs that do not move name device slot 0
@@ -36,7 +37,7 @@ import torch
 
 from sgl_kvevict import kernels as K
 from sgl_kvevict.cache import state as st
-from sgl_kvevict.cache.host_tier import recall_core, retrieval_heads
+from sgl_kvevict.cache.host_tier import recall_core
 from sgl_kvevict.cache.host_tier.recall_core import SwapPositions, account, best_entries, mark_stale
 
 if TYPE_CHECKING:
@@ -94,12 +95,11 @@ def choose(
     slots: torch.Tensor,
     b: StepBounds,
     scale: float,
-    heads: torch.Tensor | None = None,
 ) -> Exchange:
     """Which entries a layer exchanges, from the step's queries `q` `[B, Hq, D]`, the rows' keys
-    `[B, W, H, D]` (in slots `[B, W]`) and the branch's host keys `[B, C, H, D]`, in the KV heads `heads`
-    `[H]` (bool; None: every head): device math only, on shapes the plan fixed, so it compiles to one
-    graph (`tests/test_decode_recall.py` checks it under `torch.compile(fullgraph=True)`)."""
+    `[B, W, H, D]` (in slots `[B, W]`) and the branch's host keys `[B, C, H, D]`, in every KV head:
+    device math only, on shapes the plan fixed, so it compiles to one graph (`tests/test_decode_recall.py`
+    checks it under `torch.compile(fullgraph=True)`)."""
     n, w, h, d = keys_row.shape
     c, r, dev = keys_host.shape[1], b.swaps, q.device
     in_row = torch.arange(w, device=dev) < b.m.unsqueeze(-1)
@@ -125,8 +125,6 @@ def choose(
     cs, pos = (-row_sc.masked_fill(~displaceable[:, None], torch.inf)).topk(r, dim=-1)
     first_r = torch.arange(r, device=dev) < b.r.view(n, 1, 1)
     moved = (hs > -cs) & (hs >= b.min_score) & first_r  # a prefix of each (row, head)
-    if heads is not None:
-        moved &= heads[None, :, None]
     dev_slots = torch.where(moved, slots.unsqueeze(1).expand(n, h, w).gather(-1, pos), 0)
     host_cols = b.cols.unsqueeze(1).expand(n, h, c).gather(-1, hidx)
     return Exchange(pos, hidx, dev_slots, torch.where(moved, host_cols, b.scratch), moved)
@@ -219,18 +217,13 @@ class StepPlan:
         return int(self.buf.rows.shape[0])
 
     def layer(self, ctx: KvEvictContext, layer: int, q: torch.Tensor) -> None:
-        """Score and exchange at `layer` with the step's queries `q` `[B, Hq, D]`; fixed shapes only. Only
-        in the model's retrieval heads (`ctx.recall_heads`): a layer without one records that nothing
-        moved (which layers those are is the model's, the same at every step)."""
-        rt, pool, heads = ctx.rt, ctx.host, ctx.recall_heads
-        if not retrieval_heads.scores_at(heads, layer):
-            self._record_none(layer)
-            return
+        """Score and exchange at `layer`, in every KV head, with the step's queries `q` `[B, Hq, D]`;
+        fixed shapes only."""
+        rt, pool = ctx.rt, ctx.host
         slots = rt.req_to_token.index_select(0, self.buf.rows)[:, : self.width].to(torch.int64)  # [B, W]
         keys_row = rt.k_buffer(layer)[slots]  # [B, W, H, D]
         keys_host = pool.k[layer][self.buf.cols.to(pool.k.device)].to(q.device)  # [B, C, H, D]
-        in_heads = None if heads is None else heads.mask[layer]
-        ex = choose(q[: self.batch], keys_row, keys_host, slots, self.bounds, rt.scale, in_heads)
+        ex = choose(q[: self.batch], keys_row, keys_host, slots, self.bounds, rt.scale)
         _swap(ctx, layer, ex.dev_slots, ex.host_cols)
         self._record(layer, ex)
         mark_stale(ctx.stats, layer, ex.dev_slots, ex.moved)
@@ -238,12 +231,6 @@ class StepPlan:
     def _record(self, layer: int, ex: Exchange) -> None:
         for buf, x in zip((self.pos, self.hidx, self.dev_slots, self.host_cols, self.moved), ex, strict=True):
             buf[layer].copy_(x)
-        self.layers_done = layer + 1
-
-    def _record_none(self, layer: int) -> None:
-        self.moved[layer].zero_()
-        self.dev_slots[layer].zero_()
-        self.host_cols[layer].fill_(self.bounds.scratch)
         self.layers_done = layer + 1
 
     def undo(self, ctx: KvEvictContext) -> None:
@@ -351,8 +338,7 @@ def finish(ctx: KvEvictContext, one: StepPlan) -> int:
     pool.totals.decode_steps_overlapped += one.overlapped
     counts = one.moved[:done].sum(dim=(0, 2, 3)).tolist()  # the one host read of the step's recall
     real = sum(int(a.cols.numel()) for a in one.arms if a is not None)
-    read = sum(retrieval_heads.scores_at(ctx.recall_heads, layer) for layer in range(done))  # that scored
-    pool.totals.keys_read += real * pool.heads * pool.dim * pool.k.element_size() * read
+    pool.totals.keys_read += real * pool.heads * pool.dim * pool.k.element_size() * done  # every layer scored
     total = 0
     for i, a in enumerate(one.arms):
         if a is None or a.s.recall.host is None:

@@ -86,7 +86,6 @@ class HostTotals:
     prefills_both_tiers: int = 0  # prefill chunks that attended over the host entries too (`exact_prefill`)
     prefill_bytes_read: int = 0  # host keys and values those chunks read
     decode_step_syncs: int = 0  # KVEVICT_DEBUG only: host syncs counted inside them (`syncs.SyncCounter`)
-    decode_heads: int = 0  # (layer, KV head) pairs a decode step recalls in (this rank's; retrieval heads)
 
 
 class HostPool:

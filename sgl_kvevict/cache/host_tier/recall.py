@@ -7,7 +7,8 @@ a compression evicts on the host tier; this brings back what a turn needs).
 2. once that compression committed, before the first decode step, the turn's own window queries bring
    their best host entries back into fresh slots appended to the row (*Append*, below);
 3. every `--kv-recall-config` `every` decode steps, the step's own query exchanges host entries with
-   the row's weakest inside the step's forward, in fixed shapes for the whole batch (`decode_recall`).
+   the row's weakest inside the step's forward, in every layer and KV head, in fixed shapes for the
+   whole batch (`decode_recall`).
    Where a decode forward ran without the hook (a CUDA graph replay runs no Python), or a request's
    batched recall failed once, the same exchange runs after the step's compression instead (`recall`),
    with the captured queries of the steps since the last one.
@@ -55,14 +56,7 @@ import torch
 from sgl_kvevict import kernels as K
 from sgl_kvevict.cache import capture, compressor, context
 from sgl_kvevict.cache import state as st
-from sgl_kvevict.cache.host_tier import (
-    decode_recall,
-    demote,
-    exact_prefill,
-    host,
-    recall_core,
-    retrieval_heads,
-)
+from sgl_kvevict.cache.host_tier import decode_recall, demote, exact_prefill, host, recall_core
 from sgl_kvevict.cache.host_tier.recall_core import SwapPositions, account, best_entries, mark_stale
 from sgl_kvevict.cache.slots import alloc_slots, free_slots
 from sgl_kvevict.cache.syncs import SyncCounter
@@ -154,12 +148,8 @@ def recall(req: Any, s: st.ReqState) -> int:
         s.recall.skipped += 1
         return 0
     one = Recall.start(req, s, kv_len, length, lo, hi, r)
-    heads = s.ctx.recall_heads if fresh else None  # during decode: the retrieval heads only
-    one.only = None if heads is None else heads.mask
     try:
         for layer in range(s.ctx.rt.n_layers):
-            if not retrieval_heads.scores_at(heads, layer):
-                continue
             q = s.ctx.capture.get(kv.req_pool_idx, layer, length)[:, -w:]  # [Hq, w, D], the row's last w
             one.layer(layer, q)
     except Exception:
@@ -247,15 +237,13 @@ def exchange(
     dbg: SwapPositions | None,
     cand: torch.Tensor | None = None,
     log: list[Undo] | None = None,
-    only: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per layer (from `layer`, as many as the scores have) and KV head: the `r` best-ranked host entries
     that beat the lowest-scored kept entries of `[lo, hi)` swap places with them (`kernels.host_swap`).
     `row_sc` `[l, H, len(row_slots)]`, `host_sc` `[l, H, c]`: every host entry (`cand` None), or the
     candidates `cand` `[l, H, c]` (indices into the branch's columns, whole pages in a row). Each swap is
     appended to `log` as it is written (a swap is its own inverse: `Recall.rollback` replays the log
-    backwards). `only` `[L, H]` (bool): the heads that may exchange at all. Returns the `[l, H]` swapped
-    counts (on the device: no host sync)."""
+    backwards). Returns the `[l, H]` swapped counts (on the device: no host sync)."""
     rt, pool, cfg = s.ctx.rt, s.ctx.host, s.ctx.settings
     hs, hidx = best_entries(host_sc, cfg.recall.page, r)  # [l, H, r], best first
     if cand is not None:
@@ -263,8 +251,6 @@ def exchange(
     cs, cidx = (-row_sc[..., lo:hi]).topk(r, dim=-1)  # lowest-scored displaceable kept entries
     # the i-th best host entry beats the i-th worst kept one, with a query's attention behind it
     swap = (hs > -cs) & (hs >= recall_core.MIN_SCORE)
-    if only is not None:  # `[L, H]`: the heads that may recall (a decode-time recall's retrieval heads)
-        swap &= only[layer : layer + int(row_sc.shape[0])].to(swap.device).unsqueeze(-1)
     counts = swap.sum(-1)  # hs falls and the displaced score rises with i, so swap is a prefix
     dev_slots = row_slots[lo:hi][cidx]  # [l, H, r]
     host_cols = s.recall.host.cols.to(pool.k.device)[hidx.to(pool.k.device)]
@@ -359,8 +345,6 @@ class Recall:
     sums: host.PageSummaries | None  # None: every host key is scored
     n_sel: int  # pages fetched per head and layer when paged
     dbg: SwapPositions | None = None
-    # [L, H] bool: the only heads that may exchange (a decode-time recall's retrieval heads); None: every head
-    only: torch.Tensor | None = None
     new: torch.Tensor | None = None  # appending: the fresh device slots (int64) the columns go to
     appended_pos: list[torch.Tensor] = field(default_factory=list)  # tracked: their positions, per layer
     swapped: torch.Tensor | None = None  # on the device, read once at the end
@@ -427,7 +411,6 @@ class Recall:
             self.dbg,
             None if cand is None else cand[None],
             self.done,
-            self.only,
         )
         self.swapped = counts.sum() if self.swapped is None else self.swapped + counts.sum()
         if cand is not None:  # the swap wrote displaced entries into the fetched pages: re-summarise them

@@ -1,6 +1,6 @@
-"""What a turn's recall (`recall.py`) and a decode step's (`decode_recall.py`) share: how host entries
-rank (by their page's best score) and the least score that moves one, how a recall is counted, and the logical positions an exchange moves
-(where tracked)."""
+"""What a turn's recall (`recall.py`) and a decode step's (`decode_recall.py`) share, both run in every
+layer and KV head: how host entries rank (by their page's best score) and the least score that moves
+one, how a recall is counted, and the logical positions an exchange moves (where tracked)."""
 
 from __future__ import annotations
 
