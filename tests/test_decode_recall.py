@@ -191,9 +191,7 @@ def test_a_failure_inside_the_step_puts_everything_back(monkeypatch):
 
 def _layer_inputs(p: Pools, one: decode_recall.StepPlan, q: torch.Tensor) -> tuple:
     """`choose`'s arguments at layer 0, gathered as `StepPlan.layer` gathers them."""
-    slots = p.ctx.rt.req_to_token.index_select(0, one.buf.rows)[:, : one.width].to(torch.int64)
-    keys_row = p.ctx.rt.k_buffer(0)[slots]
-    keys_host = p.ctx.host.k[0][one.buf.cols]
+    slots, keys_row, keys_host = one.gather(p.ctx, 0)
     return q[0], keys_row, keys_host, slots, one.bounds, p.ctx.rt.scale
 
 

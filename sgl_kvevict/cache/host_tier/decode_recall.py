@@ -45,26 +45,31 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("sgl_kvevict")
 MIN_WIDTH = 64  # the smallest row-width and host-column bucket
+STEPS_PER_OCTAVE = 4  # bucket sizes between two powers of two: padding stays under 1 / 4 of the size
 MAX_BUCKETS = 32  # the buckets whose device tensors a server keeps (`buffers`)
 
 
 def bucket(n: int, cap: int | None = None) -> int:
-    """The fixed size a plan rounds `n` up to (powers of two from `MIN_WIDTH`), at most `cap`."""
-    out = max(MIN_WIDTH, 1 << max(0, int(n) - 1).bit_length())
+    """The fixed size a plan rounds `n` up to, at most `cap`: `MIN_WIDTH`, then `STEPS_PER_OCTAVE` sizes
+    per power of two (1280, 1536, 1792, 2048, 2560, ...). Every layer of a step scores every padded
+    column, so the padding is paid in time; each size is one more shape for a graph to capture."""
+    n = max(int(n), MIN_WIDTH)
+    step = max(MIN_WIDTH, (1 << (n - 1).bit_length()) // (2 * STEPS_PER_OCTAVE))
+    out = -(-n // step) * step
     return out if cap is None else min(out, cap)
 
 
 class StepBounds(NamedTuple):
-    """What a plan fixes for every layer of the step: per batch row, its entries before the step's token
-    (`m`), the displaceable range `[lo, hi)`, its swaps `r` and its host columns `cols` `[B, C]` (`n_cols`
-    real); for all rows, the page, the swaps per head `swaps`, the score floor and the scratch column."""
+    """What a plan fixes for every layer of the step, as masks computed once per step: per batch row, its
+    entries before the step's token (`in_row` `[B, W]`), the displaceable ones (`displaceable` `[B, W]`),
+    its real host columns (`in_host` `[B, C]`) among `cols` `[B, C]` and its swaps (`first_r` `[B, R]`);
+    for all rows, the page, the swaps per head `swaps`, the score floor and the scratch column."""
 
-    m: torch.Tensor
-    lo: torch.Tensor
-    hi: torch.Tensor
-    r: torch.Tensor
+    in_row: torch.Tensor
+    displaceable: torch.Tensor
+    in_host: torch.Tensor
+    first_r: torch.Tensor
     cols: torch.Tensor
-    n_cols: torch.Tensor
     page: int
     swaps: int
     min_score: float
@@ -83,11 +88,6 @@ class Exchange(NamedTuple):
     moved: torch.Tensor
 
 
-def _heads_first(keys: torch.Tensor) -> torch.Tensor:
-    """`[B, N, H, D]` keys as fp32 `[B, H, N, D]` in one copy: the layout a batched product reads as is."""
-    return keys.permute(0, 2, 1, 3).to(torch.float32, memory_format=torch.contiguous_format)
-
-
 def choose(
     q: torch.Tensor,
     keys_row: torch.Tensor,
@@ -97,34 +97,29 @@ def choose(
     scale: float,
 ) -> Exchange:
     """Which entries a layer exchanges, from the step's queries `q` `[B, Hq, D]`, the rows' keys
-    `[B, W, H, D]` (in slots `[B, W]`) and the branch's host keys `[B, C, H, D]`, in every KV head:
-    device math only, on shapes the plan fixed, so it compiles to one graph (`tests/test_decode_recall.py`
-    checks it under `torch.compile(fullgraph=True)`)."""
-    n, w, h, d = keys_row.shape
-    c, r, dev = keys_host.shape[1], b.swaps, q.device
-    in_row = torch.arange(w, device=dev) < b.m.unsqueeze(-1)
-    in_host = torch.arange(c, device=dev) < b.n_cols.unsqueeze(-1)
+    `[B, H, W, D]` (in slots `[B, W]`) and the branch's host keys `[B, H, C, D]` (heads first, as
+    `StepPlan.gather` reads them), in every KV head: device math only, on shapes the plan fixed, so it
+    compiles to one graph (`tests/test_decode_recall.py` checks it under `torch.compile(fullgraph=True)`)."""
+    n, h, w, d = keys_row.shape
+    c, r = keys_host.shape[2], b.swaps
     qf = q.float().view(n, h, -1, d)  # [B, H, G, D]: query heads grouped by KV head
     logits = torch.cat(
         [
-            torch.einsum("bhgd,bhcd->bhgc", qf, _heads_first(keys_host)).masked_fill(
-                ~in_host[:, None, None], -torch.inf
+            torch.einsum("bhgd,bhcd->bhgc", qf, keys_host.float()).masked_fill_(
+                ~b.in_host[:, None, None], -torch.inf
             ),
-            torch.einsum("bhgd,bhwd->bhgw", qf, _heads_first(keys_row)).masked_fill(
-                ~in_row[:, None, None], -torch.inf
+            torch.einsum("bhgd,bhwd->bhgw", qf, keys_row.float()).masked_fill_(
+                ~b.in_row[:, None, None], -torch.inf
             ),
         ],
         dim=-1,
     ).mul_(scale)
     p = torch.softmax(logits, dim=-1).amax(dim=2)  # [B, H, C + W]: an entry's best query head
     # padding stays out of the ranking (a page's best would otherwise rank its padded entries too)
-    host_sc, row_sc = p[..., :c].masked_fill(~in_host[:, None], -torch.inf), p[..., c:]
+    host_sc, row_sc = p[..., :c].masked_fill(~b.in_host[:, None], -torch.inf), p[..., c:]
     hs, hidx = best_entries(host_sc, b.page, r)  # [B, H, R], best first
-    cols = torch.arange(w, device=dev)
-    displaceable = (cols >= b.lo.unsqueeze(-1)) & (cols < b.hi.unsqueeze(-1))
-    cs, pos = (-row_sc.masked_fill(~displaceable[:, None], torch.inf)).topk(r, dim=-1)
-    first_r = torch.arange(r, device=dev) < b.r.view(n, 1, 1)
-    moved = (hs > -cs) & (hs >= b.min_score) & first_r  # a prefix of each (row, head)
+    cs, pos = row_sc.masked_fill(~b.displaceable[:, None], torch.inf).neg_().topk(r, dim=-1)
+    moved = (hs > -cs) & (hs >= b.min_score) & b.first_r[:, None]  # a prefix of each (row, head)
     dev_slots = torch.where(moved, slots.unsqueeze(1).expand(n, h, w).gather(-1, pos), 0)
     host_cols = b.cols.unsqueeze(1).expand(n, h, c).gather(-1, hidx)
     return Exchange(pos, hidx, dev_slots, torch.where(moved, host_cols, b.scratch), moved)
@@ -145,10 +140,12 @@ class DecodeArm:
 
 @dataclass(eq=False)
 class StepBuffers:
-    """One bucket's device tensors (see `buffers`): the plan's inputs, `[B]` and `[B, C]`, and its records,
-    `[L, B, H, R]` per layer (displaced row positions, branch column indices, device slots, host columns,
-    whether the pair moved). Allocated once per bucket and refilled by each plan of it, so a CUDA graph
-    captured for the bucket reads and writes the same addresses at every replay."""
+    """One bucket's device tensors (see `buffers`): the plan's inputs, `[B]` and `[B, C]`, what it derives
+    from them once for every layer (the `StepBounds` masks; `host_rows` `[B, H, C]`, each host entry's row
+    in the host store's flat `[cols * H, D]` view; `heads` `[H]`), and its records, `[L, B, H, R]` per
+    layer (displaced row positions, branch column indices, device slots, host columns, whether the pair
+    moved). Allocated once per bucket and refilled by each plan of it, so a CUDA graph captured for the
+    bucket reads and writes the same addresses at every replay."""
 
     rows: torch.Tensor
     m: torch.Tensor
@@ -157,6 +154,12 @@ class StepBuffers:
     r: torch.Tensor
     n_cols: torch.Tensor
     cols: torch.Tensor
+    in_row: torch.Tensor
+    displaceable: torch.Tensor
+    in_host: torch.Tensor
+    first_r: torch.Tensor
+    host_rows: torch.Tensor
+    heads: torch.Tensor
     pos: torch.Tensor
     hidx: torch.Tensor
     dev_slots: torch.Tensor
@@ -167,11 +170,27 @@ class StepBuffers:
     def allocate(
         cls, bucket_key: tuple[int, int, int, int], layers: int, heads: int, dev: torch.device
     ) -> StepBuffers:
-        b, _w, c, r = bucket_key
+        b, w, c, r = bucket_key
         ints = [torch.zeros(b, dtype=torch.int64, device=dev) for _ in range(6)]
+        masks = [torch.zeros(b, n, dtype=torch.bool, device=dev) for n in (w, w, c, r)]
+        host_rows = torch.zeros(b, heads, c, dtype=torch.int64, device=dev)
         recs = [torch.zeros(layers, b, heads, r, dtype=torch.int64, device=dev) for _ in range(4)]
         moved = torch.zeros(layers, b, heads, r, dtype=torch.bool, device=dev)
-        return cls(*ints, torch.zeros(b, c, dtype=torch.int64, device=dev), *recs, moved)
+        cols = torch.zeros(b, c, dtype=torch.int64, device=dev)
+        return cls(*ints, cols, *masks, host_rows, torch.arange(heads, device=dev), *recs, moved)
+
+    def derive(self) -> None:
+        """Fill what every layer of the step reads from the plan's inputs (once per step, not per layer)."""
+        for mask, lo, hi in (
+            (self.in_row, None, self.m),
+            (self.displaceable, self.lo, self.hi),
+            (self.in_host, None, self.n_cols),
+            (self.first_r, None, self.r),
+        ):
+            at = torch.arange(mask.shape[1], device=mask.device)
+            inside = at < hi.unsqueeze(-1)
+            mask.copy_(inside if lo is None else inside & (at >= lo.unsqueeze(-1)))
+        torch.add(self.cols.unsqueeze(1) * self.heads.numel(), self.heads[:, None], out=self.host_rows)
 
 
 def buffers(ctx: KvEvictContext, bucket_key: tuple[int, int, int, int]) -> StepBuffers:
@@ -219,14 +238,26 @@ class StepPlan:
     def layer(self, ctx: KvEvictContext, layer: int, q: torch.Tensor) -> None:
         """Score and exchange at `layer`, in every KV head, with the step's queries `q` `[B, Hq, D]`;
         fixed shapes only."""
-        rt, pool = ctx.rt, ctx.host
-        slots = rt.req_to_token.index_select(0, self.buf.rows)[:, : self.width].to(torch.int64)  # [B, W]
-        keys_row = rt.k_buffer(layer)[slots]  # [B, W, H, D]
-        keys_host = pool.k[layer][self.buf.cols.to(pool.k.device)].to(q.device)  # [B, C, H, D]
-        ex = choose(q[: self.batch], keys_row, keys_host, slots, self.bounds, rt.scale)
+        slots, keys_row, keys_host = self.gather(ctx, layer)
+        ex = choose(q[: self.batch], keys_row, keys_host, slots, self.bounds, ctx.rt.scale)
         _swap(ctx, layer, ex.dev_slots, ex.host_cols)
         self._record(layer, ex)
         mark_stale(ctx.stats, layer, ex.dev_slots, ex.moved)
+
+    def gather(self, ctx: KvEvictContext, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows' slots `[B, W]` and, heads first, their keys `[B, H, W, D]` and the branches' host keys
+        `[B, H, C, D]` at `layer`: one `index_select` each over the pool's flat `[slots * H, D]` view, in
+        the layout the scores' batched product reads (on a CPU several times faster than indexing by a
+        2-D tensor and permuting). The slots are read here, in the forward, not when planned: under the
+        overlap scheduler the row may change between the two."""
+        rt, pool, buf = ctx.rt, ctx.host, self.buf
+        slots = rt.req_to_token.index_select(0, buf.rows)[:, : self.width].to(torch.int64)
+        k_dev, k_host = rt.k_buffer(layer), pool.k[layer]
+        h, d = k_dev.shape[1], k_dev.shape[2]
+        row_rows = (slots.unsqueeze(1) * h + buf.heads[:, None]).view(-1)
+        keys_row = k_dev.view(-1, d).index_select(0, row_rows).view(slots.shape[0], h, -1, d)
+        keys_host = k_host.view(-1, d).index_select(0, buf.host_rows.view(-1).to(k_host.device))
+        return slots, keys_row, keys_host.view(*buf.host_rows.shape, d).to(k_dev.device)
 
     def _record(self, layer: int, ex: Exchange) -> None:
         for buf, x in zip((self.pos, self.hidx, self.dev_slots, self.host_cols, self.moved), ex, strict=True):
@@ -295,13 +326,13 @@ def plan(ctx: KvEvictContext, reqs: list[Any]) -> StepPlan | None:
     for dst, src in zip(inputs, torch.tensor(per_row, dtype=torch.int64).T, strict=True):
         dst.copy_(src)
     buf.cols.copy_(cols)
+    buf.derive()
     bounds = StepBounds(
-        buf.m,
-        buf.lo,
-        buf.hi,
-        buf.r,
+        buf.in_row,
+        buf.displaceable,
+        buf.in_host,
+        buf.first_r,
         buf.cols,
-        buf.n_cols,
         tuning.page,
         swaps,
         recall_core.MIN_SCORE,
