@@ -327,6 +327,41 @@ def recall_markdown(runs: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def cost_markdown(runs: list[dict]) -> str:
+    """Per run, what recall costs where it can act: the mean decode time per token (1 / a turn's decode
+    tokens/s) and the TTFT p50 over the turns at or after the first turn whose branch had host entries in
+    any run (turn index, so runs with recall off are compared on the same turns), each as a ratio to the
+    runs without a host tier (`host_tokens` never reported) of the same replay."""
+    hosted = [t["turn"] for r in runs for t in r["turns"] if t.get("host_tokens")]
+    if not hosted:
+        return "no turn had host entries: nothing to compare"
+    first = min(hosted)
+    rows, per_run = [], []
+    for r in runs:
+        ts = [
+            t for t in r["turns"] if t["turn"] >= first and t.get("decode_tps") and t.get("ttft") is not None
+        ]
+        if not ts:
+            continue
+        ms = 1000 * statistics.fmean(1 / t["decode_tps"] for t in ts)
+        ttft = statistics.median(t["ttft"] for t in ts)
+        per_run.append((r["label"], any(t.get("host_tokens") for t in r["turns"]), len(ts), ms, ttft))
+    off = [x for x in per_run if not x[1]]
+    base_ms = statistics.fmean(x[3] for x in off) if off else None
+    base_ttft = statistics.fmean(x[4] for x in off) if off else None
+    rows.append(f"turns from {first} (the first with host entries)\n")
+    rows.append(
+        "| run | recall | turns | decode ms/token | x off | TTFT p50 s | x off |\n|---|---|---|---|---|---|---|"
+    )
+    for label, on, n, ms, ttft in per_run:
+        x_ms = f"{ms / base_ms:.2f}" if base_ms else "-"
+        x_ttft = f"{ttft / base_ttft:.2f}" if base_ttft else "-"
+        rows.append(
+            f"| {label} | {'on' if on else 'off'} | {n} | {ms:.1f} | {x_ms} | {ttft:.2f} | {x_ttft} |"
+        )
+    return "\n".join(rows)
+
+
 if __name__ == "__main__":
     import argparse
     import json
@@ -334,8 +369,17 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="tables from a replay.json")
     ap.add_argument("replay_json", type=Path)
     ap.add_argument("--recall", action="store_true", help="the recall scenario's question-turn table")
+    ap.add_argument(
+        "--cost",
+        action="store_true",
+        help="decode time per token and TTFT of each run against the runs with recall off, on the turns "
+        "from the first with host entries",
+    )
     a = ap.parse_args()
     data = json.loads(a.replay_json.read_text())
-    if not a.recall:
-        ap.error("only --recall is available here; replay.md holds the other tables")
-    print(recall_markdown(data["runs"]))
+    if not (a.recall or a.cost):
+        ap.error("choose --recall or --cost; replay.md holds the other tables")
+    if a.recall:
+        print(recall_markdown(data["runs"]))
+    if a.cost:
+        print(cost_markdown(data["runs"]))

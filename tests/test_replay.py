@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import replay  # noqa: E402
-from replay_report import by_kind, final_kv, summarize  # noqa: E402
+from replay_report import by_kind, cost_markdown, final_kv, summarize  # noqa: E402
 
 from sgl_kvevict.scenarios.base import ScenarioConfig  # noqa: E402
 
@@ -116,6 +116,26 @@ def test_recall_report_counts_answers_by_kind() -> None:
         {"expect": "952", "correct": False, "answer": None},
     ]
     assert by_kind(q) == ("codes 1/1, names 0/1, budgets 0/2", 1)
+
+
+def test_cost_report_compares_recall_on_the_turns_with_host_entries() -> None:
+    """`replay_report.py --cost`: turn 0 (no host entries in any run) stays out; the run with recall is
+    compared with the mean of the runs without it on the same turns."""
+
+    def turns(host: int | None, tps: tuple[float, float], ttft: tuple[float, float]) -> list[dict]:
+        return [
+            {"turn": i, "decode_tps": v, "ttft": f, "host_tokens": host if i else None}
+            for i, (v, f) in enumerate(zip(tps, ttft, strict=True))
+        ]
+
+    runs = [
+        {"label": "off", "turns": turns(None, (1.0, 10.0), (9.0, 1.0))},
+        {"label": "on", "turns": turns(100, (1.0, 5.0), (9.0, 1.5))},
+    ]
+    out = cost_markdown(runs)
+    assert "turns from 1" in out
+    assert "| off | off | 1 | 100.0 | 1.00 | 1.00 | 1.00 |" in out
+    assert "| on | on | 1 | 200.0 | 2.00 | 1.50 | 1.50 |" in out
 
 
 def test_a_run_scored_by_f1_summarizes() -> None:
