@@ -22,7 +22,7 @@ A decode step's recall has three parts, and only the middle one runs inside the 
 
 The ranking is `recall.exchange`'s (the same `recall_core.best_entries`, the same floor) over every host entry of
 the branch; the page summaries that a turn's recall uses to fetch fewer keys are not used here.
-On a GPU a graph would be captured per (B, W, C) bucket, as SGLang captures one per batch size; the
+On a GPU a graph would be captured per (B, W, C, R) bucket (`bucket`), as SGLang captures one per batch size; the
 host keys are read through an index on the host store (a pinned-memory gather kernel would make that
 read graph-safe too). Both are written against the interfaces and not exercised on this CPU.
 """
