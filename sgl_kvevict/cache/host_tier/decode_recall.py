@@ -141,9 +141,8 @@ class DecodeArm:
 @dataclass(eq=False)
 class StepBuffers:
     """One bucket's device tensors (see `buffers`): the plan's inputs, `[B]` and `[B, C]`, what it derives
-    from them once for every layer (the `StepBounds` masks; `host_rows` `[B, H, C]`, each host entry's row
-    in the host store's flat `[cols * H, D]` view; `heads` `[H]`), and its records, `[L, B, H, R]` per
-    layer (displaced row positions, branch column indices, device slots, host columns, whether the pair
+    from them once for every layer (the `StepBounds` masks), the KV heads `[H]`, and its records,
+    `[L, B, H, R]` per layer (displaced row positions, branch column indices, device slots, host columns, whether the pair
     moved). Allocated once per bucket and refilled by each plan of it, so a CUDA graph captured for the
     bucket reads and writes the same addresses at every replay."""
 
@@ -158,7 +157,6 @@ class StepBuffers:
     displaceable: torch.Tensor
     in_host: torch.Tensor
     first_r: torch.Tensor
-    host_rows: torch.Tensor
     heads: torch.Tensor
     pos: torch.Tensor
     hidx: torch.Tensor
@@ -173,11 +171,10 @@ class StepBuffers:
         b, w, c, r = bucket_key
         ints = [torch.zeros(b, dtype=torch.int64, device=dev) for _ in range(6)]
         masks = [torch.zeros(b, n, dtype=torch.bool, device=dev) for n in (w, w, c, r)]
-        host_rows = torch.zeros(b, heads, c, dtype=torch.int64, device=dev)
         recs = [torch.zeros(layers, b, heads, r, dtype=torch.int64, device=dev) for _ in range(4)]
         moved = torch.zeros(layers, b, heads, r, dtype=torch.bool, device=dev)
         cols = torch.zeros(b, c, dtype=torch.int64, device=dev)
-        return cls(*ints, cols, *masks, host_rows, torch.arange(heads, device=dev), *recs, moved)
+        return cls(*ints, cols, *masks, torch.arange(heads, device=dev), *recs, moved)
 
     def derive(self) -> None:
         """Fill what every layer of the step reads from the plan's inputs (once per step, not per layer)."""
@@ -190,7 +187,6 @@ class StepBuffers:
             at = torch.arange(mask.shape[1], device=mask.device)
             inside = at < hi.unsqueeze(-1)
             mask.copy_(inside if lo is None else inside & (at >= lo.unsqueeze(-1)))
-        torch.add(self.cols.unsqueeze(1) * self.heads.numel(), self.heads[:, None], out=self.host_rows)
 
 
 def buffers(ctx: KvEvictContext, bucket_key: tuple[int, int, int, int]) -> StepBuffers:
@@ -246,18 +242,17 @@ class StepPlan:
 
     def gather(self, ctx: KvEvictContext, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The rows' slots `[B, W]` and, heads first, their keys `[B, H, W, D]` and the branches' host keys
-        `[B, H, C, D]` at `layer`: one `index_select` each over the pool's flat `[slots * H, D]` view, in
-        the layout the scores' batched product reads (on a CPU several times faster than indexing by a
-        2-D tensor and permuting). The slots are read here, in the forward, not when planned: under the
-        overlap scheduler the row may change between the two."""
+        `[B, H, C, D]` at `layer`: `kernels.head_rows`, one `index_select` each over the pool's flat
+        `[slots * H, D]` view, in the layout the scores' batched product reads (on a CPU several times
+        faster than indexing by a 2-D tensor and permuting). The slots are read here, in the forward, not
+        when planned: under the overlap scheduler the row may change between the two."""
         rt, pool, buf = ctx.rt, ctx.host, self.buf
         slots = rt.req_to_token.index_select(0, buf.rows)[:, : self.width].to(torch.int64)
         k_dev, k_host = rt.k_buffer(layer), pool.k[layer]
-        h, d = k_dev.shape[1], k_dev.shape[2]
-        row_rows = (slots.unsqueeze(1) * h + buf.heads[:, None]).view(-1)
-        keys_row = k_dev.view(-1, d).index_select(0, row_rows).view(slots.shape[0], h, -1, d)
-        keys_host = k_host.view(-1, d).index_select(0, buf.host_rows.view(-1).to(k_host.device))
-        return slots, keys_row, keys_host.view(*buf.host_rows.shape, d).to(k_dev.device)
+        heads = buf.heads[:, None]  # [H, 1]: against `[B, 1, N]` ids, every (row, head, entry)
+        keys_row = K.head_rows(k_dev, slots.unsqueeze(1), heads)
+        cols = buf.cols.unsqueeze(1).to(k_host.device)
+        return slots, keys_row, K.head_rows(k_host, cols, heads.to(k_host.device)).to(k_dev.device)
 
     def _record(self, layer: int, ex: Exchange) -> None:
         for buf, x in zip((self.pos, self.hidx, self.dev_slots, self.host_cols, self.moved), ex, strict=True):
