@@ -8,7 +8,7 @@ approximation). Per compression it counts, over (layer, KV head), the evicted en
 merges that land on the fact's digit entries and on the sinks, and how far the receiving entries move
 (cosine of K and V before and after).
 
-    HF_HUB_OFFLINE=1 python benchmarks/d2o_merge_probe.py --variants '{"d2o": {}, "mean": {"threshold": "mean"}}'
+    HF_HUB_OFFLINE=1 python benchmarks/d2o_merge_probe.py --variants '{"d2o": {"merge": true}, "mean": {"merge": true, "threshold": "mean"}}'
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def probe_session(rp: Replayer, session, variant: dict, ratio: float) -> list[di
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variants", default='{"d2o": {}}', help="JSON: label -> d2o config")
+    ap.add_argument("--variants", default='{"d2o": {"merge": true}}', help="JSON: label -> d2o config")
     ap.add_argument("--sessions", type=int, default=12)
     ap.add_argument("--ratio", type=float, default=0.5)
     ap.add_argument("--answer-tokens", type=int, default=16)

@@ -1,8 +1,9 @@
 """`d2o`: Dynamic Discriminative Operations (Wan et al. 2024, arXiv 2406.13035).
 
-Token level: H2O-style eviction, plus sinks and a recent window, then each evicted token is merged into
-its most key-similar kept token when the similarity clears an EMA threshold (`merge`,
-`kernels.d2o_merge`; tau kept per (request, layer) in `view.state["tau"]`, tau_0 = mean similarity at
+Token level: H2O-style eviction, plus sinks and a recent window; with `merge` on (the paper's method, off
+by default: on the recall suite's multikey family it cost 3 of 12 answers), each evicted token is then
+merged into its most key-similar kept token when the similarity clears an EMA threshold
+(`kernels.d2o_merge`; tau kept per (request, layer) in `view.state["tau"]`, tau_0 = mean similarity at
 the first compression, then tau <- beta * cur + (1 - beta) * tau).
 
 Scores (`scores`). The paper accumulates the attention every query paid each token, over the prompt and
@@ -60,7 +61,11 @@ from .registry import register
 class D2OConfig(H2OConfig):
     recent_fraction: float = Field(0.25, ge=0.0, lt=1.0, description="M / (N + M); paper N:M = 3:1 -> 0.25")
     beta: float = Field(0.7, gt=0.0, le=1.0, description="EMA weight of the current step's max similarity")
-    merge: bool = Field(True, description="merge evicted tokens into kept ones (False: eviction only)")
+    merge: bool = Field(
+        False,
+        description="merge evicted tokens into kept ones (the paper's merge; off by default: it costs "
+        "answers on the recall suite's multikey family)",
+    )
     scores: Literal["window", "accumulated"] = Field(
         "window",
         description="'accumulated': each compression adds the window's attention, credited to the queries "
@@ -119,6 +124,11 @@ class D2OPolicy(H2OPolicy):
         sigma2 = colsum.var(dim=-1).mean()
         view.stats["d2o_sigma2"] = sigma2
         view.stats["d2o_inv_var"] = 1.0 / sigma2.clamp_min(1e-30)
+
+    @property
+    def merges(self) -> bool:
+        """Only with `merge` on: without it D2O is a selection like H2O's and takes the batched path."""
+        return self.config.merge
 
     def merge(self, view: LayerView, keep: torch.Tensor) -> None:
         if not self.config.merge:

@@ -33,6 +33,7 @@ POLICIES = [
     ("snapkv", {}),
     ("lagkv", {"lag": 16}),
     ("d2o", {}),
+    ("d2o", {"merge": True}),
     ("graphkv", {}),
     ("graphkv", {"base": "lagkv", "base_config": {"lag": 16}}),
     ("criticalkv", {}),
@@ -215,7 +216,7 @@ def _same(x: tuple, y: tuple) -> bool:
 @pytest.mark.parametrize("share_prompt", [False, True], ids=["own", "tree-shared"])
 def test_failed_step_changes_nothing(monkeypatch, where: str, share_prompt: bool) -> None:
     rank = Rank(slice(0, 4))
-    req = _start(rank, "d2o", {}, share_prompt)
+    req = _start(rank, "d2o", {"merge": True}, share_prompt)
     before = _snapshot(rank, req)
 
     def boom(*args, **kwargs):

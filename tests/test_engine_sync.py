@@ -331,10 +331,10 @@ def test_batched_step_has_no_host_sync(key: str, caplog: pytest.LogCaptureFixtur
     assert sc.counts == {}, f"host syncs in the batched step: {sc.counts}"
 
 
-# D2O still takes the per-request path (it merges), but that path no longer syncs either.
+# D2O with its merge takes the per-request path, but that path no longer syncs either.
 D2O_CONFIGS = {
-    "d2o": {"window": 8},
-    "d2o-accumulated-mean": {"window": 8, "scores": "accumulated", "threshold": "mean"},
+    "d2o": {"window": 8, "merge": True},
+    "d2o-accumulated-mean": {"window": 8, "scores": "accumulated", "threshold": "mean", "merge": True},
 }
 
 

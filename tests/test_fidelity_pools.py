@@ -81,7 +81,7 @@ def test_d2o_merge_on_real_pools_follows_the_paper(mode: str) -> None:
     """Prefill (tau_0) and a later decode step (EMA) on MHATokenToKVPool: every kept slot's K and V per
     head, the merged count and tau all match Eqs. 9-12 computed from the pool before the step."""
     rank = Rank(slice(0, HKV))
-    req = _start(rank, "d2o", {"threshold": mode}, False)
+    req = _start(rank, "d2o", {"threshold": mode, "merge": True}, False)
     s = st.get(req)
     keeps: list[torch.Tensor] = []
     real_select = s.policy.select
@@ -149,9 +149,9 @@ def _full_run(rank: Rank, config: dict, preset_tau: float | None) -> dict:
 def test_d2o_zero_merge_weight_equals_eviction_exactly() -> None:
     """An unreachable threshold gives every evicted token merge weight m_{e,c} = 0 (Eq. 11): the pool,
     the row and the tree must then be bit-for-bit those of `merge: false` (H2O-style eviction)."""
-    merged = _full_run(Rank(slice(0, HKV)), {}, float("inf"))
+    merged = _full_run(Rank(slice(0, HKV)), {"merge": True}, float("inf"))
     plain = _full_run(Rank(slice(0, HKV)), {"merge": False}, None)
-    normal = _full_run(Rank(slice(0, HKV)), {}, None)
+    normal = _full_run(Rank(slice(0, HKV)), {"merge": True}, None)
     assert sum(plain["freed"]) > 0 and merged["merged"] == 0 and normal["merged"] > 0
     assert merged["freed"] == plain["freed"] and merged["row"] == plain["row"]
     assert merged["tree"] == plain["tree"]

@@ -55,7 +55,7 @@ SUMMARY: dict[str, oracle.TokenCheck] = {}
 
 # other configurations of a policy, by label
 VARIANTS: dict[str, tuple[str, dict]] = {
-    "d2o-merge": ("d2o", {}),  # merge on: the oracle must notice
+    "d2o-merge": ("d2o", {"merge": True}),  # merge on: the oracle must notice
     "snapkv-branch": ("snapkv", {"scope": "branch"}),  # earlier turns re-compressed with the new tokens
     # and evicted entries recalled from the host tier at its defaults: each prefill over both tiers,
     # appended after its compression, and in every decode step; every swap and append is a timeline event

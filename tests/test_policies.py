@@ -316,7 +316,7 @@ def test_d2o_recent_fraction_and_density_stats() -> None:
 
 def test_d2o_merge_conserves_weighted_sum() -> None:
     view = make_view(60, pool_extra=5, seed=7)
-    pol = P.build("d2o", {"beta": 0.7})
+    pol = P.build("d2o", {"beta": 0.7, "merge": True})
     k0, v0 = view.k_buffer.clone().double(), view.v_buffer.clone().double()
     keep = pol.select(view, 20)
     pol.merge(view, keep)
@@ -692,7 +692,8 @@ def test_criticalkv_cached_norms_select_as_recomputing(base: str, monkeypatch) -
         return out
 
     monkeypatch.setattr(C, "cached_vo_norms", spy)
-    pol = P.build("criticalkv", {"base": base, "recent": 8})
+    merge = {"base_config": {"merge": True}} if base == "d2o" else {}
+    pol = P.build("criticalkv", {"base": base, "recent": 8, **merge})
     view = make_view(90, n_recent=8, pool_extra=7, seed=1)
     budget = 30
     keep = pol.select(view, budget)
@@ -813,7 +814,8 @@ def test_refiner_is_a_base_class() -> None:
         pol = P.build(name)
         assert isinstance(pol, P.Refiner) and pol.merges == pol.base.merges
     assert not isinstance(P.build("snapkv"), P.Refiner)
-    assert P.build("graphkv", {"base": "d2o"}).merges and not P.build("graphkv").merges
+    assert P.build("graphkv", {"base": "d2o", "base_config": {"merge": True}}).merges
+    assert not P.build("graphkv", {"base": "d2o"}).merges and not P.build("graphkv").merges
 
 
 @pytest.mark.parametrize("mode", ["none", "max", "decay"])

@@ -28,9 +28,9 @@ CAP = 100  # a step cap below the region: the plan is split over two steps (one 
 CASES = [
     ("snapkv", {}),  # own region: the batched engine's compaction
     ("knorm", {}),
-    ("d2o", {}),  # merge: staged rows, stale marks
+    ("d2o", {"merge": True}),  # merge: staged rows, stale marks
     ("criticalkv", {}),
-    ("criticalkv", {"base": "d2o"}),
+    ("criticalkv", {"base": "d2o", "base_config": {"merge": True}}),
 ]
 
 
@@ -125,7 +125,7 @@ def test_statistic_moves_with_its_row(policy: str, config: dict, share_prompt: b
         stale_seen += _stale_rows(rank, req)
     s = st.get(req)
     assert s.slot_map.own_evicted > 0, "the scenario must evict something"
-    merges = policy == "d2o" or config.get("base") == "d2o"
+    merges = config.get("merge", False) or config.get("base_config", {}).get("merge", False)
     if merges:
         assert s.policy_state.merged > 0 and stale_seen > 0, "merged rows must be marked stale"
     else:
