@@ -52,7 +52,7 @@ The re-exported functions shadow their modules' names here: reach a module (e.g.
 with `importlib.import_module("sgl_kvevict.kernels.vo_norms")`.
 """
 
-from ._pool import head_rows
+from ._pool import flat_rows
 from .compact import compact, compact_ref, compact_triton
 from .d2o_merge import d2o_merge, d2o_merge_ref, d2o_merge_triton
 from .dispatch import use_triton
@@ -89,7 +89,7 @@ __all__ = [
     "d2o_merge_ref",
     "d2o_merge_triton",
     "gather_columns",
-    "head_rows",
+    "flat_rows",
     "host_fetch",
     "host_fetch_ref",
     "host_fetch_triton",

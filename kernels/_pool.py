@@ -24,18 +24,27 @@ def _flat(buf: torch.Tensor) -> torch.Tensor | None:
 
 def head_rows(buf: torch.Tensor, slots: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
     """Copy of buf[slots, heads] (broadcast index tensors) with a trailing D axis."""
-    flat = _flat(buf)
-    if flat is None:
+    if _flat(buf) is None:
         return buf[slots, heads]
-    idx = slots * buf.shape[1] + heads
-    return flat.index_select(0, idx.reshape(-1)).view(*idx.shape, buf.shape[2])
+    return flat_rows(buf, slots * buf.shape[1] + heads)
 
 
 def write_head_rows(buf: torch.Tensor, slots: torch.Tensor, heads: torch.Tensor, rows: torch.Tensor) -> None:
     """buf[slots, heads] = rows, in place (index pairs must be distinct)."""
-    flat = _flat(buf)
-    if flat is None:
+    if _flat(buf) is None:
         buf[slots, heads] = rows.to(buf.dtype)
         return
-    idx = (slots * buf.shape[1] + heads).reshape(-1)
-    flat.index_copy_(0, idx, rows.reshape(idx.numel(), buf.shape[2]).to(buf.dtype))
+    write_flat_rows(buf, slots * buf.shape[1] + heads, rows)
+
+
+def flat_rows(buf: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Copy of the rows `ids` (`slot * H + head`, any shape) of a dense pool's flat `[slots * H, D]` view,
+    with a trailing D axis: where many gathers share their (slot, head) pairs, the ids are computed once."""
+    return buf.view(-1, buf.shape[2]).index_select(0, ids.reshape(-1)).view(*ids.shape, buf.shape[2])
+
+
+def write_flat_rows(buf: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    """The flat rows `ids` of a dense pool = `rows`, in place (ids distinct, or their rows equal)."""
+    buf.view(-1, buf.shape[2]).index_copy_(
+        0, ids.reshape(-1), rows.reshape(ids.numel(), buf.shape[2]).to(buf.dtype)
+    )

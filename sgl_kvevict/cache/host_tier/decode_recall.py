@@ -60,16 +60,19 @@ def bucket(n: int, cap: int | None = None) -> int:
 
 
 class StepBounds(NamedTuple):
-    """What a plan fixes for every layer of the step, as masks computed once per step: per batch row, its
-    entries before the step's token (`in_row` `[B, W]`), the displaceable ones (`displaceable` `[B, W]`),
-    its real host columns (`in_host` `[B, C]`) among `cols` `[B, C]` and its swaps (`first_r` `[B, R]`);
-    for all rows, the page, the swaps per head `swaps`, the score floor and the scratch column."""
+    """What a plan fixes for every layer of the step, computed once per step: per batch row, the logits'
+    padding (`bias` `[B, 1, 1, C + W]`: 0 on its real host columns, then on its entries before the step's
+    token, -inf elsewhere), its padded host columns (`not_host` `[B, 1, C]`), its entries that may not be
+    displaced (`fixed` `[B, 1, W]`), its host columns `cols` `[B, 1, C]` and their rows in the host pool's
+    flat `[columns * H, D]` view (`host_ids` `[B, H, C]`), its swaps (`first_r` `[B, 1, R]`); for all rows,
+    the page, the swaps per head `swaps`, the score floor and the scratch column."""
 
-    in_row: torch.Tensor
-    displaceable: torch.Tensor
-    in_host: torch.Tensor
+    bias: torch.Tensor
+    not_host: torch.Tensor
+    fixed: torch.Tensor
     first_r: torch.Tensor
     cols: torch.Tensor
+    host_ids: torch.Tensor
     page: int
     swaps: int
     min_score: float
@@ -105,23 +108,20 @@ def choose(
     qf = q.float().view(n, h, -1, d)  # [B, H, G, D]: query heads grouped by KV head
     logits = torch.cat(
         [
-            torch.einsum("bhgd,bhcd->bhgc", qf, keys_host.float()).masked_fill_(
-                ~b.in_host[:, None, None], -torch.inf
-            ),
-            torch.einsum("bhgd,bhwd->bhgw", qf, keys_row.float()).masked_fill_(
-                ~b.in_row[:, None, None], -torch.inf
-            ),
+            torch.matmul(qf, keys_host.float().transpose(-1, -2)),
+            torch.matmul(qf, keys_row.float().transpose(-1, -2)),
         ],
         dim=-1,
-    ).mul_(scale)
+    )
+    logits = torch.add(b.bias, logits, alpha=scale)  # [B, H, G, C + W], padding at -inf
     p = torch.softmax(logits, dim=-1).amax(dim=2)  # [B, H, C + W]: an entry's best query head
     # padding stays out of the ranking (a page's best would otherwise rank its padded entries too)
-    host_sc, row_sc = p[..., :c].masked_fill(~b.in_host[:, None], -torch.inf), p[..., c:]
+    host_sc, row_sc = p[..., :c].masked_fill(b.not_host, -torch.inf), p[..., c:]
     hs, hidx = best_entries(host_sc, b.page, r)  # [B, H, R], best first
-    cs, pos = row_sc.masked_fill(~b.displaceable[:, None], torch.inf).neg_().topk(r, dim=-1)
-    moved = (hs > -cs) & (hs >= b.min_score) & b.first_r[:, None]  # a prefix of each (row, head)
+    cs, pos = row_sc.masked_fill(b.fixed, torch.inf).neg_().topk(r, dim=-1)
+    moved = (hs > -cs) & (hs >= b.min_score) & b.first_r  # a prefix of each (row, head)
     dev_slots = torch.where(moved, slots.unsqueeze(1).expand(n, h, w).gather(-1, pos), 0)
-    host_cols = b.cols.unsqueeze(1).expand(n, h, c).gather(-1, hidx)
+    host_cols = b.cols.expand(n, h, c).gather(-1, hidx)
     return Exchange(pos, hidx, dev_slots, torch.where(moved, host_cols, b.scratch), moved)
 
 
@@ -141,7 +141,7 @@ class DecodeArm:
 @dataclass(eq=False)
 class StepBuffers:
     """One bucket's device tensors (see `buffers`): the plan's inputs, `[B]` and `[B, C]`, what it derives
-    from them once for every layer (the `StepBounds` masks), the KV heads `[H]`, and its records,
+    from them once for every layer (`StepBounds`' masks and indices), the KV heads `[H]`, and its records,
     `[L, B, H, R]` per layer (displaced row positions, branch column indices, device slots, host columns, whether the pair
     moved). Allocated once per bucket and refilled by each plan of it, so a CUDA graph captured for the
     bucket reads and writes the same addresses at every replay."""
@@ -153,10 +153,11 @@ class StepBuffers:
     r: torch.Tensor
     n_cols: torch.Tensor
     cols: torch.Tensor
-    in_row: torch.Tensor
-    displaceable: torch.Tensor
-    in_host: torch.Tensor
+    bias: torch.Tensor
+    not_host: torch.Tensor
+    fixed: torch.Tensor
     first_r: torch.Tensor
+    host_ids: torch.Tensor
     heads: torch.Tensor
     pos: torch.Tensor
     hidx: torch.Tensor
@@ -170,23 +171,29 @@ class StepBuffers:
     ) -> StepBuffers:
         b, w, c, r = bucket_key
         ints = [torch.zeros(b, dtype=torch.int64, device=dev) for _ in range(6)]
-        masks = [torch.zeros(b, n, dtype=torch.bool, device=dev) for n in (w, w, c, r)]
+        cols = torch.zeros(b, 1, c, dtype=torch.int64, device=dev)
+        bias = torch.zeros(b, 1, 1, c + w, dtype=torch.float32, device=dev)
+        masks = [torch.zeros(b, 1, n, dtype=torch.bool, device=dev) for n in (c, w, r)]
+        host_ids = torch.zeros(b, heads, c, dtype=torch.int64, device=dev)
         recs = [torch.zeros(layers, b, heads, r, dtype=torch.int64, device=dev) for _ in range(4)]
         moved = torch.zeros(layers, b, heads, r, dtype=torch.bool, device=dev)
-        cols = torch.zeros(b, c, dtype=torch.int64, device=dev)
-        return cls(*ints, cols, *masks, torch.arange(heads, device=dev), *recs, moved)
+        return cls(*ints, cols, bias, *masks, host_ids, torch.arange(heads, device=dev), *recs, moved)
 
     def derive(self) -> None:
         """Fill what every layer of the step reads from the plan's inputs (once per step, not per layer)."""
-        for mask, lo, hi in (
-            (self.in_row, None, self.m),
-            (self.displaceable, self.lo, self.hi),
-            (self.in_host, None, self.n_cols),
-            (self.first_r, None, self.r),
-        ):
-            at = torch.arange(mask.shape[1], device=mask.device)
-            inside = at < hi.unsqueeze(-1)
-            mask.copy_(inside if lo is None else inside & (at >= lo.unsqueeze(-1)))
+
+        def below(n: int, hi: torch.Tensor) -> torch.Tensor:  # [B, 1, n]: index < hi, per batch row
+            return torch.arange(n, device=hi.device) < hi.view(-1, 1, 1)
+
+        c = self.cols.shape[-1]
+        w = self.bias.shape[-1] - c
+        in_host = below(c, self.n_cols)
+        self.not_host.copy_(~in_host)
+        valid = torch.cat([in_host, below(w, self.m)], dim=-1).unsqueeze(1)  # [B, 1, 1, C + W]
+        self.bias.copy_(torch.zeros_like(self.bias).masked_fill_(~valid, -torch.inf))
+        self.fixed.copy_(~(below(w, self.hi) & ~below(w, self.lo)))
+        self.first_r.copy_(below(self.first_r.shape[-1], self.r))
+        self.host_ids.copy_(self.cols * self.heads.numel() + self.heads.view(1, -1, 1))
 
 
 def buffers(ctx: KvEvictContext, bucket_key: tuple[int, int, int, int]) -> StepBuffers:
@@ -215,6 +222,7 @@ class StepPlan:
     bounds: StepBounds  # what every layer reads: views of `buf`'s inputs and the plan's constants
     width: int  # W
     row_ids: list[int]  # the batch's request rows on the host (-1: none)
+    slots: tuple[torch.Tensor, torch.Tensor] | None = None  # `row`: read at the step's first layer
     layers_done: int = 0
     failed: bool = False
     overlapped: bool = False  # planned while the previous decode step's results were still pending
@@ -242,17 +250,24 @@ class StepPlan:
 
     def gather(self, ctx: KvEvictContext, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The rows' slots `[B, W]` and, heads first, their keys `[B, H, W, D]` and the branches' host keys
-        `[B, H, C, D]` at `layer`: `kernels.head_rows`, one `index_select` each over the pool's flat
-        `[slots * H, D]` view, in the layout the scores' batched product reads (on a CPU several times
-        faster than indexing by a 2-D tensor and permuting). The slots are read here, in the forward, not
-        when planned: under the overlap scheduler the row may change between the two."""
-        rt, pool, buf = ctx.rt, ctx.host, self.buf
-        slots = rt.req_to_token.index_select(0, buf.rows)[:, : self.width].to(torch.int64)
-        k_dev, k_host = rt.k_buffer(layer), pool.k[layer]
-        heads = buf.heads[:, None]  # [H, 1]: against `[B, 1, N]` ids, every (row, head, entry)
-        keys_row = K.head_rows(k_dev, slots.unsqueeze(1), heads)
-        cols = buf.cols.unsqueeze(1).to(k_host.device)
-        return slots, keys_row, K.head_rows(k_host, cols, heads.to(k_host.device)).to(k_dev.device)
+        `[B, H, C, D]` at `layer`: one `index_select` each over the pool's flat `[slots * H, D]` view
+        (`kernels.flat_rows`), in the layout the scores' batched product reads (on a CPU several times
+        faster than indexing by a 2-D tensor and permuting)."""
+        slots, row_ids = self.row(ctx)
+        k_dev, k_host = ctx.rt.k_buffer(layer), ctx.host.k[layer]
+        keys_host = K.flat_rows(k_host, self.bounds.host_ids.to(k_host.device)).to(k_dev.device)
+        return slots, K.flat_rows(k_dev, row_ids), keys_host
+
+    def row(self, ctx: KvEvictContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' slots `[B, W]` and their rows in the device pool's flat view `[B, H, W]`, read at the
+        step's first layer and kept for the others (an exchange moves entries between slots, not slots).
+        Read in the forward, not when planned: under the overlap scheduler the row may change between the
+        two."""
+        if self.slots is None:
+            buf = self.buf
+            slots = ctx.rt.req_to_token.index_select(0, buf.rows)[:, : self.width].to(torch.int64)
+            self.slots = (slots, slots.unsqueeze(1) * buf.heads.numel() + buf.heads.view(1, -1, 1))
+        return self.slots
 
     def _record(self, layer: int, ex: Exchange) -> None:
         for buf, x in zip((self.pos, self.hidx, self.dev_slots, self.host_cols, self.moved), ex, strict=True):
@@ -320,14 +335,15 @@ def plan(ctx: KvEvictContext, reqs: list[Any]) -> StepPlan | None:
     inputs = (buf.rows, buf.m, buf.lo, buf.hi, buf.r, buf.n_cols)
     for dst, src in zip(inputs, torch.tensor(per_row, dtype=torch.int64).T, strict=True):
         dst.copy_(src)
-    buf.cols.copy_(cols)
+    buf.cols.copy_(cols.unsqueeze(1))
     buf.derive()
     bounds = StepBounds(
-        buf.in_row,
-        buf.displaceable,
-        buf.in_host,
+        buf.bias,
+        buf.not_host,
+        buf.fixed,
         buf.first_r,
         buf.cols,
+        buf.host_ids,
         tuning.page,
         swaps,
         recall_core.MIN_SCORE,
