@@ -265,7 +265,8 @@ class StepPlan:
         two."""
         if self.slots is None:
             buf = self.buf
-            slots = ctx.rt.req_to_token.index_select(0, buf.rows)[:, : self.width].to(torch.int64)
+            # the first W columns, then the batch's rows: a whole row of the table is the context length
+            slots = ctx.rt.req_to_token[:, : self.width].index_select(0, buf.rows).to(torch.int64)
             self.slots = (slots, slots.unsqueeze(1) * buf.heads.numel() + buf.heads.view(1, -1, 1))
         return self.slots
 
