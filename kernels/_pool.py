@@ -38,13 +38,19 @@ def write_head_rows(buf: torch.Tensor, slots: torch.Tensor, heads: torch.Tensor,
 
 
 def flat_rows(buf: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Copy of the rows `ids` (`slot * H + head`, any shape) of a dense pool's flat `[slots * H, D]` view,
-    with a trailing D axis: where many gathers share their (slot, head) pairs, the ids are computed once."""
-    return buf.view(-1, buf.shape[2]).index_select(0, ids.reshape(-1)).view(*ids.shape, buf.shape[2])
+    """Copy of the rows `ids` (`slot * H + head`, any shape) of a `[slots, H, D]` pool, with a trailing D
+    axis: where many gathers share their (slot, head) pairs, the ids are computed once."""
+    flat = _flat(buf)
+    if flat is None:
+        return buf[ids // buf.shape[1], ids % buf.shape[1]]
+    return flat.index_select(0, ids.reshape(-1)).view(*ids.shape, buf.shape[2])
 
 
 def write_flat_rows(buf: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
-    """The flat rows `ids` of a dense pool = `rows`, in place (ids distinct, or their rows equal)."""
-    buf.view(-1, buf.shape[2]).index_copy_(
-        0, ids.reshape(-1), rows.reshape(ids.numel(), buf.shape[2]).to(buf.dtype)
-    )
+    """The rows `ids` (`slot * H + head`) of a `[slots, H, D]` pool = `rows`, in place (ids distinct, or
+    their rows equal)."""
+    flat = _flat(buf)
+    if flat is None:
+        buf[ids // buf.shape[1], ids % buf.shape[1]] = rows.to(buf.dtype)
+        return
+    flat.index_copy_(0, ids.reshape(-1), rows.reshape(ids.numel(), buf.shape[2]).to(buf.dtype))

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._pool import _flat, flat_rows, write_flat_rows
+from ._pool import flat_rows, write_flat_rows
 from .dispatch import next_pow2, use_triton
 
 
@@ -68,27 +68,13 @@ def _exchange_ref(
     for layer, (kb, vb) in enumerate(zip(k_buffers, v_buffers, strict=True)):
         d_ids, h_ids = d_slots[layer] * hkv + d_heads, h_cols[layer] * hkv + h_heads  # K and V alike
         for buf, hbuf in ((kb, host_k), (vb, host_v)):
-            h_row = _read(hbuf[layer], h_ids).to(dev)  # [Hkv, r, D] copies
-            d_row = _read(buf, d_ids) if swap or moves is not None else None
+            h_row = flat_rows(hbuf[layer], h_ids).to(dev)  # [Hkv, r, D] copies
+            d_row = flat_rows(buf, d_ids) if swap or moves is not None else None
             new_d = h_row if moves is None else torch.where(moves[layer], h_row, d_row)
             if swap:
                 new_h = d_row if moves is None else torch.where(moves[layer], d_row, h_row)
-                _write(hbuf[layer], h_ids, new_h.to(hbuf.device))
-            _write(buf, d_ids, new_d)
-
-
-def _read(buf: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` (`slot * Hkv + head`) of a `[slots, Hkv, D]` buffer: its flat view where it is dense."""
-    if _flat(buf) is not None:
-        return flat_rows(buf, ids)
-    return buf[ids // buf.shape[1], ids % buf.shape[1]]
-
-
-def _write(buf: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
-    if _flat(buf) is not None:
-        write_flat_rows(buf, ids, rows)
-    else:
-        buf[ids // buf.shape[1], ids % buf.shape[1]] = rows.to(buf.dtype)
+                write_flat_rows(hbuf[layer], h_ids, new_h.to(hbuf.device))
+            write_flat_rows(buf, d_ids, new_d)
 
 
 def host_swap_ref(
