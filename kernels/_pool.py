@@ -24,16 +24,11 @@ def _flat(buf: torch.Tensor) -> torch.Tensor | None:
 
 def head_rows(buf: torch.Tensor, slots: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
     """Copy of buf[slots, heads] (broadcast index tensors) with a trailing D axis."""
-    if _flat(buf) is None:
-        return buf[slots, heads]
     return flat_rows(buf, slots * buf.shape[1] + heads)
 
 
 def write_head_rows(buf: torch.Tensor, slots: torch.Tensor, heads: torch.Tensor, rows: torch.Tensor) -> None:
     """buf[slots, heads] = rows, in place (index pairs must be distinct)."""
-    if _flat(buf) is None:
-        buf[slots, heads] = rows.to(buf.dtype)
-        return
     write_flat_rows(buf, slots * buf.shape[1] + heads, rows)
 
 

@@ -140,7 +140,7 @@ class DecodeArm:
 
 @dataclass(eq=False)
 class StepBuffers:
-    """One bucket's device tensors (see `buffers`): the plan's inputs, `[B]` and `[B, C]`, what it derives
+    """One bucket's device tensors (see `buffers`): the plan's inputs, `[B]` and `[B, 1, C]`, what it derives
     from them once for every layer (`StepBounds`' masks and indices), the KV heads `[H]`, and its records,
     `[L, B, H, R]` per layer (displaced row positions, branch column indices, device slots, host columns, whether the pair
     moved). Allocated once per bucket and refilled by each plan of it, so a CUDA graph captured for the
@@ -190,8 +190,8 @@ class StepBuffers:
         in_host = below(c, self.n_cols)
         self.not_host.copy_(~in_host)
         valid = torch.cat([in_host, below(w, self.m)], dim=-1).unsqueeze(1)  # [B, 1, 1, C + W]
-        self.bias.copy_(torch.zeros_like(self.bias).masked_fill_(~valid, -torch.inf))
-        self.fixed.copy_(~(below(w, self.hi) & ~below(w, self.lo)))
+        self.bias.zero_().masked_fill_(~valid, -torch.inf)
+        self.fixed.copy_(below(w, self.lo) | ~below(w, self.hi))  # outside [lo, hi)
         self.first_r.copy_(below(self.first_r.shape[-1], self.r))
         self.host_ids.copy_(self.cols * self.heads.numel() + self.heads.view(1, -1, 1))
 
@@ -222,7 +222,7 @@ class StepPlan:
     bounds: StepBounds  # what every layer reads: views of `buf`'s inputs and the plan's constants
     width: int  # W
     row_ids: list[int]  # the batch's request rows on the host (-1: none)
-    slots: tuple[torch.Tensor, torch.Tensor] | None = None  # `row`: read at the step's first layer
+    row_read: tuple[torch.Tensor, torch.Tensor] | None = None  # `row`'s, read at the step's first layer
     layers_done: int = 0
     failed: bool = False
     overlapped: bool = False  # planned while the previous decode step's results were still pending
@@ -263,12 +263,12 @@ class StepPlan:
         step's first layer and kept for the others (an exchange moves entries between slots, not slots).
         Read in the forward, not when planned: under the overlap scheduler the row may change between the
         two."""
-        if self.slots is None:
+        if self.row_read is None:
             buf = self.buf
             # the first W columns, then the batch's rows: a whole row of the table is the context length
             slots = ctx.rt.req_to_token[:, : self.width].index_select(0, buf.rows).to(torch.int64)
-            self.slots = (slots, slots.unsqueeze(1) * buf.heads.numel() + buf.heads.view(1, -1, 1))
-        return self.slots
+            self.row_read = (slots, slots.unsqueeze(1) * buf.heads.numel() + buf.heads.view(1, -1, 1))
+        return self.row_read
 
     def _record(self, layer: int, ex: Exchange) -> None:
         for buf, x in zip((self.pos, self.hidx, self.dev_slots, self.host_cols, self.moved), ex, strict=True):
