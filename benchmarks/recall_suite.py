@@ -27,7 +27,8 @@ Cells: answered / sessions (F1 x 100 for `locomo`) beside the full cache's, then
 answering as a percent of the context. The memory-pressure replay is `benchmarks/replay.py`'s own
 command (docs/benchmarks.md). Writes `suite.json` and `suite.md` under `--out`, and one replay folder
 per run under its family's (`composed/none`, `composed/snapkv-18pct`, ...); `--resume` reads back the
-finished ones instead of running them again, so a cut-off suite continues where it stopped.
+finished ones instead of running them again, so a cut-off suite continues where it stopped;
+`--report` only reads them back and prints the table (no server; a blank cell where a run is missing).
 """
 
 from __future__ import annotations
@@ -109,6 +110,25 @@ def table(rows: dict[str, dict[str, Any]], families: list[str], f1_families: set
     return head + "\n".join(lines) + "\n"
 
 
+def row_order(rows: dict[str, dict[str, Any]], a: argparse.Namespace, fractions: list[float]) -> dict:
+    """`rows` as the table lists them: the full cache, then by fraction, policy, with recall then without."""
+    names = [
+        f"{pol} {frac:.0%}{suffix}"
+        for frac in fractions
+        for pol in a.policies.split(",")
+        for suffix in ("", " no recall")
+    ]
+    return {k: rows[k] for k in ["none", *names] if k in rows}
+
+
+def write_table(
+    out: Path, rows: dict[str, dict[str, Any]], families: list[str], f1_families: set[str]
+) -> None:
+    """`suite.md` and `suite.json` under `out`, rewritten as each run ends."""
+    (out / "suite.md").write_text(table(rows, families, f1_families))
+    (out / "suite.json").write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1))
+
+
 def norecall_spec(policy: str) -> str:
     """The spec of `policy`'s run without recall: a variant of its own (`d2o#nomerge` -> `d2o#nomerge-norecall`)."""
     return f"{policy}-norecall" if "#" in policy else f"{policy}#norecall"
@@ -151,16 +171,29 @@ def run_folder(name: str) -> str:
     return name.replace("%", "pct").replace(" ", "-").replace("#", "-")
 
 
-def run_one(a: argparse.Namespace, family: str, url: str, out: Path, spec: str, what: str) -> dict[str, Any]:
-    """One replay of `spec` on `family` into `out`; with `--resume`, a finished one already there is read
-    back instead (same spec and sessions, not partial)."""
+def finished(a: argparse.Namespace, out: Path, spec: str) -> dict[str, Any] | None:
+    """The finished replay of `spec` in `out` (same spec and sessions, not partial), or None."""
     done = out / "replay.json"
-    if a.resume and done.exists():
-        old = json.loads(done.read_text())
-        cfg = old["config"]
-        if not old.get("partial") and cfg["policies"] == [spec] and cfg["scenario"]["sessions"] == a.sessions:
-            print(f"[suite] {family}: {what}: reusing {done}", file=sys.stderr)
-            return old["runs"][0]
+    if not done.exists():
+        return None
+    old = json.loads(done.read_text())
+    cfg = old["config"]
+    if old.get("partial") or cfg["policies"] != [spec] or cfg["scenario"]["sessions"] != a.sessions:
+        return None
+    return old["runs"][0]
+
+
+def run_one(
+    a: argparse.Namespace, family: str, url: str | None, out: Path, spec: str, what: str
+) -> dict[str, Any] | None:
+    """One replay of `spec` on `family` into `out`; with `--resume`, a finished one already there is read
+    back instead; with `--report`, only read back (None where there is none)."""
+    old = finished(a, out, spec) if a.resume or a.report else None
+    if old is not None or a.report:
+        print(
+            f"[suite] {family}: {what}: {'reusing' if old else 'no finished run in'} {out}", file=sys.stderr
+        )
+        return old
     print(f"[suite] {family}: {what}", file=sys.stderr)
     return replay.main(replay_cfg(a, family, url, out, [spec]))["runs"][0]
 
@@ -201,6 +234,12 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="reuse each finished run already under --out (same family and spec) instead of running it",
     )
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="run nothing (no server): print the table of the runs already finished under --out, a cell "
+        "left blank where its run is missing",
+    )
     return p
 
 
@@ -232,7 +271,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     f1_families = {f for f in families if FAMILIES[f][0] == "locomo"}
     with ExitStack() as stack:
         url = a.url
-        if url is None:
+        if url is None and not a.report:
             from sgl_kvevict.serve.serverproc import Server
 
             args = [
@@ -247,6 +286,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             url = stack.enter_context(Server(args, log_path=out / "server.log", timeout=900)).url
         for fam in families:
             full = run_one(a, fam, url, out / fam / "none", "none", "full cache")
+            if full is None:  # --report without the full cache's run: the family's budgets are unknown
+                continue
             context = round(statistics.median(t["prompt_tokens"] for t in question_turns(full)))
             base = score(full)
             rows["none"][fam] = {"score": base, "full": base, "device": 1.0, "context": context}
@@ -260,18 +301,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"[suite] {fam}: context {context}, {len(specs)} runs", file=sys.stderr)
             for i, (name, spec) in enumerate(specs, 1):
                 run = run_one(a, fam, url, out / fam / run_folder(name), spec, f"{i}/{len(specs)} {name}")
+                if run is None:
+                    continue
                 rows.setdefault(name, {})[fam] = {
                     "score": score(run),
                     "full": base,
                     "device": device_share(run),
                     "budget": run["budget"],
                 }
-            md = table(rows, families, f1_families)
-            (out / "suite.md").write_text(md)
-            (out / "suite.json").write_text(
-                json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1)
-            )
-    print(md)
+            write_table(out, row_order(rows, a, fractions), families, f1_families)
+    rows = row_order(rows, a, fractions)
+    print(table(rows, families, f1_families))
     return rows
 
 

@@ -187,3 +187,38 @@ def test_suite_resume_reads_back_a_finished_run_only(tmp_path, monkeypatch) -> N
     (folder / "replay.json").write_text(json.dumps({**saved, "partial": True}))
     assert recall_suite.run_one(a, "composed", "http://x", folder, spec, "t")["label"] == "new"
     assert ran == ["snapkv@branch=100", spec]
+
+
+def test_suite_report_prints_the_finished_runs_and_starts_nothing(tmp_path, monkeypatch, capsys) -> None:
+    """`--report` reads back what is finished under `--out` (no server, no replay): a missing run is a
+    blank cell, a family without its full cache's run is left out, rows keep the table's order."""
+    monkeypatch.setattr(recall_suite.replay, "main", lambda cfg: pytest.fail("--report ran a replay"))
+    turns = [
+        {
+            "expect": "7",
+            "error": None,
+            "correct": True,
+            "f1": None,
+            "prompt_tokens": 1000,
+            "kv_tokens": 200,
+            "peak_kv_tokens": None,
+        }
+    ]
+
+    def save(folder: str, spec: str, budget: int | None) -> None:
+        d = tmp_path / "composed" / folder
+        d.mkdir(parents=True)
+        run = {"turns": turns, "budget": budget}
+        d.joinpath("replay.json").write_text(
+            json.dumps({"config": {"policies": [spec], "scenario": {"sessions": 12}}, "runs": [run]})
+        )
+
+    b = recall_suite.budget_for(0.25, 1000, 64)
+    save("none", "none", None)
+    save("d2o-25pct", f"d2o@branch={b}", b)
+    save("snapkv-25pct-no-recall", f"snapkv#norecall@branch={b}", b)
+    args = ["--report", "--out", str(tmp_path), "--families", "composed,multikey", "--fractions", "0.25"]
+    rows = recall_suite.main([*args, "--policies", "snapkv,d2o"])
+    assert list(rows) == ["none", "snapkv 25% no recall", "d2o 25%"]
+    out = capsys.readouterr().out
+    assert "| d2o 25% | 1/1 (1/1), 20% |  |" in out and "multikey" in out
