@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     bad = [f for f in families if f not in FAMILIES]
     if bad:
         p.error(f"unknown family {bad[0]!r}; valid: {', '.join(FAMILIES)}")
-    if "locomo" in families and not a.locomo_path:
+    if "locomo" in families and not a.locomo_path and not a.report:
         p.error("family locomo needs --locomo-path (LoCoMo's data/locomo10.json)")
     fractions = [float(x) for x in a.fractions.split(",")]
     if any(not 0 < f < 1 for f in fractions):
