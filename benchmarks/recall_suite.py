@@ -124,7 +124,7 @@ def row_order(rows: dict[str, dict[str, Any]], a: argparse.Namespace, fractions:
 def write_table(
     out: Path, rows: dict[str, dict[str, Any]], families: list[str], f1_families: set[str]
 ) -> None:
-    """`suite.md` and `suite.json` under `out`, rewritten as each run ends."""
+    """`suite.md` and `suite.json` under `out`, rewritten as each family ends."""
     (out / "suite.md").write_text(table(rows, families, f1_families))
     (out / "suite.json").write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1))
 
@@ -309,8 +309,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "device": device_share(run),
                     "budget": run["budget"],
                 }
-            write_table(out, row_order(rows, a, fractions), families, f1_families)
-    rows = row_order(rows, a, fractions)
+            rows = row_order(rows, a, fractions)
+            write_table(out, rows, families, f1_families)
     print(table(rows, families, f1_families))
     return rows
 
