@@ -24,8 +24,9 @@ docs/benchmarks.md says which families reach it):
 - `locomo`: LoCoMo conversations 6-10 (1-5 are held out), the dataset's questions as branches, token F1.
 
 Cells: answered / sessions (F1 x 100 for `locomo`) beside the full cache's, then the device KV while
-answering as a percent of the context. The memory-pressure replay is `benchmarks/replay.py`'s own
-command (docs/benchmarks.md). Writes `suite.json` and `suite.md` under `--out`, and one replay folder
+answering as a percent of the context. An F1 cell also gives the F1 as a percent of the full cache's
+over the same questions, with its paired bootstrap 95% interval (`f1_share`). The memory-pressure
+replay is `benchmarks/replay.py`'s own command (docs/benchmarks.md). Writes `suite.json` and `suite.md` under `--out`, and one replay folder
 per run under its family's (`composed/none`, `composed/snapkv-18pct`, ...); `--resume` reads back the
 finished ones instead of running them again, so a cut-off suite continues where it stopped;
 `--report` only reads them back and prints the table (no server; a blank cell where a run is missing).
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 from contextlib import ExitStack
@@ -82,6 +84,29 @@ def device_share(run: dict[str, Any]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def f1_share(
+    full: dict[str, Any], run: dict[str, Any], draws: int = 2000
+) -> tuple[float, float, float] | None:
+    """`run`'s F1 as a share of the full cache's over the same questions, with a paired bootstrap 95%
+    interval (questions drawn with replacement, both runs' answers to each drawn question together): at
+    a few dozen questions, most answering F1 0 either way, the interval says how far apart two cells
+    must be to differ. None where the full cache scores F1 0 on every shared question."""
+    ref = {(t["session"], t["turn"], t["branch"]): t["f1"] for t in question_turns(full)}
+    got = {(t["session"], t["turn"], t["branch"]): t["f1"] for t in question_turns(run)}
+    keys = sorted(k for k in ref if k in got)
+    if not keys or not sum(ref[k] for k in keys):
+        return None
+    rng = random.Random(0)  # the same draws for every cell: the table is reproducible
+    shares = []
+    for _ in range(draws):
+        pick = [rng.choice(keys) for _ in keys]
+        if sum(ref[k] for k in pick):  # a draw of only the full cache's F1-0 questions has no share
+            shares.append(sum(got[k] for k in pick) / sum(ref[k] for k in pick))
+    shares.sort()
+    share = sum(got[k] for k in keys) / sum(ref[k] for k in keys)
+    return share, shares[int(0.025 * len(shares))], shares[int(0.975 * len(shares)) - 1]
+
+
 def budget_for(fraction: float, context: int, recall_tokens: int) -> int:
     return max(MIN_BUDGET, round(fraction * context) - recall_tokens - SINKS_AND_WINDOW)
 
@@ -103,6 +128,9 @@ def table(rows: dict[str, dict[str, Any]], families: list[str], f1_families: set
             text = cell(r["score"], fam in f1_families)
             if name != "none":
                 text += f" ({cell(r['full'], fam in f1_families)})"
+                if r.get("share") is not None:
+                    share, lo, hi = (round(100 * x) for x in r["share"])
+                    text += f" {share}% [{lo}-{hi}]"
             if r["device"] is not None:
                 text += f", {100 * r['device']:.0f}%"
             cells.append(text)
@@ -308,6 +336,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "full": base,
                     "device": device_share(run),
                     "budget": run["budget"],
+                    "share": f1_share(full, run) if fam in f1_families else None,
                 }
             rows = row_order(rows, a, fractions)
             write_table(out, rows, families, f1_families)

@@ -129,12 +129,32 @@ def test_suite_budget_and_table() -> None:
         "none": {"composed": {"score": (12.0, 12), "full": (12.0, 12), "device": 1.0}},
         "snapkv 18%": {
             "composed": {"score": (9.0, 12), "full": (12.0, 12), "device": 0.181},
-            "locomo": {"score": (0.07, 40), "full": (0.09, 40), "device": 0.2},
+            "locomo": {"score": (0.07, 40), "full": (0.09, 40), "device": 0.2, "share": (0.78, 0.5, 1.1)},
         },
     }
     md = recall_suite.table(rows, ["composed", "locomo"], {"locomo"})
-    assert "| snapkv 18% | 9/12 (12/12), 18% | 7.0 (9.0), 20% |" in md
+    assert "| snapkv 18% | 9/12 (12/12), 18% | 7.0 (9.0) 78% [50-110], 20% |" in md
     assert "| none | 12/12, 100% |  |" in md
+
+
+def test_suite_f1_share_pairs_the_questions() -> None:
+    """A run's F1 as a share of the full cache's, over the same questions, with a paired bootstrap
+    interval: the same answers give 100% and no spread; losing half of every question's F1 gives 50%."""
+
+    def run(f1s: list[float]) -> dict:
+        turns = [
+            {"session": "s", "turn": 1, "branch": i, "expect": "x", "error": None, "f1": f}
+            for i, f in enumerate(f1s)
+        ]
+        return {"turns": turns}
+
+    full = run([0.5, 0.0, 1.0, 0.25, 0.0, 0.75])
+    assert recall_suite.f1_share(full, full) == (1.0, 1.0, 1.0)
+    share, lo, hi = recall_suite.f1_share(full, run([0.25, 0.0, 0.5, 0.125, 0.0, 0.375]))
+    assert share == lo == hi == pytest.approx(0.5)
+    share, lo, hi = recall_suite.f1_share(full, run([0.5, 0.0, 0.0, 0.25, 0.0, 0.75]))
+    assert share == pytest.approx(0.6) and lo < share < hi <= 1.0
+    assert recall_suite.f1_share(run([0.0, 0.0]), run([0.5, 0.0])) is None
 
 
 def test_suite_refuses_unknown_family(capsys) -> None:
