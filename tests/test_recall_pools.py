@@ -128,8 +128,8 @@ def _reference_swaps(
     by the best score of its page. Paged (`summary` "minmax" and more pages than a recall fetches): only the
     columns of the best pages by their summary's score are candidates (a partial last page is padded
     with its last column, which takes part in the softmax but is never chosen). A chosen entry's page
-    scores at least `floor` (`recall_core.MIN_SCORE`). `append` > 0: the `append` best come back
-    whatever they beat (the turn's append)."""
+    scores at least `floor` (`recall_core.MIN_SCORE`). `append` > 0: the turn's append, `append` entries
+    whatever they beat, the positions ranked over every pair first (`_shared_first`)."""
     kv_len = req.kv.kv_committed_len
     slots = p.r2t.req_to_token[0, :kv_len].long()
     n_sink = min(s.policy.config.sinks, s.slot_map.comp_slots)
@@ -170,7 +170,7 @@ def _reference_swaps(
             ]
             hbest = sorted(range(hs.numel()), key=lambda c: (-pm[c], -float(hs[c])))[:r]
             if append:
-                per.append({int(s.recall.host.cols[cand[c]]) for c in hbest})
+                per.append((hs, cand, valid, hbest))
                 continue
             hs = torch.tensor(pm)
             dworst = ds.argsort()[:r].tolist()
@@ -182,6 +182,35 @@ def _reference_swaps(
                 }
             )
         out.append(per)
+    return _shared_first(s, out, length, append) if append else out
+
+
+def _shared_first(s, scored: list[list[tuple]], tokens: int, a: int) -> list[list[set]]:
+    """The append's choice from each pair's scores (`_reference_swaps`): a logical position scores the sum
+    of its entries' scores over every (layer, head) pair holding it on the host; the `a` best positions
+    come back first, in every pair that holds them, then the pair's own best (`hbest`), `a` in all."""
+    hpos = s.recall.host.positions
+    total = [0.0] * tokens
+    for ly, per in enumerate(scored):
+        for h, (hs, cand, valid, _) in enumerate(per):
+            for c in range(len(cand)):
+                if valid[c] and hpos is not None:
+                    total[int(hpos[ly, h, cand[c]])] += max(float(hs[c]), 0.0)
+    best = sorted((t for t in range(tokens) if total[t] > 0), key=lambda t: -total[t])[:a]
+    rank = {t: a - i for i, t in enumerate(best)}
+    out = []
+    for ly, per in enumerate(scored):
+        chosen = []
+        for h, (_, cand, valid, hbest) in enumerate(per):
+            shared = [
+                c
+                for c in range(len(cand))
+                if valid[c] and hpos is not None and int(hpos[ly, h, cand[c]]) in rank
+            ]
+            shared.sort(key=lambda c: -rank[int(hpos[ly, h, cand[c]])])
+            order = shared + [c for c in hbest if c not in shared]
+            chosen.append({int(s.recall.host.cols[cand[c]]) for c in order[:a]})
+        out.append(chosen)
     return out
 
 
@@ -479,6 +508,7 @@ def test_append_brings_the_best_entries_into_fresh_slots(
     tail = p.r2t.req_to_token[0, comp:kv_len].clone()
     sums, _ = recall._paged(s.ctx, s.recall.host, R)
     assert (sums is None) == (summary == "off")
+    assert s.recall.host.positions is not None  # tracked wherever the host tier is on: the append ranks them
     expect = _reference_swaps(p, req, s, page, W, summary if sums is not None else "off", fetch=2, append=R)
     host_k = [p.ctx.host.k[ly][s.recall.host.cols].clone() for ly in range(L)]
     cols_before = s.recall.host.cols.clone()
@@ -585,3 +615,22 @@ def test_a_paged_append_takes_no_more_than_its_fetched_pages_hold(pools: Pools, 
     assert torch.allclose(_tags(ks, vs, probe), want, atol=1e-4)  # nothing lost, nothing duplicated
     s.recall.drop_host(s.ctx.host)
     assert p.ctx.host.n_free == p.ctx.host.size
+
+
+def test_append_order_takes_the_shared_positions_first_then_the_heads_own() -> None:
+    """A turn's append: entries of the positions ranked over every layer (higher rank first) wherever a
+    head holds them on the host, then the head's own best by page; each entry once, and a ranked
+    position that is only padding in a head (-inf) is not taken there."""
+    host_sc = torch.tensor([[0.9, 0.1, 0.2, 0.8, 0.05, 0.3], [0.1, 0.7, -torch.inf, 0.2, 0.6, 0.4]])
+    shared = torch.tensor([[0.0, 2.0, 0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 3.0, 0.0, 0.0, 0.0]])
+    got = recall_core.append_order(host_sc, 1, 3, shared)
+    assert got[0].tolist() == [1, 4, 0] and got[1].tolist() == [1, 4, 5]
+    assert recall_core.append_order(host_sc, 1, 3, None)[0].tolist() == [0, 3, 5]
+    ranks = recall_core.shared_positions(
+        [host_sc[None, 0], host_sc[None, 1]],
+        [torch.tensor([[5, 4, 3, 2, 1, 0]]), torch.tensor([[0, 1, 2, 3, 4, 5]])],
+        6,
+        2,
+    )
+    # position sums: 5: 0.9 + 0.4, 2: 0.8 + 0 (padding counts nothing), 1: 0.05 + 0.7, 4: 0.1 + 0.6, ...
+    assert ranks.tolist() == [0.0, 0.0, 1.0, 0.0, 0.0, 2.0]

@@ -438,7 +438,7 @@ def account(job: Job, k: int, tail: int, keep: torch.Tensor | None, dt: float, a
     """Host bookkeeping after a commit (counts, totals, the debug timeline); returns the new offset.
     `after`: tokens that follow the region in the row (decoded while the plan was pending)."""
     s, a, n, rt = job.s, job.a, job.n, job.s.ctx.rt
-    if keep is not None and st.DEBUG:
+    if keep is not None and st.tracks_positions(s.ctx):
         before = st.row_positions(s, a + n + after)
         region = before[..., a : a + n].gather(-1, keep)
         pos = torch.cat([before[..., :a], region, before[..., a + n :]], dim=-1)

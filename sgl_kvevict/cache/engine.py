@@ -213,7 +213,7 @@ def _bookkeeping(jobs: list[Job], batch: BatchView, keep: torch.Tensor, counts: 
     dt = (time.perf_counter() - t0) / len(jobs)
     offs = []
     for r, (j, c) in enumerate(zip(jobs, counts, strict=True)):
-        kr = keep[r, :, :, : c.k] if st.DEBUG else None
+        kr = keep[r, :, :, : c.k] if st.tracks_positions(j.s.ctx) else None
         kv = j.req.kv
         kv.kv_committed_len = kv.kv_allocated_len = j.a + c.k
         offs.append(compressor.account(j, c.k, min(c.raw, c.k), kr, dt))

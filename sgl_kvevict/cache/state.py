@@ -59,8 +59,15 @@ ATTR = "_kvevict"
 DEBUG = os.environ.get("KVEVICT_DEBUG", "0") == "1"
 
 
+def tracks_positions(ctx: KvEvictContext) -> bool:
+    """Whether rows and host entries carry their logical positions: wherever the host tier is on (a turn's
+    append ranks positions over every layer and KV head, `host_tier.recall`), and under KVEVICT_DEBUG
+    (the test oracle replays them)."""
+    return DEBUG or ctx.host is not None
+
+
 def row_positions(s: ReqState, kv_len: int) -> torch.Tensor:
-    """`[L, H, kv_len]` logical positions of the row's first slots (KVEVICT_DEBUG)."""
+    """`[L, H, kv_len]` logical positions of the row's first slots (where tracked: `tracks_positions`)."""
     rt = s.ctx.rt
     pos = s.trace.positions(kv_len)
     return pos.view(1, 1, -1).expand(rt.n_layers, rt.n_kv_heads, -1) if pos.dim() == 1 else pos

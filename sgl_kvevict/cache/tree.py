@@ -248,7 +248,7 @@ class KvEvictRadixCache(RadixCache):
                     tokens=tokens,
                     kv=kv,
                 ),
-                self._path_positions(path) if st.DEBUG else None,
+                self._path_positions(path) if st.tracks_positions(self.ctx) else None,
             )
             if st.DEBUG:  # the shared prefix before the branch point: compression must never change it
                 s.trace.digest_kv = s.slot_map.anchor_kv
@@ -360,7 +360,7 @@ class KvEvictRadixCache(RadixCache):
         return mine
 
     def _path_positions(self, path: list[TreeNode]) -> torch.Tensor | None:
-        """`[L, H, slots]` logical positions held along a matched path (KVEVICT_DEBUG)."""
+        """`[L, H, slots]` logical positions held along a matched path (where tracked)."""
         rt = self.ctx.rt
         if rt is None:
             return None
@@ -460,7 +460,11 @@ class KvEvictRadixCache(RadixCache):
             return
         if s.slot_map.comp_tokens > 0:  # (may hold 0 slots: e.g. streaming keeps only the newest tokens)
             cval = row[kpos : kpos + s.slot_map.comp_slots].to(torch.int64)
-            cpos = st.row_positions(s, kpos + s.slot_map.comp_slots)[..., kpos:] if st.DEBUG else None
+            cpos = (
+                st.row_positions(s, kpos + s.slot_map.comp_slots)[..., kpos:]
+                if st.tracks_positions(self.ctx)
+                else None
+            )
             res = self._insert_compressed(
                 node, rkey(tpos, tpos + s.slot_map.comp_tokens), cval, priority, s.fp, cpos
             )

@@ -360,8 +360,8 @@ def plan(ctx: KvEvictContext, reqs: list[Any]) -> StepPlan | None:
 
 
 def finish(ctx: KvEvictContext, one: StepPlan) -> int:
-    """After the step: the records become each recalling request's counters (and, with KVEVICT_DEBUG,
-    its position timeline); the branch's page summaries are stale where entries moved. The step's hold
+    """After the step: the records become each recalling request's counters and the logical positions
+    its row and host entries hold; the branch's page summaries are stale where entries moved. The step's hold
     on its branches' host entries ends, unless a later step in flight armed the same row. Returns the
     entries swapped in, over the batch."""
     later = {
@@ -390,24 +390,28 @@ def finish(ctx: KvEvictContext, one: StepPlan) -> int:
         total += n
         if n:
             a.s.recall.host.summaries = None
-        if st.DEBUG and a.s.recall.host.positions is not None:
-            _debug_positions(a, one, i, done)
+        if a.s.recall.host.positions is not None:
+            _positions(a, one, i, done)
         account(a.s, n)
     return total
 
 
-def _debug_positions(a: DecodeArm, one: StepPlan, i: int, layers: int) -> None:
-    """KVEVICT_DEBUG: the moved pairs of batch row `i` exchange their logical positions (row and host),
-    and the row's positions become a timeline event (the oracle replays it)."""
+def _positions(a: DecodeArm, one: StepPlan, i: int, layers: int) -> None:
+    """The moved pairs of batch row `i` exchange their logical positions (row and host), from the step's
+    records, all layers and KV heads at once; under KVEVICT_DEBUG the row's positions also become a
+    timeline event (the oracle replays it)."""
     dbg = SwapPositions(a.s, int(one.buf.m[i]))
     moved, pos, hidx = (x[:layers, i].cpu() for x in (one.moved, one.pos, one.hidx))
-    for layer in range(layers):
-        for h in range(moved.shape[1]):
-            k = int(moved[layer, h].sum())  # the moved pairs are a prefix
-            d, c = pos[layer, h, :k], hidx[layer, h, :k]
-            row_pos = dbg.pos[layer, h, d].clone()
-            dbg.pos[layer, h, d] = dbg.hpos[layer, h, c]
-            dbg.hpos[layer, h, c] = row_pos
+    row, host = dbg.pos[:layers], dbg.hpos[:layers]
+    m, c = row.shape[-1], host.shape[-1]
+    # pairs that do not move read and write a scratch column past the end (theirs may repeat an index)
+    row = torch.cat([row, row.new_zeros(*row.shape[:-1], 1)], dim=-1)
+    host = torch.cat([host, host.new_zeros(*host.shape[:-1], 1)], dim=-1)
+    d, h = torch.where(moved, pos, m), torch.where(moved, hidx, c)
+    row_pos, host_pos = row.gather(-1, d), host.gather(-1, h)
+    row.scatter_(-1, d, host_pos)
+    host.scatter_(-1, h, row_pos)
+    dbg.pos[:layers], dbg.hpos[:layers] = row[..., :m], host[..., :c]
     dbg.record(a.s, a.tokens)
 
 

@@ -126,7 +126,7 @@ def plan_demote(s: st.ReqState, a: int, slots: torch.Tensor, keep: torch.Tensor)
                 rt.k_buffer(layer)[src, heads].transpose(0, 1),
                 rt.v_buffer(layer)[src, heads].transpose(0, 1),
             )
-        pos = st.row_positions(s, a + n)[..., a:].gather(-1, ev.cpu()) if st.DEBUG else None
+        pos = st.row_positions(s, a + n)[..., a:].gather(-1, ev.cpu())  # the host tier tracks positions
         return Demotion(cols, pos)
     except Exception:
         fail(s, "demotion")

@@ -57,7 +57,7 @@ class HostEntries:
     """One branch's host columns, in demotion order, and (where tracked) the logical positions they hold."""
 
     cols: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
-    positions: torch.Tensor | None = None  # [L, H, e] logical positions (KVEVICT_DEBUG)
+    positions: torch.Tensor | None = None  # [L, H, e] logical positions (None: lost, see `HostPool.append`)
     dropped: int = 0  # columns the pool took back (LRU) from this branch
     summaries: PageSummaries | None = None  # of a prefix of `cols`, built and kept by `recall.py`
     # a stored history a request took a copy of (`HostPool.drop_first`) and nobody used since: a copy

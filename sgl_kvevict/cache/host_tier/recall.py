@@ -49,7 +49,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -195,9 +195,9 @@ def append(req: Any, s: st.ReqState) -> int:
     one = Recall.start(req, s, kv_len, length, lo, hi, a, paged=paged)
     one.new = alloc_slots(rt, a)
     try:
-        for layer in range(rt.n_layers):
-            q = s.ctx.capture.get(kv.req_pool_idx, layer, length)[:, -w:]
-            one.layer(layer, q)
+        one.append_all(
+            [s.ctx.capture.get(kv.req_pool_idx, layer, length)[:, -w:] for layer in range(rt.n_layers)]
+        )
     except Exception:
         one.rollback("recall (append)")
         rt.allocator.free(one.new)
@@ -308,6 +308,18 @@ def _paged(ctx: KvEvictContext, e: host.HostEntries, r: int) -> tuple[host.PageS
     return summaries(ctx, e, page), n_sel
 
 
+class Scored(NamedTuple):
+    """One layer's scores (`Recall.score`): the host entries' `[H, c]` (-inf: a fetched page's padding)
+    and the row's `[H, m]`; where pages were fetched, the candidates `[H, c]` (indices into the branch's
+    columns), which of them are real, and the pages."""
+
+    host_sc: torch.Tensor
+    row_sc: torch.Tensor
+    cand: torch.Tensor | None
+    valid: torch.Tensor | None
+    page_ids: torch.Tensor | None
+
+
 # ---- the undo log of one recall: what `Recall.rollback` replays backwards --------------------------
 @dataclass(frozen=True, eq=False)
 class Swapped:
@@ -372,13 +384,13 @@ class Recall:
         pool.touch(s.recall.host)
         sums, n_sel = paged if paged is not None else _paged(s.ctx, s.recall.host, r)
         row_slots = s.ctx.rt.req_to_token[req.kv.req_pool_idx, :m].to(torch.int64)
-        dbg = SwapPositions(s, m) if st.DEBUG and s.recall.host.positions is not None else None
+        dbg = SwapPositions(s, m) if s.recall.host.positions is not None else None
         cols = s.recall.host.cols.to(pool.k.device)
         return cls(req, s, m, tokens, lo, hi, r, row_slots, cols, sums, n_sel, dbg)
 
-    def layer(self, layer: int, q: torch.Tensor) -> None:
-        """Score and exchange (or append) at `layer` with queries `q` `[Hq, w, D]`, the row's last `w`
-        entries (each sees the host entries and the row up to itself)."""
+    def score(self, layer: int, q: torch.Tensor) -> Scored:
+        """The host entries' and the row's scores at `layer` under queries `q` `[Hq, w, D]`, the row's last
+        `w` entries (each sees the host entries and the row up to itself)."""
         rt, pool = self.s.ctx.rt, self.s.ctx.host
         dev = self.row_slots.device
         heads = torch.arange(pool.heads, device=pool.k.device).unsqueeze(-1)
@@ -396,40 +408,69 @@ class Recall:
         keys = torch.cat([hk, rt.k_buffer(layer).index_select(0, self.row_slots)])
         p = K.window_attention(q, keys, torch.arange(keys.shape[0], device=dev), rt.scale, True, "max")
         host_sc = p[:, :e] if valid is None else p[:, :e].masked_fill(~valid, float("-inf"))
-        if self.appending:
-            self.append_layer(layer, host_sc, cand)
-            return
+        return Scored(host_sc, p[:, e:], cand, valid, page_ids)
+
+    def layer(self, layer: int, q: torch.Tensor) -> None:
+        """Score (`score`) and exchange at `layer` with queries `q`."""
+        pool, dev = self.s.ctx.host, self.row_slots.device
+        x = self.score(layer, q)
         counts = exchange(
             self.s,
             layer,
             self.row_slots,
             self.lo,
             self.hi,
-            p[None, :, e:],
-            host_sc[None],
+            x.row_sc[None],
+            x.host_sc[None],
             self.r,
             self.dbg,
-            None if cand is None else cand[None],
+            None if x.cand is None else x.cand[None],
             self.done,
         )
         self.swapped = counts.sum() if self.swapped is None else self.swapped + counts.sum()
-        if cand is not None:  # the swap wrote displaced entries into the fetched pages: re-summarise them
-            now = _host_keys(pool, layer, self.cols[cand.to(pool.k.device)], heads).to(dev).transpose(0, 1)
-            K.refresh_pages(*self.sums.at(layer), page_ids, now, valid)
+        if x.cand is not None:  # the swap wrote displaced entries into the fetched pages: re-summarise them
+            heads = torch.arange(pool.heads, device=pool.k.device).unsqueeze(-1)
+            now = _host_keys(pool, layer, self.cols[x.cand.to(pool.k.device)], heads).to(dev).transpose(0, 1)
+            K.refresh_pages(*self.sums.at(layer), x.page_ids, now, x.valid)
         elif (
             self.s.recall.host.summaries is not None
         ):  # scored flat: the swapped columns' summaries are stale
             self.s.recall.host.summaries = None
 
-    def append_layer(self, layer: int, host_sc: torch.Tensor, cand: torch.Tensor | None) -> None:
-        """Append mode at `layer`: each KV head's best `a` host entries go to the fresh slots `new` (no
-        entry is displaced), and the branch's last `a` columns of that head fill the holes they leave, so
-        the branch ends `a` columns shorter (`finish` gives those back) and its pages stay dense."""
+    def append_all(self, qs: list[torch.Tensor]) -> None:
+        """Append mode: every layer scored first (`qs`, the queries per layer), then the logical positions
+        ranked over all of them (`recall_core.shared_positions`, where the host entries' positions are
+        known), then each layer's appends written (`append_layer`)."""
+        scored = [self.score(layer, q) for layer, q in enumerate(qs)]
+        a = int(self.new.numel())
+        pos = ranks = None
+        if self.dbg is not None:
+            pos = [self._host_positions(layer, x.cand) for layer, x in enumerate(scored)]
+            ranks = recall_core.shared_positions([x.host_sc for x in scored], pos, self.tokens, a)
+        for layer, x in enumerate(scored):
+            shared = None if ranks is None else recall_core.rank_of(ranks, pos[layer])
+            self.append_layer(layer, x.host_sc, x.cand, shared)
+
+    def _host_positions(self, layer: int, cand: torch.Tensor | None) -> torch.Tensor:
+        """`[H, c]` logical positions of the host entries scored at `layer` (all, or the candidates)."""
+        hpos = self.dbg.hpos[layer]
+        return hpos.clone() if cand is None else hpos.gather(-1, cand.cpu())
+
+    def append_layer(
+        self, layer: int, host_sc: torch.Tensor, cand: torch.Tensor | None, shared: torch.Tensor | None
+    ) -> None:
+        """Append mode at `layer`: each KV head's `a` host entries (`recall_core.append_order`: the entries
+        of the positions ranked over every layer first, `shared` `[H, c]`, then the head's own best) go to
+        the fresh slots `new` (no entry is displaced), and the branch's last `a` columns of that head fill
+        the holes they leave, so the branch ends `a` columns shorter (`finish` gives those back) and its
+        pages stay dense."""
         pool, s = self.s.ctx.host, self.s
         a = int(self.new.numel())
         page = s.ctx.settings.recall.page
-        _, idx = best_entries(host_sc[None], page, a)
-        hidx = idx[0] if cand is None else cand.gather(-1, idx[0])  # [H, a] branch column indices
+        idx = recall_core.append_order(
+            host_sc, page, a, None if shared is None else shared.to(host_sc.device)
+        )
+        hidx = idx if cand is None else cand.gather(-1, idx)  # [H, a] branch column indices
         hidx = hidx.to(pool.k.device)
         heads = torch.arange(pool.heads, device=pool.k.device).unsqueeze(-1)
         rt = s.ctx.rt

@@ -1,6 +1,7 @@
 """What a turn's recall (`recall.py`) and a decode step's (`decode_recall.py`) share, both run in every
-layer and KV head: how host entries rank (by their page's best score) and the least score that moves
-one, how a recall is counted, and the logical positions an exchange moves (where tracked)."""
+layer and KV head: how host entries rank (by their page's best score; a turn's append first by positions
+ranked over every layer and KV head) and the least score that moves one, how a recall is counted, and
+the logical positions an exchange moves."""
 
 from __future__ import annotations
 
@@ -39,6 +40,49 @@ def best_entries(sc: torch.Tensor, page: int, r: int) -> tuple[torch.Tensor, tor
     return ranked.gather(-1, order), cand.gather(-1, order).clamp_(max=e - 1)
 
 
+def shared_positions(
+    host_sc: list[torch.Tensor], positions: list[torch.Tensor], tokens: int, a: int
+) -> torch.Tensor:
+    """A turn's append ranks logical positions over every layer and KV head: a position scores the sum,
+    over the (layer, KV head) pairs that hold it on the host, of its entry's score there (`host_sc`
+    `[H, c]` per layer, the entries' logical positions `positions` alike). Returns `[tokens]` ranks: `a`
+    down to 1 for the `a` best positions that any query attended, 0 elsewhere.
+
+    Why: each pair ranking on its own brought a planted fact back into fewer than half of the pairs, and
+    the decode that copies it reads them all (on the recall suite's `multikey`, the identifiers lost their
+    first letters); a position the question attends in many pairs now comes back in every pair."""
+    total = torch.zeros(tokens, dtype=torch.float64)
+    for sc, pos in zip(host_sc, positions, strict=True):
+        w = sc.detach().to("cpu", torch.float64).nan_to_num(0.0, neginf=0.0).clamp_min(0.0)
+        ok = (pos >= 0) & (pos < tokens)  # a position outside the row's tokens counts nowhere
+        total.scatter_add_(0, pos.to(torch.int64).clamp(0, tokens - 1).flatten(), (w * ok).flatten())
+    best = total.topk(min(a, tokens))
+    chosen = best.indices[best.values > 0]
+    ranks = torch.zeros(tokens, dtype=torch.float32)
+    ranks[chosen] = torch.arange(chosen.numel(), 0, -1, dtype=torch.float32)
+    return ranks
+
+
+def rank_of(ranks: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`shared_positions`' rank of each entry at `positions` (0 outside the row's tokens)."""
+    pos = positions.to(torch.int64)
+    ok = (pos >= 0) & (pos < ranks.numel())
+    return ranks[pos.clamp(0, ranks.numel() - 1)] * ok
+
+
+def append_order(host_sc: torch.Tensor, page: int, a: int, shared: torch.Tensor | None) -> torch.Tensor:
+    """The `a` host entries per KV head that a turn's append brings back, `[H, a]` indices into `host_sc`'s
+    `[H, c]`: first the entries of the positions ranked over every layer (`shared` `[H, c]`, > 0 where
+    ranked, higher first), then the head's own best (`best_entries`, by page), each entry once."""
+    _, own = best_entries(host_sc, page, a)  # [H, a]
+    order = torch.zeros_like(host_sc, dtype=torch.float32)
+    rank = 1 + torch.arange(a, 0, -1, dtype=torch.float32, device=host_sc.device) / (2 * a)  # (1, 1.5]
+    order.scatter_(-1, own, rank.expand_as(own).contiguous())
+    if shared is not None:
+        order = torch.where((shared > 0) & (host_sc > -torch.inf), 2 + shared, order)
+    return order.topk(a, dim=-1).indices
+
+
 def mark_stale(stats: torch.Tensor | None, layer: int, dev_slots: torch.Tensor, moved: torch.Tensor) -> None:
     """A recalled slot's ||v W_O|| (`slotstats`, `[layers, slots, KV heads]`) is another value's: NaN
     (stale) where `moved`. `dev_slots`, `moved`: `[..., KV heads, r]`."""
@@ -50,8 +94,8 @@ def mark_stale(stats: torch.Tensor | None, layer: int, dev_slots: torch.Tensor, 
 
 
 class SwapPositions:
-    """Where positions are tracked (KVEVICT_DEBUG): the row's and the host's logical positions,
-    updated by each exchange (under KVEVICT_DEBUG the oracle replays them as a timeline event)."""
+    """The row's and the host's logical positions (tracked wherever the host tier is on), updated by each
+    exchange (under KVEVICT_DEBUG the oracle also replays them as a timeline event)."""
 
     def __init__(self, s: st.ReqState, kv_len: int) -> None:
         self.pos = st.row_positions(s, kv_len).clone()
