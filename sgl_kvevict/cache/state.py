@@ -11,8 +11,9 @@ concern:
 - `recall` (`RecallState`): the host-tier entries the request owns, where it stands in a turn's
   recalls, and its recall counters.
 - `counters` (`Counters`): compressions, seconds spent, the row's peak slots.
-- `trace` (`PositionTrace`): the logical positions the row's slots hold, under KVEVICT_DEBUG, with prefix
-  digests and the kept-position timeline.
+- `trace` (`PositionTrace`): the logical positions the row's slots hold (`tracks_positions`: wherever the
+  host tier is on, and under KVEVICT_DEBUG), with, under KVEVICT_DEBUG, prefix digests and the
+  kept-position timeline.
 
 Moves that change several parts at once (a compression's commit, a recall's append, the anchor moving
 down) are `ReqState` methods (`compacted`, `unevicted`, `move_anchor`).
@@ -189,7 +190,7 @@ class Counters:
 @dataclass
 class PositionTrace:
     """The logical positions held by the row's slots [0, m) per layer and KV head (`pos`) and the logical
-    tokens they stand for (`tokens`), where positions are tracked (KVEVICT_DEBUG); under KVEVICT_DEBUG
+    tokens they stand for (`tokens`), where positions are tracked (`tracks_positions`); under KVEVICT_DEBUG
     also digests of the shared prefix and the events a test oracle replays (`timeline`, see `event`)."""
 
     prefix_digest: str = ""

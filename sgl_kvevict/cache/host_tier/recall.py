@@ -33,8 +33,10 @@ tail (the recent window, where the queries sit) are never displaced. Shared slot
 compression it always is; otherwise `compressor.own_region` copies it out of the tree first).
 
 *Append* (`append`): once a turn's prefill compression committed, before its first
-decode step, the turn's window queries bring their best `a` <= R host entries per layer and KV head into
-fresh slots inserted after the compacted history, displacing nothing; the row grows by `a` for the same
+decode step, the turn's window queries bring `a` <= R host entries per layer and KV head into
+fresh slots inserted after the compacted history, displacing nothing: first those of the `a` logical
+positions they attend most over every layer and KV head (`recall_core.shared_positions`), in every pair
+that holds them on the host, then each pair's own best; the row grows by `a` for the same
 tokens (`ReqState.unevicted`), the turn's decode budget grows with it, and the turn's last compression
 folds them back. The branch's last `a` columns fill the holes on the host (`holes_filled`), which gives
 those columns back.
