@@ -187,9 +187,9 @@ def _reference_swaps(
 
 def _shared_first(s, scored: list[list[tuple]], tokens: int, a: int) -> list[list[set]]:
     """The append's choice from each pair's scores (`_reference_swaps`): a logical position scores the sum
-    of its entries' scores over every (layer, head) pair holding it on the host, and ranks by the best
-    such sum within `SPAN` positions either side (then its own, then by position); the `a` best positions
-    come back first, in every pair that holds them, then the pair's own best (`hbest`), `a` in all."""
+    of its entries' scores over every (layer, head) pair holding it on the host (ties: the first position);
+    the `a` best positions come back first, in every pair that holds them, then the pair's own best
+    (`hbest`), `a` in all."""
     hpos = s.recall.host.positions
     total = [0.0] * tokens
     for ly, per in enumerate(scored):
@@ -197,9 +197,7 @@ def _shared_first(s, scored: list[list[tuple]], tokens: int, a: int) -> list[lis
             for c in range(len(cand)):
                 if valid[c] and hpos is not None:
                     total[int(hpos[ly, h, cand[c]])] += max(float(hs[c]), 0.0)
-    span = recall_core.SPAN
-    near = [max(total[max(0, t - span) : t + span + 1]) for t in range(tokens)]
-    best = sorted((t for t in range(tokens) if near[t] > 0), key=lambda t: (-near[t], -total[t], t))[:a]
+    best = sorted((t for t in range(tokens) if total[t] > 0), key=lambda t: (-total[t], t))[:a]
     rank = {t: a - i for i, t in enumerate(best)}
     out = []
     for ly, per in enumerate(scored):
@@ -623,23 +621,18 @@ def test_a_paged_append_takes_no_more_than_its_fetched_pages_hold(pools: Pools, 
 def test_append_order_takes_the_shared_positions_first_then_the_heads_own() -> None:
     """A turn's append: entries of the positions ranked over every layer (higher rank first) wherever a
     head holds them on the host, then the head's own best by page; each entry once, and a ranked
-    position that is only padding in a head (-inf) is not taken there. The positions' ranking (a span
-    around each attended position) too."""
+    position that is only padding in a head (-inf) is not taken there. The positions' ranking too."""
     host_sc = torch.tensor([[0.9, 0.1, 0.2, 0.8, 0.05, 0.3], [0.1, 0.7, -torch.inf, 0.2, 0.6, 0.4]])
     shared = torch.tensor([[0.0, 2.0, 0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 3.0, 0.0, 0.0, 0.0]])
     got = recall_core.append_order(host_sc, 1, 3, shared)
     assert got[0].tolist() == [1, 4, 0] and got[1].tolist() == [1, 4, 5]
     assert recall_core.append_order(host_sc, 1, 3, None)[0].tolist() == [0, 3, 5]
-    # one pair over 12 positions: 0.9 at position 2, 0.3 at 9 (-inf, padding, at 5 counts nothing); a
-    # position ranks by the best within SPAN either side, then by its own score, then by position
-    assert recall_core.SPAN == 2
-    sc = torch.zeros(1, 12)
-    sc[0, 2], sc[0, 9], sc[0, 5] = 0.9, 0.3, -torch.inf
-    ranks = recall_core.shared_positions([sc], [torch.arange(12).view(1, -1)], 12, 10)
-    assert ranks.tolist() == [9, 8, 10, 7, 6, 0, 0, 4, 3, 5, 2, 1]
+    # one pair over 6 positions: the 4 it attended, best first (-inf, padding, counts nothing)
+    sc = torch.tensor([[0.0, 0.25, 0.75, -torch.inf, 0.125, 0.5]])
+    ranks = recall_core.shared_positions([sc], [torch.arange(6).view(1, -1)], 6, 5)
+    assert ranks.tolist() == [0, 2, 4, 0, 1, 3]
+    # two pairs holding the positions in opposite columns: sums 0.5, 0.375, 0.75, 0.75, 0.375, 0.5
     two = recall_core.shared_positions(
-        [sc, sc], [torch.arange(12).view(1, -1), torch.arange(11, -1, -1).view(1, -1)], 12, 3
+        [sc, sc], [torch.arange(6).view(1, -1), torch.arange(5, -1, -1).view(1, -1)], 6, 3
     )
-    # positions 2 and 9 sum 0.9 + 0.3 each, and every position within 2 of them ties with them: by its
-    # own sum, 2 and 9 first (2 before 9 by position), then position 0 (0 on its own, the first)
-    assert two.tolist() == [1, 0, 3, 0, 0, 0, 0, 0, 0, 2, 0, 0]
+    assert two.tolist() == [1, 0, 3, 2, 0, 0]  # ties: the first position first

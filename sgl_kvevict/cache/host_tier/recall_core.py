@@ -12,10 +12,6 @@ from sgl_kvevict.cache import state as st
 # A host page comes back only where a query gives its best entry at least this much attention: weaker
 # evidence swapped entries back and forth (3-5x the bytes moved) and answered no better (measured).
 MIN_SCORE = 0.05
-# A turn's append ranks a logical position by the best position within this many either side
-# (`shared_positions`): on the recall suite's `multikey` at 12%, snapkv answered 12 of 12 with it and 9
-# without (full cache 11).
-SPAN = 2
 
 
 def best_entries(sc: torch.Tensor, page: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,9 +45,8 @@ def shared_positions(
 ) -> torch.Tensor:
     """A turn's append ranks logical positions over every layer and KV head: a position scores the sum,
     over the (layer, KV head) pairs that hold it on the host, of its entry's score there (`host_sc`
-    `[H, c]` per layer, the entries' logical positions `positions` alike), then the best such sum within
-    `SPAN` positions either side. Returns `[tokens]` ranks: `a` down to 1 for the `a` best positions that
-    any query attended (or neighboured), 0 elsewhere.
+    `[H, c]` per layer, the entries' logical positions `positions` alike). Returns `[tokens]` ranks: `a`
+    down to 1 for the `a` best positions that any query attended, 0 elsewhere.
 
     Why: each pair ranking on its own brought a planted fact back into fewer than half of the pairs, and
     the decode that copies it reads them all (on the recall suite's `multikey`, the identifiers lost their
@@ -61,14 +56,8 @@ def shared_positions(
         w = sc.detach().to("cpu", torch.float64).nan_to_num(0.0, neginf=0.0).clamp_min(0.0)
         ok = (pos >= 0) & (pos < tokens)  # a position outside the row's tokens counts nowhere
         total.scatter_add_(0, pos.to(torch.int64).clamp(0, tokens - 1).flatten(), (w * ok).flatten())
-    # a position ranks by the best total within SPAN positions either side (the words the question
-    # attends, "vault code is", bring the value after them, "1233", which it attends less), then by its
-    # own total, then by position
-    near = torch.nn.functional.max_pool1d(total.view(1, 1, -1), 2 * SPAN + 1, stride=1, padding=SPAN)
-    near = near.view(-1)
-    by_own = total.argsort(descending=True, stable=True)
-    order = by_own[near[by_own].argsort(descending=True, stable=True)][:a]
-    chosen = order[near[order] > 0]
+    order = total.argsort(descending=True, stable=True)[:a]  # ties: the first position first
+    chosen = order[total[order] > 0]
     ranks = torch.zeros(tokens, dtype=torch.float32)
     ranks[chosen] = torch.arange(chosen.numel(), 0, -1, dtype=torch.float32)
     return ranks
