@@ -9,7 +9,8 @@ server recalls. Each module holds one part of the route:
 - `demote.py`: a commit's evicted entries copied into host columns (`HostTier`, the eviction hook), and a
   request taking the host entries of the history it adopted;
 - `exact_prefill.py`: a turn's prefill over both tiers (its queries see the host entries too);
-- `recall.py`: the turn's append (its best host entries into fresh slots after its compression), the
+- `recall.py`: the turn's append (the host entries of the positions its queries attend most, over every
+  layer and KV head, into fresh slots after its compression), the
   exchange a recall outside a forward runs, and the scheduler and forward hooks of a decode step's recall;
 - `decode_recall.py`: a decode step's recall for the whole batch in fixed shapes, inside the forward,
   in every layer and KV head;

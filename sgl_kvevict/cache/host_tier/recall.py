@@ -5,7 +5,8 @@ a compression evicts on the host tier; this brings back what a turn needs).
 1. a turn's prefill attends over both tiers (`exact_prefill`): its new tokens, its first answer token
    and the queries its compression ranks by are the full cache's;
 2. once that compression committed, before the first decode step, the turn's own window queries bring
-   their best host entries back into fresh slots appended to the row (*Append*, below);
+   the host entries of the positions they attend most (over every layer and KV head, then each pair's
+   own best) back into fresh slots appended to the row (*Append*, below);
 3. every `--kv-recall-config` `every` decode steps, the step's own query exchanges host entries with
    the row's weakest inside the step's forward, in every layer and KV head, in fixed shapes for the
    whole batch (`decode_recall`).
@@ -171,8 +172,8 @@ def safe_append(req: Any) -> int:
 
 def append(req: Any, s: st.ReqState) -> int:
     """After a turn's prefill compression, before its first decode step: the turn's window queries bring
-    their best host entries back into `a` fresh slots appended to the compacted history, displacing
-    nothing (`--kv-recall-config` `append`). The turn then decodes over its budget plus them; its next compression
+    `a` host entries per layer and KV head (`Recall.append_all`) back into fresh slots appended to the
+    compacted history, displacing nothing. The turn then decodes over its budget plus them; its next compression
     that is not a decode step's folds them back into the budget (`trigger.fires`). `a` is at most
     R, the entries the branch evicted, and what the slot pool can spare (twice `a` must be free or
     evictable: SGLang's next memory check must not retract for it). Returns `a` (0: nothing appended;
