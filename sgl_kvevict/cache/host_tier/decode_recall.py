@@ -400,19 +400,10 @@ def _positions(a: DecodeArm, one: StepPlan, i: int, layers: int) -> None:
     """The moved pairs of batch row `i` exchange their logical positions (row and host), from the step's
     records, all layers and KV heads at once; under KVEVICT_DEBUG the row's positions also become a
     timeline event (the oracle replays it)."""
-    dbg = SwapPositions(a.s, int(one.buf.m[i]))
+    tracked = SwapPositions(a.s, int(one.buf.m[i]))
     moved, pos, hidx = (x[:layers, i].cpu() for x in (one.moved, one.pos, one.hidx))
-    row, host = dbg.pos[:layers], dbg.hpos[:layers]
-    m, c = row.shape[-1], host.shape[-1]
-    # pairs that do not move read and write a scratch column past the end (theirs may repeat an index)
-    row = torch.cat([row, row.new_zeros(*row.shape[:-1], 1)], dim=-1)
-    host = torch.cat([host, host.new_zeros(*host.shape[:-1], 1)], dim=-1)
-    d, h = torch.where(moved, pos, m), torch.where(moved, hidx, c)
-    row_pos, host_pos = row.gather(-1, d), host.gather(-1, h)
-    row.scatter_(-1, d, host_pos)
-    host.scatter_(-1, h, row_pos)
-    dbg.pos[:layers], dbg.hpos[:layers] = row[..., :m], host[..., :c]
-    dbg.record(a.s, a.tokens)
+    tracked.apply(0, pos, hidx, moved)
+    tracked.record(a.s, a.tokens)
 
 
 def fail(ctx: KvEvictContext, one: StepPlan) -> None:

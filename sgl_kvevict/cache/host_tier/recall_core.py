@@ -102,11 +102,19 @@ class SwapPositions:
         self.hpos = s.recall.host.positions.clone()
 
     def apply(self, layer: int, didx: torch.Tensor, hidx: torch.Tensor, swap: torch.Tensor) -> None:
+        """Layers from `layer` on, `[l, H, r]` each: where `swap`, the row entry at `didx` and the host entry
+        at `hidx` exchange positions. A pair that does not swap may name any index (a padded host column
+        past the branch's, or one a swapping pair names too): it reads and writes a scratch column."""
         sl = slice(layer, layer + didx.shape[0])
-        pos, hpos = self.pos[sl], self.hpos[sl]
-        dp, hp = pos.gather(-1, didx), hpos.gather(-1, hidx)
-        pos.scatter_(-1, didx, torch.where(swap, hp, dp))
-        hpos.scatter_(-1, hidx, torch.where(swap, dp, hp))
+        row, host = self.pos[sl], self.hpos[sl]
+        m, c = row.shape[-1], host.shape[-1]
+        row = torch.cat([row, row.new_zeros(*row.shape[:-1], 1)], dim=-1)
+        host = torch.cat([host, host.new_zeros(*host.shape[:-1], 1)], dim=-1)
+        d, h = torch.where(swap, didx, m), torch.where(swap, hidx, c)
+        row_pos, host_pos = row.gather(-1, d), host.gather(-1, h)
+        row.scatter_(-1, d, host_pos)
+        host.scatter_(-1, h, row_pos)
+        self.pos[sl], self.hpos[sl] = row[..., :m], host[..., :c]
 
     def record(self, s: st.ReqState, tokens: int) -> None:
         s.recall.host.positions = self.hpos
