@@ -237,7 +237,7 @@ def exchange(
     row_sc: torch.Tensor,
     host_sc: torch.Tensor,
     r: int,
-    dbg: SwapPositions | None,
+    tracked: SwapPositions | None,
     cand: torch.Tensor | None = None,
     log: list[Undo] | None = None,
 ) -> torch.Tensor:
@@ -257,8 +257,8 @@ def exchange(
     counts = swap.sum(-1)  # hs falls and the displaced score rises with i, so swap is a prefix
     dev_slots = row_slots[lo:hi][cidx]  # [l, H, r]
     host_cols = s.recall.host.cols.to(pool.k.device)[hidx.to(pool.k.device)]
-    if dbg is not None:
-        dbg.apply(layer, (cidx + lo).cpu(), hidx.cpu(), swap.cpu())
+    if tracked is not None:
+        tracked.apply(layer, (cidx + lo).cpu(), hidx.cpu(), swap.cpu())
     layers = range(layer, layer + int(row_sc.shape[0]))
     sl = slice(layers.start, layers.stop)
     args = ([rt.k_buffer(i) for i in layers], [rt.v_buffer(i) for i in layers], dev_slots)
@@ -359,7 +359,7 @@ class Recall:
     cols: torch.Tensor  # the branch's host columns (on the host pool's device)
     sums: host.PageSummaries | None  # None: every host key is scored
     n_sel: int  # pages fetched per head and layer when paged
-    dbg: SwapPositions | None = None
+    tracked: SwapPositions | None = None  # the row's and host's logical positions (None: not known)
     new: torch.Tensor | None = None  # appending: the fresh device slots (int64) the columns go to
     appended_pos: list[torch.Tensor] = field(default_factory=list)  # tracked: their positions, per layer
     swapped: torch.Tensor | None = None  # on the device, read once at the end
@@ -387,9 +387,9 @@ class Recall:
         pool.touch(s.recall.host)
         sums, n_sel = paged if paged is not None else _paged(s.ctx, s.recall.host, r)
         row_slots = s.ctx.rt.req_to_token[req.kv.req_pool_idx, :m].to(torch.int64)
-        dbg = SwapPositions(s, m) if s.recall.host.positions is not None else None
+        tracked = SwapPositions(s, m) if s.recall.host.positions is not None else None
         cols = s.recall.host.cols.to(pool.k.device)
-        return cls(req, s, m, tokens, lo, hi, r, row_slots, cols, sums, n_sel, dbg)
+        return cls(req, s, m, tokens, lo, hi, r, row_slots, cols, sums, n_sel, tracked)
 
     def score(self, layer: int, q: torch.Tensor) -> Scored:
         """The host entries' and the row's scores at `layer` under queries `q` `[Hq, w, D]`, the row's last
@@ -426,7 +426,7 @@ class Recall:
             x.row_sc[None],
             x.host_sc[None],
             self.r,
-            self.dbg,
+            self.tracked,
             None if x.cand is None else x.cand[None],
             self.done,
         )
@@ -447,7 +447,7 @@ class Recall:
         scored = [self.score(layer, q) for layer, q in enumerate(qs)]
         a = int(self.new.numel())
         pos = ranks = None
-        if self.dbg is not None:
+        if self.tracked is not None:
             pos = [self._host_positions(layer, x.cand) for layer, x in enumerate(scored)]
             ranks = recall_core.shared_positions([x.host_sc for x in scored], pos, self.tokens, a)
         for layer, x in enumerate(scored):
@@ -456,7 +456,7 @@ class Recall:
 
     def _host_positions(self, layer: int, cand: torch.Tensor | None) -> torch.Tensor:
         """`[H, c]` logical positions of the host entries scored at `layer` (all, or the candidates)."""
-        hpos = self.dbg.hpos[layer]
+        hpos = self.tracked.hpos[layer]
         return hpos.clone() if cand is None else hpos.gather(-1, cand.cpu())
 
     def append_layer(
@@ -484,8 +484,8 @@ class Recall:
         src, dst = holes_filled(hidx, int(self.cols.numel()))
         for buf in (pool.k, pool.v):
             buf[layer][self.cols[dst], heads] = buf[layer][self.cols[src], heads]
-        if self.dbg is not None:
-            hpos = self.dbg.hpos[layer]
+        if self.tracked is not None:
+            hpos = self.tracked.hpos[layer]
             self.appended_pos.append(hpos.gather(-1, hidx.cpu()))
             hpos.scatter_(-1, dst.cpu(), hpos.gather(-1, src.cpu()))
         if self.sums is not None:  # the pages the holes were in hold other entries now: re-summarise
@@ -531,8 +531,8 @@ class Recall:
             return self._finish_append()
         self.done.clear()
         swapped = int(self.swapped) if self.swapped is not None else 0
-        if self.dbg is not None:
-            self.dbg.record(self.s, self.tokens)
+        if self.tracked is not None:
+            self.tracked.record(self.s, self.tokens)
         account(self.s, swapped)
         return swapped
 
@@ -564,9 +564,9 @@ class Recall:
             full = c2 // sm.page
             cut = [x[:full].clone() if x is not None else None for x in (sm.kmin, sm.kmax, sm.kmean)]
             e.summaries = host.PageSummaries(*cut, n=full * sm.page, page=sm.page)
-        if self.dbg is not None:
-            e.positions = self.dbg.hpos[..., :c2].clone()
-            pos = self.dbg.pos
+        if self.tracked is not None:
+            e.positions = self.tracked.hpos[..., :c2].clone()
+            pos = self.tracked.pos
             added = torch.stack(self.appended_pos)  # [L, H, a]
             s.trace.event(torch.cat([pos[..., :hi], added, pos[..., hi:]], dim=-1), self.tokens)
         moved = a * pool.heads * rt.n_layers
