@@ -26,8 +26,8 @@ docs/benchmarks.md says which families reach it):
 Cells: answered / sessions (F1 x 100 for `locomo`) beside the full cache's, then the device KV while
 answering as a percent of the context. An F1 cell also gives the F1 as a percent of the full cache's
 over the same questions, with its paired bootstrap 95% interval (`f1_share`). The memory-pressure
-replay is `benchmarks/replay.py`'s own command (docs/benchmarks.md). Writes `suite.json` and `suite.md` under `--out`, and one replay folder
-per run under its family's (`composed/none`, `composed/snapkv-18pct`, ...); `--resume` reads back the
+replay is `benchmarks/replay.py`'s own command (docs/benchmarks.md). Writes `suite.json` and
+`suite.md` under `--out`, and one replay folder per run under its family's (`composed/none`, `composed/snapkv-18pct`, ...); `--resume` reads back the
 finished ones instead of running them again, so a cut-off suite continues where it stopped;
 `--report` only reads them back and prints the table (no server; a blank cell where a run is missing).
 """
@@ -100,8 +100,9 @@ def f1_share(
     shares = []
     for _ in range(draws):
         pick = [rng.choice(keys) for _ in keys]
-        if sum(ref[k] for k in pick):  # a draw of only the full cache's F1-0 questions has no share
-            shares.append(sum(got[k] for k in pick) / sum(ref[k] for k in pick))
+        base = sum(ref[k] for k in pick)
+        if base:  # a draw of only the full cache's F1-0 questions has no share
+            shares.append(sum(got[k] for k in pick) / base)
     shares.sort()
     share = sum(got[k] for k in keys) / sum(ref[k] for k in keys)
     return share, shares[int(0.025 * len(shares))], shares[int(0.975 * len(shares)) - 1]
