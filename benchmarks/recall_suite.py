@@ -56,7 +56,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "chatloop": ("chatloop", {"turns": 12, "filler_tokens": 150}),
     "multikey": ("multikey", {"turns": 12, "filler_tokens": 150}),
     "forks": ("recall-code", {"turns": 10, "filler_tokens": 150, "question_forks": 2}),
-    "locomo": ("locomo", {"turns": 10, "filler_tokens": 200}),
+    "locomo": ("locomo", {"turns": 10, "filler_tokens": 200, "windows": 3}),
 }
 SINKS_AND_WINDOW = 36  # what every policy keeps besides its budget (4 sinks + a 32-token recent window)
 MIN_BUDGET = 16

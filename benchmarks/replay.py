@@ -597,7 +597,13 @@ def parse(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument(
         "--conversations", default="6-10", help="locomo: conversations to replay (1-5 are held out)"
     )
-    p.add_argument("--questions", type=int, default=12, help="locomo: questions per conversation at most")
+    p.add_argument("--questions", type=int, default=12, help="locomo: questions per window at most")
+    p.add_argument(
+        "--windows",
+        type=int,
+        default=1,
+        help="locomo: consecutive stretches of each conversation, one session each",
+    )
     p.add_argument("--sessions", type=int, default=4, help="sessions per scenario")
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
@@ -703,6 +709,7 @@ def _config(a: argparse.Namespace) -> BenchConfig:
             path=a.scenario_path,
             conversations=a.conversations,
             questions=a.questions,
+            windows=a.windows,
         ),
         concurrency=a.concurrency,
         max_new_tokens=a.max_new_tokens,

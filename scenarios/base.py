@@ -113,7 +113,14 @@ class ScenarioConfig(BaseModel):
         pattern=r"^\d+(-\d+)?(,\d+(-\d+)?)*$",
         description="locomo: the dataset's conversations to replay, 1-based (e.g. 6-10)",
     )
-    questions: int = Field(12, ge=1, le=200, description="locomo: questions asked per conversation at most")
+    questions: int = Field(12, ge=1, le=200, description="locomo: questions asked per window at most")
+    windows: int = Field(
+        1,
+        ge=1,
+        le=32,
+        description="locomo: consecutive stretches of each conversation replayed as separate sessions "
+        "(each about `filler_tokens * turns` tokens of dialog, its own questions)",
+    )
 
 
 def rng_for(seed: int, *keys: object) -> random.Random:

@@ -8,8 +8,8 @@ tuned on them by accident.
 
 Each conversation is replayed as a client-composed history: its dated sessions in order, each one user
 message with the dialog and a one-line reply the client wrote, until about `filler_tokens * turns`
-characters/4 tokens of dialog; then up to `questions` of the dataset's questions whose evidence lies in
-that history (categories 1-4: single-hop, multi-hop, temporal, open-domain; 5, the adversarial ones
+characters/4 tokens of dialog (`windows` > 1: the next stretch of as many, a session of its own, and so
+on); then up to `questions` of the dataset's questions whose evidence lies in that history (categories 1-4: single-hop, multi-hop, temporal, open-domain; 5, the adversarial ones
 with no answer, is skipped) are asked at once, each as a branch off the stored history.
 """
 
@@ -66,6 +66,30 @@ def _sessions(conv: dict[str, Any]) -> list[tuple[str, list[dict[str, Any]]]]:
     return [(src.get(f"session_{k}_date_time", ""), src[f"session_{k}"]) for k in n]
 
 
+def _windows(conv: dict[str, Any], budget_chars: float, n: int) -> list[tuple[list[Turn], set[str]]]:
+    """Up to `n` consecutive stretches of the conversation's dated sessions, each about `budget_chars` of
+    dialog (at least one session): each one user message per session with a one-line reply the client
+    wrote, and the dialog ids it holds."""
+    out: list[tuple[list[Turn], set[str]]] = []
+    turns: list[Turn] = []
+    seen: set[str] = set()
+    size = 0.0
+    for date, dialog in _sessions(conv):
+        lines = [f"{d['speaker']}: {d['text']}" for d in dialog if d.get("text")]
+        text = f"Chat on {date}:\n" + "\n".join(lines)
+        if turns and size + len(text) > budget_chars:
+            out.append((turns, seen))
+            if len(out) == n:
+                return out
+            turns, seen, size = [], set(), 0.0
+        size += len(text)
+        seen |= {d["dia_id"] for d in dialog}
+        turns.append(Turn(inputs=[Message(role="user", content=text)], reply="Noted."))
+    if turns and len(out) < n:
+        out.append((turns, seen))
+    return out
+
+
 def build(cfg: ScenarioConfig) -> Scenario:
     if not cfg.path:
         raise ValueError("the locomo scenario needs --scenario-path (LoCoMo's locomo10.json or its folder)")
@@ -74,32 +98,25 @@ def build(cfg: ScenarioConfig) -> Scenario:
     sessions = []
     for n in conversation_numbers(cfg.conversations):
         conv = data[n - 1]
-        turns: list[Turn] = []
-        seen: set[str] = set()
-        size = 0.0
-        for date, dialog in _sessions(conv):
-            lines = [f"{d['speaker']}: {d['text']}" for d in dialog if d.get("text")]
-            text = f"Chat on {date}:\n" + "\n".join(lines)
-            if turns and size + len(text) > budget_chars:
-                break
-            size += len(text)
-            seen |= {d["dia_id"] for d in dialog}
-            turns.append(Turn(inputs=[Message(role="user", content=text)], reply="Noted."))
-        qa = [
-            q
-            for q in conv["qa"]
-            if q.get("category") in (1, 2, 3, 4)
-            and "answer" in q
-            and q.get("evidence")
-            and all(e.strip() in seen for e in q["evidence"])
-        ][: cfg.questions]
-        if not qa:
-            continue
-        branches = [[Message(role="user", content=ASK.format(q=q["question"]))] for q in qa]
-        turns.append(
-            Turn(inputs=[], branches=branches, references=[str(q["answer"]) for q in qa], max_new_tokens=24)
-        )
-        sessions.append(Session(id=f"locomo-{n}", kind="locomo", turns=turns))
+        for w, (turns, seen) in enumerate(_windows(conv, budget_chars, cfg.windows)):
+            qa = [
+                q
+                for q in conv["qa"]
+                if q.get("category") in (1, 2, 3, 4)
+                and "answer" in q
+                and q.get("evidence")
+                and all(e.strip() in seen for e in q["evidence"])
+            ][: cfg.questions]
+            if not qa:
+                continue
+            branches = [[Message(role="user", content=ASK.format(q=q["question"]))] for q in qa]
+            turns.append(
+                Turn(
+                    inputs=[], branches=branches, references=[str(q["answer"]) for q in qa], max_new_tokens=24
+                )
+            )
+            sid = f"locomo-{n}" if w == 0 else f"locomo-{n}-{w + 1}"  # the first window keeps its old id
+            sessions.append(Session(id=sid, kind="locomo", turns=turns))
     return Scenario(name="locomo", seed=cfg.seed, sessions=sessions)
 
 

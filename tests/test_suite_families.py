@@ -242,3 +242,16 @@ def test_suite_report_prints_the_finished_runs_and_starts_nothing(tmp_path, monk
     assert list(rows) == ["none", "snapkv 25% no recall", "d2o 25%"]
     out = capsys.readouterr().out
     assert "| d2o 25% | 1/1 (1/1), 20% |  |" in out and "multikey" in out
+
+
+def test_locomo_windows_replay_the_next_stretch_with_its_own_questions(tmp_path: Path) -> None:
+    """`windows` 2: the session the first window stopped before starts the second, whose questions are
+    those with evidence in it (the session-3 question, not the session-1 one)."""
+    path = _fake_locomo(tmp_path)
+    cfg = ScenarioConfig(path=str(path), conversations="6-7", turns=5, filler_tokens=300, windows=2)
+    sc = build("locomo", cfg)
+    assert [s.id for s in sc.sessions] == ["locomo-6", "locomo-6-2", "locomo-7", "locomo-7-2"]
+    first, second = sc.sessions[:2]
+    assert len(first.turns) == 3 and first.turns[-1].references == ["cat 5"]
+    assert len(second.turns) == 2 and second.turns[0].inputs[0].content.startswith("Chat on day 3")
+    assert second.turns[-1].references == ["x"]
