@@ -21,7 +21,8 @@ docs/benchmarks.md says which families reach it):
 - `multikey`: three facts of three shapes (digits, a name, an identifier) at the start, middle and last
   third, one asked;
 - `forks`: `recall-code` with the question asked by two branches at once off one stored history;
-- `locomo`: LoCoMo conversations 6-10 (1-5 are held out), the dataset's questions as branches, token F1.
+- `locomo`: LoCoMo conversations 6-10 (1-5 are held out), three consecutive stretches of each (about
+  2,000 tokens of dialog, a session each), the dataset's questions on each stretch as branches, token F1.
 
 Cells: answered / sessions (F1 x 100 for `locomo`) beside the full cache's, then the device KV while
 answering as a percent of the context. An F1 cell also gives the F1 as a percent of the full cache's
