@@ -345,6 +345,7 @@ def test_fork_branches_of_one_stored_history_each_recall(recall_server: Server):
     # the pool (1,500 columns, 1,473 used after the fork) cannot copy without dropping a live
     # history, taken as they are
     assert state["copied"] - before["copied"] >= 3 * held, state
+    assert state["histories_missed"] == before["histories_missed"], state  # every branch found the history
     recall_server.flush()
     state = host_state(recall_server)
     assert state["host_used"] == 0 and state["host_branches"] == 0, state

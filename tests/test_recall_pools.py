@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sgl_kvevict import kernels as K
-from sgl_kvevict.cache import capture, compressor, engine, trigger
+from sgl_kvevict.cache import capture, compressor, engine, nodes, trigger
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.host_tier import demote, host, recall, recall_core
 from sgl_kvevict.config import RecallTuning, ServerSettings
@@ -636,3 +636,30 @@ def test_append_order_takes_the_shared_positions_first_then_the_heads_own() -> N
         [sc, sc], [torch.arange(6).view(1, -1), torch.arange(5, -1, -1).view(1, -1)], 6, 3
     )
     assert two.tolist() == [1, 0, 3, 2, 0, 0]  # ties: the first position first
+
+
+def test_fork_siblings_beyond_the_pools_room_are_counted_as_missing_the_history(pools: Pools) -> None:
+    """Three fork siblings adopt one stored history (4 host columns) in a pool with room for one copy:
+    the first takes a copy, the second the node's own entries (no copy fits without dropping a live
+    history), the third finds none and is counted (`histories_missed`); a node that never held host
+    entries is not a miss."""
+    batch = pools.batch(3, N, "snapkv", 48, {"window": W})
+    pool = host.HostPool(L, H, D, 8, torch.float32)
+    demote.attach(pools.ctx, pool)
+    node = nodes.CompressedNode(0, "fp")
+    node.host_entries = host.HostEntries()
+    pool.append(node.host_entries, pool.alloc(4), None)
+    took = []
+    for req in batch.reqs:
+        s = st.get(req)
+        s.recall.host_src = node
+        demote.take(s)
+        took.append(0 if s.recall.host is None else s.recall.host.count)
+    assert took == [4, 4, 0] and node.host_entries.count == 0 and pool.totals.histories_missed == 1
+    s = st.get(batch.reqs[2])
+    s.recall.host_src = nodes.CompressedNode(0, "fp")  # recall was off when it was stored: nothing to miss
+    demote.take(s)
+    assert pool.totals.histories_missed == 1
+    for req in batch.reqs[:2]:
+        pool.release(st.get(req).recall.host)
+    assert pool.n_free == pool.size

@@ -41,16 +41,20 @@ def take(s: st.ReqState) -> None:
     sibling, a retried turn) and they go with the node. The node's entries become the pool's first LRU
     victims: the request's copy is the one a session goes on with. When the pool cannot hold a copy,
     the request takes the node's entries themselves (a copy never drops another session's live
-    history: `HostPool.copy`)."""
+    history: `HostPool.copy`); the node then keeps only the count of what it held, so that a later fork
+    sibling, finding nothing, is counted (`HostTotals.histories_missed`)."""
     src = s.recall.host_src
     s.recall.host_src = None
     got = src.host_entries if src is not None else None
     pool = s.ctx.host
-    if got is None or pool is None or got.count == 0:  # nothing on the host (or the LRU took it)
+    if got is None or pool is None:  # nothing was demoted from this history
+        return
+    if got.count == 0:  # the LRU took them back, or a fork sibling took them when no copy fit
+        pool.totals.histories_missed += got.dropped > 0
         return
     mine = pool.copy(got)
     if mine is None:
-        src.host_entries = None
+        src.host_entries = host.HostEntries(dropped=got.count)
         mine = got
     else:
         pool.drop_first(got)

@@ -81,6 +81,9 @@ class HostTotals:
     branches_dropped: int = 0  # branches whose columns the LRU took back
     columns_dropped: int = 0
     demote_refused: int = 0  # evictions that could not be demoted (pool full even after the LRU)
+    # requests that adopted a stored history whose host entries were gone (the LRU took them back, or a
+    # fork sibling took them when the pool could not copy them): they answer without what it evicted
+    histories_missed: int = 0
     decode_steps: int = 0  # decode steps whose fixed-shape recall ran (`decode_recall`)
     decode_steps_overlapped: int = 0  # of them, planned before the previous step's results were processed
     prefills_both_tiers: int = 0  # prefill chunks that attended over the host entries too (`exact_prefill`)
