@@ -9,8 +9,9 @@ tuned on them by accident.
 Each conversation is replayed as a client-composed history: its dated sessions in order, each one user
 message with the dialog and a one-line reply the client wrote, until about `filler_tokens * turns`
 characters/4 tokens of dialog (`windows` > 1: the next stretch of as many, a session of its own, and so
-on); then up to `questions` of the dataset's questions whose evidence lies in that history (categories 1-4: single-hop, multi-hop, temporal, open-domain; 5, the adversarial ones
-with no answer, is skipped) are asked at once, each as a branch off the stored history.
+on); then up to `questions` of the dataset's questions whose evidence lies in that history (categories
+1-4: single-hop, multi-hop, temporal, open-domain; 5, the adversarial ones with no answer, is skipped)
+are asked at once, each as a branch off the stored history.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def _windows(conv: dict[str, Any], budget_chars: float, n: int) -> list[tuple[li
         size += len(text)
         seen |= {d["dia_id"] for d in dialog}
         turns.append(Turn(inputs=[Message(role="user", content=text)], reply="Noted."))
-    if turns and len(out) < n:
+    if turns:  # the conversation ended inside a stretch (fewer than `n` were full)
         out.append((turns, seen))
     return out
 
