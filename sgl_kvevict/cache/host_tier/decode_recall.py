@@ -61,13 +61,13 @@ def bucket(n: int, cap: int | None = None) -> int:
 
 class StepBounds(NamedTuple):
     """What a plan fixes for every layer of the step, computed once per step: per batch row, the logits'
-    padding (`bias` `[B, 1, 1, C + W]`: 0 on its real host columns, then on its entries before the step's
-    token, -inf elsewhere), its padded host columns (`not_host` `[B, 1, C]`), its entries that may not be
+    padding (`pad` `[B, 1, 1, C + W]`: False on its real host columns, then on its entries before the
+    step's token, True elsewhere), its padded host columns (`not_host` `[B, 1, C]`), its entries that may not be
     displaced (`fixed` `[B, 1, W]`), its host columns `cols` `[B, 1, C]` and their rows in the host pool's
     flat `[columns * H, D]` view (`host_ids` `[B, H, C]`), its swaps (`first_r` `[B, 1, R]`); for all rows,
     the page, the swaps per head `swaps`, the score floor and the scratch column."""
 
-    bias: torch.Tensor
+    pad: torch.Tensor
     not_host: torch.Tensor
     fixed: torch.Tensor
     first_r: torch.Tensor
@@ -113,7 +113,10 @@ def choose(
         ],
         dim=-1,
     )
-    logits = torch.add(b.bias, logits, alpha=scale)  # [B, H, G, C + W], padding at -inf
+    # [B, H, G, C + W], padding at -inf whatever it holds: a padded column reads the host pool's scratch
+    # column and a padded row entry any slot, uninitialised memory that may be NaN (added to -inf, a NaN
+    # would void the whole softmax of its row and head)
+    logits = logits.mul(scale).masked_fill_(b.pad, -torch.inf)
     p = torch.softmax(logits, dim=-1).amax(dim=2)  # [B, H, C + W]: an entry's best query head
     # padding stays out of the ranking (a page's best would otherwise rank its padded entries too)
     host_sc, row_sc = p[..., :c].masked_fill(b.not_host, -torch.inf), p[..., c:]
@@ -153,7 +156,7 @@ class StepBuffers:
     r: torch.Tensor
     n_cols: torch.Tensor
     cols: torch.Tensor
-    bias: torch.Tensor
+    pad: torch.Tensor
     not_host: torch.Tensor
     fixed: torch.Tensor
     first_r: torch.Tensor
@@ -172,12 +175,12 @@ class StepBuffers:
         b, w, c, r = bucket_key
         ints = [torch.zeros(b, dtype=torch.int64, device=dev) for _ in range(6)]
         cols = torch.zeros(b, 1, c, dtype=torch.int64, device=dev)
-        bias = torch.zeros(b, 1, 1, c + w, dtype=torch.float32, device=dev)
+        pad = torch.zeros(b, 1, 1, c + w, dtype=torch.bool, device=dev)
         masks = [torch.zeros(b, 1, n, dtype=torch.bool, device=dev) for n in (c, w, r)]
         host_ids = torch.zeros(b, heads, c, dtype=torch.int64, device=dev)
         recs = [torch.zeros(layers, b, heads, r, dtype=torch.int64, device=dev) for _ in range(4)]
         moved = torch.zeros(layers, b, heads, r, dtype=torch.bool, device=dev)
-        return cls(*ints, cols, bias, *masks, host_ids, torch.arange(heads, device=dev), *recs, moved)
+        return cls(*ints, cols, pad, *masks, host_ids, torch.arange(heads, device=dev), *recs, moved)
 
     def derive(self) -> None:
         """Fill what every layer of the step reads from the plan's inputs (once per step, not per layer)."""
@@ -186,11 +189,11 @@ class StepBuffers:
             return torch.arange(n, device=hi.device) < hi.view(-1, 1, 1)
 
         c = self.cols.shape[-1]
-        w = self.bias.shape[-1] - c
+        w = self.pad.shape[-1] - c
         in_host = below(c, self.n_cols)
         self.not_host.copy_(~in_host)
         valid = torch.cat([in_host, below(w, self.m)], dim=-1).unsqueeze(1)  # [B, 1, 1, C + W]
-        self.bias.zero_().masked_fill_(~valid, -torch.inf)
+        self.pad.copy_(~valid)
         self.fixed.copy_(below(w, self.lo) | ~below(w, self.hi))  # outside [lo, hi)
         self.first_r.copy_(below(self.first_r.shape[-1], self.r))
         self.host_ids.copy_(self.cols * self.heads.numel() + self.heads.view(1, -1, 1))
@@ -339,7 +342,7 @@ def plan(ctx: KvEvictContext, reqs: list[Any]) -> StepPlan | None:
     buf.cols.copy_(cols.unsqueeze(1))
     buf.derive()
     bounds = StepBounds(
-        buf.bias,
+        buf.pad,
         buf.not_host,
         buf.fixed,
         buf.first_r,
