@@ -638,28 +638,72 @@ def test_append_order_takes_the_shared_positions_first_then_the_heads_own() -> N
     assert two.tolist() == [1, 0, 3, 2, 0, 0]  # ties: the first position first
 
 
-def test_fork_siblings_beyond_the_pools_room_are_counted_as_missing_the_history(pools: Pools) -> None:
+def test_fork_siblings_beyond_the_pools_room_read_the_history_where_it_is(pools: Pools) -> None:
     """Three fork siblings adopt one stored history (4 host columns) in a pool with room for one copy:
-    the first takes a copy, the second the node's own entries (no copy fits without dropping a live
-    history), the third finds none and is counted (`histories_missed`); a node that never held host
-    entries is not a miss."""
+    the first takes a copy, the other two read the node's entries where they are (`borrowed`: no copy
+    fits without dropping a live history). Borrowed entries are never evicted; their owner's release
+    waits for the last reader; a history whose entries the LRU took is counted as missed, and a node
+    that never held host entries is not."""
     batch = pools.batch(3, N, "snapkv", 48, {"window": W})
     pool = host.HostPool(L, H, D, 8, torch.float32)
     demote.attach(pools.ctx, pool)
     node = nodes.CompressedNode(0, "fp")
     node.host_entries = host.HostEntries()
     pool.append(node.host_entries, pool.alloc(4), None)
-    took = []
-    for req in batch.reqs:
-        s = st.get(req)
+    held = node.host_entries
+    states = [st.get(req) for req in batch.reqs]
+    for s in states:
         s.recall.host_src = node
         demote.take(s)
-        took.append(0 if s.recall.host is None else s.recall.host.count)
-    assert took == [4, 4, 0] and node.host_entries.count == 0 and pool.totals.histories_missed == 1
-    s = st.get(batch.reqs[2])
-    s.recall.host_src = nodes.CompressedNode(0, "fp")  # recall was off when it was stored: nothing to miss
-    demote.take(s)
+    assert [0 if s.recall.host is None else s.recall.host.count for s in states] == [4, 0, 0]
+    assert [s.recall.borrowed is held for s in states] == [False, True, True]
+    assert demote.reading(states[2]) is held and held.readers == 2 and pool.totals.histories_borrowed == 2
+    assert pool.alloc(8) is None and held.count == 4  # a demotion may take the copy, not what siblings read
+    pool.release(held)  # the tree drops the node while two siblings still read its entries
+    assert pool.n_free == 0 and held.count == 4
+    states[1].recall.end_borrow(pool)
+    assert pool.n_free == 0
+    states[2].recall.drop_host(pool)  # the last reader: the columns go back now
+    assert pool.n_free == 4 and held.count == 0 and states[2].recall.borrowed is None
+    gone = nodes.CompressedNode(0, "fp")
+    gone.host_entries = host.HostEntries(dropped=4)  # the LRU took them
+    states[1].recall.host_src = gone
+    demote.take(states[1])
+    assert pool.totals.histories_missed == 1 and states[1].recall.borrowed is None
+    states[1].recall.host_src = nodes.CompressedNode(0, "fp")  # recall was off when it was stored
+    demote.take(states[1])
     assert pool.totals.histories_missed == 1
-    for req in batch.reqs[:2]:
-        pool.release(st.get(req).recall.host)
+    pool.release(states[0].recall.host)
+    assert pool.n_free == pool.size
+
+
+@pytest.mark.parametrize("summary", ["off", "minmax"])
+def test_a_borrowed_history_is_appended_from_and_left_as_it_was(pools: Pools, monkeypatch, summary: str):
+    """A request that borrows its stored history (the pool has no room for a copy) appends from it what
+    a request holding the entries itself would (the same entries into the fresh slots), writes nothing
+    to the borrowed columns, and stops reading them once the append ran."""
+    cfg = _tuning(monkeypatch, page=4, summary=summary, fetch_pages=2)
+    p = pools
+    req, s, probe, want = _compressed(p, monkeypatch, cfg, "snapkv")
+    pool, comp = p.ctx.host, s.slot_map.comp_slots
+    expect = _reference_swaps(p, req, s, 4, W, summary, fetch=2, append=R)
+    host_k = [pool.k[ly][s.recall.host.cols].clone() for ly in range(L)]
+    node = nodes.CompressedNode(0, "fp")  # the history's entries belong to a stored node now
+    node.host_entries, s.recall.host = s.recall.host, None
+    cols, positions = node.host_entries.cols.clone(), node.host_entries.positions.clone()
+    before = [buf[:, cols].clone() for buf in (pool.k, pool.v)]
+    live = host.HostEntries()  # another session's live history fills the rest of the pool
+    pool.append(live, pool.alloc(pool.n_free), None)
+    s.recall.host_src = node
+    s.recall.append_due = True
+    assert recall.safe_append(req) == R
+    assert s.recall.borrowed is None and node.host_entries.readers == 0
+    assert pool.totals.histories_borrowed == 1 and pool.totals.copied == 0
+    _assert_appended(p, comp, expect, host_k, cols)
+    assert torch.equal(node.host_entries.cols, cols) and torch.equal(node.host_entries.positions, positions)
+    assert all(torch.equal(buf[:, cols], b) for buf, b in zip((pool.k, pool.v), before, strict=True))
+    assert s.slot_map.appended == R and s.recall.recalled == R * L * H
+    s.recall.drop_host(pool)
+    for e in (node.host_entries, live):
+        pool.release(e)
     assert pool.n_free == pool.size

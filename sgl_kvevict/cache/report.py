@@ -40,6 +40,7 @@ def stats(req: Any) -> dict[str, Any] | None:
             appended=s.recall.recalled_appended,
             bytes_moved=s.recall.bytes_moved,
             host_tokens=s.recall.host_peak,
+            host_borrowed=s.recall.history_borrowed,
             peak_kv_tokens=max(s.counters.kv_peak, int(req.kv.kv_committed_len)),
             recall_skipped=s.recall.skipped,
             recall_seconds=round(s.counters.recall_seconds, 4),

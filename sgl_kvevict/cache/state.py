@@ -233,6 +233,10 @@ class RecallState:
     tokens: int = 0  # entries per layer and KV head a turn may recall (0: recall off)
     host: host_tier.HostEntries | None = None  # the host entries this request owns
     host_src: CompressedNode | None = None  # the adopted history, whose entries move at first commit
+    # the adopted history's entries, read where they are when the pool had no room for a copy
+    # (`demote.take`): read only, until the request's first write (`end_borrow`)
+    borrowed: host_tier.HostEntries | None = None
+    history_borrowed: bool = False  # it did (reported: `host_borrowed`)
     # logical tokens before this turn's own: recall scores with the turn's queries only (`recall.own`)
     turn_start: int | None = None
     due: bool = False  # a prefill ran: recall once its compression has committed
@@ -260,8 +264,17 @@ class RecallState:
 
     def drop_host(self, pool: host_tier.HostPool | None) -> None:
         """Give the request's host entries back to `pool`: no stored history took them."""
+        self.end_borrow(pool)
         host_tier.release(pool, self.host)
         self.host = None
+
+    def end_borrow(self, pool: host_tier.HostPool | None) -> None:
+        """Stop reading a borrowed stored history: before anything would write host entries (an exchange,
+        a decode step's recall), after an append that read it, at a retraction and at release. What the
+        request demoted itself stays its own; its stored history holds only those."""
+        b, self.borrowed = self.borrowed, None
+        if b is not None and pool is not None:
+            pool.unborrow(b)
 
 
 @dataclass

@@ -403,7 +403,7 @@ def _positions(a: DecodeArm, one: StepPlan, i: int, layers: int) -> None:
     """The moved pairs of batch row `i` exchange their logical positions (row and host), from the step's
     records, all layers and KV heads at once; under KVEVICT_DEBUG the row's positions also become a
     timeline event (the oracle replays it)."""
-    tracked = SwapPositions(a.s, int(one.buf.m[i]))
+    tracked = SwapPositions(a.s, int(one.buf.m[i]), a.s.recall.host)
     moved, pos, hidx = (x[:layers, i].cpu() for x in (one.moved, one.pos, one.hidx))
     tracked.apply(0, pos, hidx, moved)
     tracked.record(a.s, a.tokens)

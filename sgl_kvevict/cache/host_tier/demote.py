@@ -39,25 +39,28 @@ def take(s: st.ReqState) -> None:
     """The request takes the host entries of the compressed node it adopted, as it takes the node's
     device KV: a copy (`HostPool.copy`), so the node keeps them for whoever continues it next (a fork
     sibling, a retried turn) and they go with the node. The node's entries become the pool's first LRU
-    victims: the request's copy is the one a session goes on with. When the pool cannot hold a copy,
-    the request takes the node's entries themselves (a copy never drops another session's live
-    history: `HostPool.copy`); the node then keeps only the count of what it held, so that a later fork
-    sibling, finding nothing, is counted (`HostTotals.histories_missed`)."""
+    victims: the request's copy is the one a session goes on with. When the pool cannot hold a copy (a
+    copy never drops another session's live history: `HostPool.copy`), the request reads the node's
+    entries where they are (`HostPool.borrow`, `RecallState.borrowed`) until its first write
+    (`RecallState.end_borrow`): its prefill and its append see the whole history, and a fork of `n` branches costs
+    one history's columns, not `n` copies."""
     src = s.recall.host_src
     s.recall.host_src = None
     got = src.host_entries if src is not None else None
     pool = s.ctx.host
     if got is None or pool is None:  # nothing was demoted from this history
         return
-    if got.count == 0:  # the LRU took them back, or a fork sibling took them when no copy fit
+    if got.count == 0:  # the LRU took them back
         pool.totals.histories_missed += got.dropped > 0
         return
     mine = pool.copy(got)
     if mine is None:
-        src.host_entries = host.HostEntries(dropped=got.count)
-        mine = got
-    else:
-        pool.drop_first(got)
+        s.recall.end_borrow(pool)
+        pool.borrow(got)
+        s.recall.borrowed, s.recall.history_borrowed = got, True
+        s.recall.host_peak = max(s.recall.host_peak, got.count)
+        return
+    pool.drop_first(got)
     if s.recall.host is None or s.recall.host.count == 0:
         s.recall.host = mine
     else:  # already holds some (a retracted request coming back): merge
@@ -65,6 +68,12 @@ def take(s: st.ReqState) -> None:
         pool.lru.pop(id(mine), None)
         mine.cols = torch.zeros(0, dtype=torch.int64)
     pool.touch(s.recall.host)
+
+
+def reading(s: st.ReqState) -> host.HostEntries | None:
+    """The entries a read-only pass over the branch's history reads (a prefill over both tiers, an
+    append): a borrowed stored history's while the request reads one, else its own."""
+    return s.recall.borrowed if s.recall.borrowed is not None else s.recall.host
 
 
 def attach(ctx: KvEvictContext, pool: host.HostPool) -> None:

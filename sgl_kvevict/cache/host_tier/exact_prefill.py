@@ -31,6 +31,7 @@ from sgl_kvevict.cache.host_tier import demote
 
 if TYPE_CHECKING:
     from sgl_kvevict.cache.context import KvEvictContext
+    from sgl_kvevict.cache.host_tier.host import HostEntries
 
 QUERY_BLOCK = 256  # queries per product at most
 SCORE_BYTES = 64 << 20  # and fewer where the history is long: one product's fp32 scores stay below this
@@ -38,11 +39,13 @@ SCORE_BYTES = 64 << 20  # and fewer where the history is long: one product's fp3
 
 @dataclass(eq=False)
 class ExactArm:
-    """One request's prefill chunk over both tiers: the branch's host columns as they are when armed."""
+    """One request's prefill chunk over both tiers: the host columns it reads as they are when armed (the
+    branch's own, or a borrowed stored history's, `entries`)."""
 
     req: Any
     s: st.ReqState
     cols: torch.Tensor
+    entries: HostEntries
 
 
 def attend(
@@ -81,8 +84,8 @@ def attend(
 def arm(req: Any, s: st.ReqState) -> None:
     """Arm the request's next prefill chunk over both tiers (the scheduler, once its slots are allocated
     and its branch's host entries taken: `recall.has_history`)."""
-    host = s.recall.host
-    s.ctx.exact_armed[req.kv.req_pool_idx] = ExactArm(req, s, host.cols.clone())
+    host = demote.reading(s)
+    s.ctx.exact_armed[req.kv.req_pool_idx] = ExactArm(req, s, host.cols.clone(), host)
     s.ctx.host.touch(host)  # read by this turn: the most recently used branch
     s.ctx.host.in_use[req.kv.req_pool_idx] = host  # the LRU must not take what the forward reads
 
@@ -152,7 +155,7 @@ def _debug_both_tiers(one: ExactArm, m: int) -> None:
     """KVEVICT_DEBUG: the chunk's queries see the row's first `m` slots and every host entry; recorded as
     an event of their union (the oracle replays it), without changing what the row holds."""
     s = one.s
-    host_pos = s.recall.host.positions
+    host_pos = one.entries.positions
     row_pos = st.row_positions(s, m)
     both = row_pos if host_pos is None else torch.cat([row_pos, host_pos[..., : one.cols.numel()]], dim=-1)
     s.trace.seen(both, s.slot_map.tokens_for(m))

@@ -12,9 +12,12 @@ memory budget (a fixed reserve of host RAM), neither of which exists for a side 
 The store here is the same layout in plain torch; a column copy is one `index_copy_` per layer.
 
 Ownership: a `HostEntries` (one branch's columns) is held by exactly one owner at a time, a running
-request's `RecallState.host` or a compressed tree node's `host_entries`; it moves between them, never is
-shared, so no two branches can mutate the same entries: a request continuing a stored history takes a
-copy (`HostPool.copy`), and the node keeps its own for the next one (a fork sibling, a retried turn).
+request's `RecallState.host` or a compressed tree node's `host_entries`; it moves between them, so no
+two branches can mutate the same entries: a request continuing a stored history takes a copy
+(`HostPool.copy`), and the node keeps its own for the next one (a fork sibling, a retried turn). Where
+the pool has no room for a copy, the request *reads* the node's entries instead (`HostPool.borrow`):
+never writes them, and gives them up before its first write (`demote.end_borrow`); entries with readers
+are never evicted, and an owner's release of them waits for the last reader (`HostPool.unborrow`).
 The pool evicts whole branches least recently used when it needs columns; an emptied branch still
 runs, on what the device holds.
 """
@@ -63,6 +66,8 @@ class HostEntries:
     # a stored history a request took a copy of (`HostPool.drop_first`) and nobody used since: a copy
     # may take room from it, never from a live history
     copied: bool = False
+    readers: int = 0  # requests reading these entries without a copy (`HostPool.borrow`)
+    released: bool = False  # its owner released it while read: the columns go back with the last reader
 
     @property
     def count(self) -> int:
@@ -84,6 +89,9 @@ class HostTotals:
     # requests that adopted a stored history whose host entries were gone (the LRU took them back, or a
     # fork sibling took them when the pool could not copy them): they answer without what it evicted
     histories_missed: int = 0
+    # requests that read a stored history's entries without a copy (no room for one): its prefill and
+    # its append read them; its decode steps recall from what it demoted itself
+    histories_borrowed: int = 0
     decode_steps: int = 0  # decode steps whose fixed-shape recall ran (`decode_recall`)
     decode_steps_overlapped: int = 0  # of them, planned before the previous step's results were processed
     prefills_both_tiers: int = 0  # prefill chunks that attended over the host entries too (`exact_prefill`)
@@ -123,7 +131,7 @@ class HostPool:
 
     def touch(self, e: HostEntries) -> None:
         e.copied = False  # in use again: a live history
-        if e.count:
+        if e.count and not e.released:
             self.lru[id(e)] = e
             self.lru.move_to_end(id(e))
 
@@ -141,7 +149,9 @@ class HostPool:
         if n <= 0:
             return torch.zeros(0, dtype=torch.int64)
         held = {id(keep), *(id(e) for e in self.in_use.values())}
-        victims = [e for e in self.lru.values() if id(e) not in held and (not for_copy or e.copied)]
+        victims = [
+            e for e in self.lru.values() if id(e) not in held and not e.readers and (not for_copy or e.copied)
+        ]
         if n > self.n_free + sum(e.count for e in victims):
             self.totals.demote_refused += 0 if for_copy else n
             return None
@@ -164,10 +174,14 @@ class HostPool:
             self.n_free += m
 
     def release(self, e: HostEntries | None) -> None:
-        """Every column of a branch back to the pool; the object stays valid (empty)."""
+        """Every column of a branch back to the pool; the object stays valid (empty). Entries a request
+        still reads (`borrow`) go back when it is done with them (`unborrow`)."""
         if e is None:
             return
         self.lru.pop(id(e), None)
+        if e.readers:
+            e.released = True
+            return
         e.copied = False
         self.give_back(e.cols)
         e.cols = torch.zeros(0, dtype=torch.int64)
@@ -200,6 +214,20 @@ class HostPool:
         out.summaries, e.summaries = e.summaries, None  # same columns in the same order: same pages
         self.touch(out)
         return out
+
+    def borrow(self, e: HostEntries) -> None:
+        """A request reads `e` (a stored history's) without a copy of its own: no eviction takes it until
+        the request gives it up (`unborrow`)."""
+        e.readers += 1
+        self.totals.histories_borrowed += 1
+        self.touch(e)
+
+    def unborrow(self, e: HostEntries) -> None:
+        """A reader is done with `e`; the last one returns its columns if its owner released it meanwhile."""
+        e.readers -= 1
+        if e.readers == 0 and e.released:
+            e.released = False
+            self.release(e)
 
     def write(self, cols: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """`k`, `v`: `[e, H, D]` entries of one layer into columns `cols`."""

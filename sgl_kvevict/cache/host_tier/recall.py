@@ -119,11 +119,14 @@ def _degrading(req: Any, s: st.ReqState, run: Any, what: str) -> int:
         return 0
 
 
-def has_history(s: st.ReqState) -> bool:
+def has_history(s: st.ReqState, read_only: bool = False) -> bool:
     """Whether a recall has something to bring back and somewhere to put it: the branch's host entries
-    (taken first, `demote.take`), a compacted history, and no split compression under way."""
+    (taken first, `demote.take`; a borrowed history's for a pass that only reads them, `read_only`, and
+    the borrow ends before any other), a compacted history, and no split compression under way."""
     demote.take(s)
-    e = s.recall.host
+    if not read_only:
+        s.recall.end_borrow(s.ctx.host)
+    e = demote.reading(s)
     return e is not None and e.count > 0 and s.pending is None and s.slot_map.comp_slots > 0
 
 
@@ -167,7 +170,10 @@ def safe_append(req: Any) -> int:
     if s is None or not s.recall.append_due:
         return 0
     s.recall.append_due = False
-    return _degrading(req, s, append, "recall (append)")
+    grown = _degrading(req, s, append, "recall (append)")
+    if grown:  # what it needed of a borrowed history is on the device now
+        s.recall.end_borrow(s.ctx.host)
+    return grown
 
 
 def append(req: Any, s: st.ReqState) -> int:
@@ -179,7 +185,7 @@ def append(req: Any, s: st.ReqState) -> int:
     evictable: SGLang's next memory check must not retract for it). Returns `a` (0: nothing appended;
     the turn's other recalls are unchanged)."""
     kv, rt = req.kv, s.ctx.rt
-    if not has_history(s):
+    if not has_history(s, read_only=True):
         return 0
     if kv.kv_allocated_len != kv.kv_committed_len or not compressor.own_region(req, s):
         return 0
@@ -187,9 +193,8 @@ def append(req: Any, s: st.ReqState) -> int:
     lo, hi = _displaceable(s)
     length = s.slot_map.tokens_for(kv_len)
     w = min(capture.count(s.ctx, kv.req_pool_idx, length), kv_len - hi, own(s, length))
-    a = min(
-        s.recall.tokens, s.slot_map.own_evicted, s.recall.host.count, int(rt.req_to_token.shape[1]) - kv_len
-    )
+    src = demote.reading(s)
+    a = min(s.recall.tokens, s.slot_map.own_evicted, src.count, int(rt.req_to_token.shape[1]) - kv_len)
     paged = None, 0
     if a > 0:  # a paged append picks from the fetched pages
         a, paged = _paged_room(s, a)
@@ -212,7 +217,7 @@ def _paged_room(s: st.ReqState, a: int) -> tuple[int, tuple[host.PageSummaries |
     """The append's count and its fetched pages: it picks from the pages `_paged` fetches for `a`, which
     hold at least `(n - 1) * page + 1` real columns, so `a` shrinks to that until they agree."""
     while True:
-        paged = _paged(s.ctx, s.recall.host, a)
+        paged = _paged(s.ctx, demote.reading(s), a)
         sums, n_sel = paged
         room = a if sums is None else min(a, (n_sel - 1) * sums.page + 1)
         if room == a or room <= 0:
@@ -359,11 +364,17 @@ class Recall:
     cols: torch.Tensor  # the branch's host columns (on the host pool's device)
     sums: host.PageSummaries | None  # None: every host key is scored
     n_sel: int  # pages fetched per head and layer when paged
+    src: host.HostEntries  # the entries it reads: the branch's own, or (an append) a borrowed history's
     tracked: SwapPositions | None = None  # the row's and host's logical positions (None: not known)
     new: torch.Tensor | None = None  # appending: the fresh device slots (int64) the columns go to
     appended_pos: list[torch.Tensor] = field(default_factory=list)  # tracked: their positions, per layer
     swapped: torch.Tensor | None = None  # on the device, read once at the end
     done: list[Undo] = field(default_factory=list)  # what this recall wrote so far, in order (`rollback`)
+
+    @property
+    def read_only(self) -> bool:
+        """Reading a borrowed history (`demote.take`): nothing is written to its columns."""
+        return self.src is not self.s.recall.host
 
     @property
     def appending(self) -> bool:
@@ -383,13 +394,13 @@ class Recall:
         paged: tuple[host.PageSummaries | None, int] | None = None,
     ) -> Recall:
         """`paged`: `_paged(s.recall.host, r)` when the caller has it already."""
-        pool = s.ctx.host
-        pool.touch(s.recall.host)
-        sums, n_sel = paged if paged is not None else _paged(s.ctx, s.recall.host, r)
+        pool, src = s.ctx.host, demote.reading(s)
+        pool.touch(src)
+        sums, n_sel = paged if paged is not None else _paged(s.ctx, src, r)
         row_slots = s.ctx.rt.req_to_token[req.kv.req_pool_idx, :m].to(torch.int64)
-        tracked = SwapPositions(s, m) if s.recall.host.positions is not None else None
-        cols = s.recall.host.cols.to(pool.k.device)
-        return cls(req, s, m, tokens, lo, hi, r, row_slots, cols, sums, n_sel, tracked)
+        tracked = SwapPositions(s, m, src) if src.positions is not None else None
+        cols = src.cols.to(pool.k.device)
+        return cls(req, s, m, tokens, lo, hi, r, row_slots, cols, sums, n_sel, src, tracked)
 
     def score(self, layer: int, q: torch.Tensor) -> Scored:
         """The host entries' and the row's scores at `layer` under queries `q` `[Hq, w, D]`, the row's last
@@ -435,10 +446,8 @@ class Recall:
             heads = torch.arange(pool.heads, device=pool.k.device).unsqueeze(-1)
             now = _host_keys(pool, layer, self.cols[x.cand.to(pool.k.device)], heads).to(dev).transpose(0, 1)
             K.refresh_pages(*self.sums.at(layer), x.page_ids, now, x.valid)
-        elif (
-            self.s.recall.host.summaries is not None
-        ):  # scored flat: the swapped columns' summaries are stale
-            self.s.recall.host.summaries = None
+        elif self.src.summaries is not None:  # scored flat: the swapped columns' summaries are stale
+            self.src.summaries = None
 
     def append_all(self, qs: list[torch.Tensor]) -> None:
         """Append mode: every layer scored first (`qs`, the queries per layer), then the logical positions
@@ -466,7 +475,8 @@ class Recall:
         of the positions ranked over every layer first, `shared` `[H, c]`, then the head's own best) go to
         the fresh slots `new` (no entry is displaced), and the branch's last `a` columns of that head fill
         the holes they leave, so the branch ends `a` columns shorter (`finish` gives those back) and its
-        pages stay dense."""
+        pages stay dense. A borrowed history (`read_only`) is only read: the request stops reading it
+        after the append (`safe_append`)."""
         pool, s = self.s.ctx.host, self.s
         a = int(self.new.numel())
         page = s.ctx.settings.recall.page
@@ -481,12 +491,15 @@ class Recall:
         args = ([rt.k_buffer(layer)], [rt.v_buffer(layer)], slots[None], pool.k[layer : layer + 1])
         K.host_fetch(*args, pool.v[layer : layer + 1], self.cols[hidx][None])
         self.done.append(Appended(layer, hidx))
+        if self.tracked is not None:
+            self.appended_pos.append(self.tracked.hpos[layer].gather(-1, hidx.cpu()))
+        if self.read_only:
+            return
         src, dst = holes_filled(hidx, int(self.cols.numel()))
         for buf in (pool.k, pool.v):
             buf[layer][self.cols[dst], heads] = buf[layer][self.cols[src], heads]
         if self.tracked is not None:
             hpos = self.tracked.hpos[layer]
-            self.appended_pos.append(hpos.gather(-1, hidx.cpu()))
             hpos.scatter_(-1, dst.cpu(), hpos.gather(-1, src.cpu()))
         if self.sums is not None:  # the pages the holes were in hold other entries now: re-summarise
             sm = self.sums
@@ -505,6 +518,8 @@ class Recall:
         may have seen the swapped columns); the next recall rebuilds them from the columns."""
         try:
             for step in reversed(self.done):
+                if isinstance(step, Appended) and self.read_only:
+                    continue  # nothing was moved out of a borrowed history
                 if isinstance(step, Appended):  # the chosen entries back to their columns (holes refilled)
                     self._undo_append(step.layer, step.hidx)
                 else:  # a swap is its own inverse
@@ -555,7 +570,19 @@ class Recall:
             for li in range(rt.n_layers):
                 s.ctx.stats[li][self.new] = float("nan")
         rt.tree.offsets[kv.req_pool_idx] = s.slot_map.offset
-        e = s.recall.host
+        if not self.read_only:  # a borrowed history is left as it was
+            self._shrink_branch(a)
+        if self.tracked is not None:
+            pos = self.tracked.pos
+            added = torch.stack(self.appended_pos)  # [L, H, a]
+            s.trace.event(torch.cat([pos[..., :hi], added, pos[..., hi:]], dim=-1), self.tokens)
+        account(s, a * pool.heads * rt.n_layers, one_way=True)
+        return a
+
+    def _shrink_branch(self, a: int) -> None:
+        """The branch gives back its last `a` columns (their entries filled the holes), keeping its page
+        summaries of whole pages and its entries' positions."""
+        pool, e = self.s.ctx.host, self.s.recall.host
         c2 = e.count - a
         pool.give_back(e.cols[c2:])
         e.cols = e.cols[:c2].clone()
@@ -566,12 +593,6 @@ class Recall:
             e.summaries = host.PageSummaries(*cut, n=full * sm.page, page=sm.page)
         if self.tracked is not None:
             e.positions = self.tracked.hpos[..., :c2].clone()
-            pos = self.tracked.pos
-            added = torch.stack(self.appended_pos)  # [L, H, a]
-            s.trace.event(torch.cat([pos[..., :hi], added, pos[..., hi:]], dim=-1), self.tokens)
-        moved = a * pool.heads * rt.n_layers
-        account(s, moved, one_way=True)
-        return a
 
 
 def holes_filled(hidx: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -653,7 +674,7 @@ def disarm(ctx: KvEvictContext, row: int) -> decode_recall.DecodeArm | None:
 
 def _plan_arm(req: Any, s: st.ReqState, decode: bool) -> bool:
     kv, row = req.kv, req.kv.req_pool_idx
-    if not demote.enabled(s) or row is None or not has_history(s):
+    if not demote.enabled(s) or row is None or not has_history(s, read_only=not decode):
         return False
     if not decode:  # every chunk of a prefill: each writes exact K/V
         m = s.slot_map.slots_for(int(req.prefix_len))

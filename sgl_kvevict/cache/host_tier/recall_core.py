@@ -5,9 +5,14 @@ the logical positions an exchange moves."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from sgl_kvevict.cache import state as st
+
+if TYPE_CHECKING:
+    from sgl_kvevict.cache.host_tier.host import HostEntries
 
 # A host page comes back only where a query gives its best entry at least this much attention: weaker
 # evidence swapped entries back and forth (3-5x the bytes moved) and answered no better (measured).
@@ -97,9 +102,10 @@ class SwapPositions:
     """The row's and the host's logical positions (tracked wherever the host tier is on), updated by each
     exchange (under KVEVICT_DEBUG the oracle also replays them as a timeline event)."""
 
-    def __init__(self, s: st.ReqState, kv_len: int) -> None:
+    def __init__(self, s: st.ReqState, kv_len: int, entries: HostEntries) -> None:
         self.pos = st.row_positions(s, kv_len).clone()
-        self.hpos = s.recall.host.positions.clone()
+        self.hpos = entries.positions.clone()
+        self.entries = entries
 
     def apply(self, layer: int, didx: torch.Tensor, hidx: torch.Tensor, swap: torch.Tensor) -> None:
         """Layers from `layer` on, `[l, H, r]` each: where `swap`, the row entry at `didx` and the host entry
@@ -117,7 +123,7 @@ class SwapPositions:
         self.pos[sl], self.hpos[sl] = row[..., :m], host[..., :c]
 
     def record(self, s: st.ReqState, tokens: int) -> None:
-        s.recall.host.positions = self.hpos
+        self.entries.positions = self.hpos
         s.trace.event(self.pos, tokens)
 
 
