@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import re
 import sys
 import threading
 import time
@@ -158,3 +159,16 @@ def watchdog(srv: Server, label: str, expected_s: float) -> Iterator[None]:
 def host_state(srv: Server) -> dict:
     """The server's host-tier totals (`/server_info`, `internal_states[0]["kvevict"]["host"]`)."""
     return srv.server_info()["internal_states"][0]["kvevict"]["host"]
+
+
+def scrape(srv: Server) -> dict[str, float]:
+    """Every `sglang:kvevict_*` sample on `/metrics`, summed over label sets (histograms by sample name:
+    `_bucket` summed over `le` is not meaningful, so only `_count` and `_sum` are kept for them)."""
+    text = requests.get(srv.url + "/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for m in re.finditer(r"^(sglang:kvevict_\w+)\{([^}]*)\} (\S+)$", text, re.M):
+        name, value = m.group(1), float(m.group(3))
+        if name.endswith("_bucket"):
+            continue
+        out[name] = out.get(name, 0.0) + value
+    return out

@@ -11,12 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import requests
 
 from sgl_kvevict.serve import metrics as M
 from sgl_kvevict.serve.serverproc import Server
 
-from .helpers import RECALL_BUDGET, host_state
+from .helpers import RECALL_BUDGET, host_state, scrape
 from .test_recall_e2e import FACT, fillers, session
 
 pytestmark = pytest.mark.server
@@ -24,19 +23,8 @@ pytestmark = pytest.mark.server
 BUDGET = RECALL_BUDGET  # the server is `conftest.recall_server`, shared with test_recall_e2e.py
 SNAP = {"policy": "snapkv", "budget": BUDGET, "config": {"scope": "branch"}}
 QUESTION = "What is the vault code? Answer with the number only."
-
-
-def scrape(srv: Server) -> dict[str, float]:
-    """Every `sglang:kvevict_*` sample on `/metrics`, summed over label sets (histograms by sample name:
-    `_bucket` summed over `le` is not meaningful, so only `_count` and `_sum` are kept for them)."""
-    text = requests.get(srv.url + "/metrics", timeout=30).text
-    out: dict[str, float] = {}
-    for m in re.finditer(r"^(sglang:kvevict_\w+)\{([^}]*)\} (\S+)$", text, re.M):
-        name, value = m.group(1), float(m.group(3))
-        if name.endswith("_bucket"):
-            continue
-        out[name] = out.get(name, 0.0) + value
-    return out
+# they move when fork branches outgrow the host pool: test_recall_e2e's fork test checks them on /metrics
+FORK_COUNTERS = {"histories_borrowed", "histories_missed"}
 
 
 def test_host_tier_series_move_with_demotion_recall_and_failures(recall_server: Server):
@@ -59,7 +47,7 @@ def test_host_tier_series_move_with_demotion_recall_and_failures(recall_server: 
     assert recalled_turns, infos
     for key, name, _ in M.HOST_COUNTERS:  # each counter moved, by what /server_info's totals moved
         grew = middle[name] - before[name]
-        assert grew > 0, (name, before[name], middle[name])
+        assert grew > 0 or key in FORK_COUNTERS, (name, before[name], middle[name])
         assert grew == host1[key] - host0[key], (name, grew, host1[key], host0[key])
     # SmolLM2-135M: 30 layers x 3 KV heads x head_dim 64 x (K, V) x 2 or 4 bytes an element
     columns = host1["host_used"]

@@ -19,7 +19,16 @@ from sgl_kvevict.scenarios.base import ScenarioConfig, Session
 from sgl_kvevict.serve.serverproc import Server
 from sgl_kvevict.tools.oracle import validate
 
-from .helpers import RECALL_BUDGET, RECALL_HOST, RECALL_TOKENS, chat_ids, host_state, long_text, tokenizer
+from .helpers import (
+    RECALL_BUDGET,
+    RECALL_HOST,
+    RECALL_TOKENS,
+    chat_ids,
+    host_state,
+    long_text,
+    scrape,
+    tokenizer,
+)
 from .test_cli import check_in_process
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -319,7 +328,7 @@ def test_fork_branches_of_one_stored_history_each_recall(recall_server: Server):
     before they borrowed, the branches beyond the pool's room for copies recalled nothing."""
     recall_server.flush()
     infos, ids = session(recall_server, SNAP, [FACT, *fillers(111, 2)])
-    before = host_state(recall_server)
+    before, scraped = host_state(recall_server), scrape(recall_server)
     held = infos[-1]["host_tokens"]  # the stored node's entries (the pool holds older turns' too)
     assert held > 0 and 6 * held > HOST  # the pool has no room for a copy per branch
     questions = [
@@ -344,6 +353,8 @@ def test_fork_branches_of_one_stored_history_each_recall(recall_server: Server):
     assert state["recall_failures"] == before["recall_failures"], state
     borrowed = state["histories_borrowed"] - before["histories_borrowed"]
     assert borrowed == sum(g["host_borrowed"] for g in got) >= 1, state
+    name = "sglang:kvevict_host_histories_borrowed_total"  # an operator sees it on /metrics too
+    assert scrape(recall_server)[name] - scraped[name] == borrowed
     assert state["copied"] - before["copied"] >= (len(got) - borrowed) * held, state
     assert state["histories_missed"] == before["histories_missed"], state  # every branch found the history
     recall_server.flush()

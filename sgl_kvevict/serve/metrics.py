@@ -74,6 +74,17 @@ HOST_COUNTERS: list[tuple[str, str, str]] = [
     ),
     ("recalls", "sglang:kvevict_recalls_total", "Recalls run (a turn's, or a decode step's)."),
     (
+        "histories_borrowed",
+        "sglang:kvevict_host_histories_borrowed_total",
+        "Requests that read their stored history's host entries without a copy of their own (no room for "
+        "one): their decode steps recall only what they demoted themselves.",
+    ),
+    (
+        "histories_missed",
+        "sglang:kvevict_host_histories_missed_total",
+        "Requests whose stored history's host entries the LRU had taken back.",
+    ),
+    (
         "recall_failures",
         "sglang:kvevict_recall_failures_total",
         "Recalls that failed; their requests went on without recall.",
