@@ -698,11 +698,26 @@ def test_a_borrowed_history_is_appended_from_and_left_as_it_was(pools: Pools, mo
     s.recall.append_due = True
     assert recall.safe_append(req) == R
     assert s.recall.borrowed is None and node.host_entries.readers == 0
-    assert pool.totals.histories_borrowed == 1 and pool.totals.copied == 0
+    assert pool.totals.histories_borrowed == 1
     _assert_appended(p, comp, expect, host_k, cols)
     assert torch.equal(node.host_entries.cols, cols) and torch.equal(node.host_entries.positions, positions)
     assert all(torch.equal(buf[:, cols], b) for buf, b in zip((pool.k, pool.v), before, strict=True))
     assert s.slot_map.appended == R and s.recall.recalled == R * L * H
+    # its excerpt: its own copy of the next best entries of each (layer, head), none of those appended
+    mine = s.recall.host
+    n_sel = max(-(-recall.FETCH * R // 4), recall.FETCH_PAGES)  # pages a paged append fetches per head
+    ranked = cols.numel() if summary == "off" else (n_sel - 1) * 4 + 1
+    assert mine.count == min(recall.EXCERPT * R, ranked - R) > 0 and mine.positions.shape[-1] == mine.count
+    assert pool.totals.copied == mine.count  # the excerpt, not the history
+    new = p.r2t.req_to_token[0, comp : comp + R].long()
+    for ly in range(L):
+        for h in range(H):
+            got = pool.k[ly][mine.cols, h]
+            held_k = before[0][ly][:, h]
+            src = [int((held_k == k).all(-1).nonzero()[0]) for k in got]  # each is one of the history's
+            assert torch.equal(mine.positions[ly, h], positions[ly, h, src])
+            appended = p.kv.get_key_buffer(ly)[new, h]
+            assert not (got[:, None] == appended[None]).all(-1).any(), (ly, h)
     s.recall.drop_host(pool)
     for e in (node.host_entries, live):
         pool.release(e)

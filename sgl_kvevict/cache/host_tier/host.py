@@ -141,7 +141,9 @@ class HostPool:
             self.lru.move_to_end(id(e), last=False)
             e.copied = True
 
-    def alloc(self, n: int, keep: HostEntries | None = None, for_copy: bool = False) -> torch.Tensor | None:
+    def alloc(
+        self, n: int, keep: HostEntries | None = None, for_copy: bool = False, count_refused: bool = True
+    ) -> torch.Tensor | None:
         """`n` free columns for a demotion (or, `for_copy`, a copy), evicting least-recently-used branches
         as needed: never `keep`, nor entries a recall armed for the next forward holds (`in_use`); for a
         copy only stored histories already copied. None when the pool cannot give them (nothing is
@@ -153,7 +155,7 @@ class HostPool:
             e for e in self.lru.values() if id(e) not in held and not e.readers and (not for_copy or e.copied)
         ]
         if n > self.n_free + sum(e.count for e in victims):
-            self.totals.demote_refused += 0 if for_copy else n
+            self.totals.demote_refused += n if count_refused and not for_copy else 0
             return None
         for victim in victims:
             if self.n_free >= n:

@@ -74,6 +74,11 @@ logger = logging.getLogger("sgl_kvevict")
 # facts where 8 (16 for a turn's R) found 2, and scoring every key 6 (measured on the long recall replay).
 FETCH = 2
 FETCH_PAGES = 64
+# A request that borrowed its stored history (no room for a copy) keeps, from the append on, a copy of
+# its best `EXCERPT * R` entries per layer and KV head beyond those appended (R: its recall tokens), by
+# the append's ranking: its decode steps recall from them and from what it demotes itself. An answer
+# that recalls a page every step recalls 4R entries in 4R / page steps.
+EXCERPT = 4
 
 
 def tick(req: Any) -> None:
@@ -202,6 +207,8 @@ def append(req: Any, s: st.ReqState) -> int:
         return 0
     one = Recall.start(req, s, kv_len, length, lo, hi, a, paged=paged)
     one.new = alloc_slots(rt, a)
+    if one.read_only:
+        one.excerpt = _excerpt_columns(s, one, a)
     try:
         one.append_all(
             [s.ctx.capture.get(kv.req_pool_idx, layer, length)[:, -w:] for layer in range(rt.n_layers)]
@@ -211,6 +218,17 @@ def append(req: Any, s: st.ReqState) -> int:
         rt.allocator.free(one.new)
         return 0
     return one.finish()
+
+
+def _excerpt_columns(s: st.ReqState, one: Recall, a: int) -> torch.Tensor | None:
+    """Fresh host columns for a borrower's excerpt (`EXCERPT`): as many as its ranked entries beyond the
+    `a` appended hold (a paged append ranks the fetched pages' entries only), taken as a demotion takes
+    them (the LRU may drop other branches; never what is read). None when the pool has no room."""
+    ranked = one.src.count if one.sums is None else (one.n_sel - 1) * one.sums.page + 1
+    x = min(EXCERPT * s.recall.tokens, ranked - a)
+    if x <= 0:
+        return None
+    return s.ctx.host.alloc(x, keep=s.recall.entries(), count_refused=False)
 
 
 def _paged_room(s: st.ReqState, a: int) -> tuple[int, tuple[host.PageSummaries | None, int]]:
@@ -368,6 +386,8 @@ class Recall:
     tracked: SwapPositions | None = None  # the row's and host's logical positions (None: not known)
     new: torch.Tensor | None = None  # appending: the fresh device slots (int64) the columns go to
     appended_pos: list[torch.Tensor] = field(default_factory=list)  # tracked: their positions, per layer
+    excerpt: torch.Tensor | None = None  # appending from a borrowed history: its excerpt's fresh columns
+    excerpt_pos: list[torch.Tensor] = field(default_factory=list)  # tracked: their positions, per layer
     swapped: torch.Tensor | None = None  # on the device, read once at the end
     done: list[Undo] = field(default_factory=list)  # what this recall wrote so far, in order (`rollback`)
 
@@ -494,6 +514,8 @@ class Recall:
         if self.tracked is not None:
             self.appended_pos.append(self.tracked.hpos[layer].gather(-1, hidx.cpu()))
         if self.read_only:
+            if self.excerpt is not None:
+                self._excerpt_layer(layer, host_sc.scatter(-1, idx, float("-inf")), cand)
             return
         src, dst = holes_filled(hidx, int(self.cols.numel()))
         for buf in (pool.k, pool.v):
@@ -510,6 +532,20 @@ class Recall:
             K.refresh_pages(*sm.at(layer), page_ids, now.transpose(0, 1), ok)
         elif s.recall.host.summaries is not None:
             s.recall.host.summaries = None
+
+    def _excerpt_layer(self, layer: int, rest: torch.Tensor, cand: torch.Tensor | None) -> None:
+        """A borrower's excerpt at `layer`: each KV head's best entries by `rest` (the append's scores,
+        the appended ones out) copied from the borrowed columns into the excerpt's fresh columns."""
+        pool = self.s.ctx.host
+        x = int(self.excerpt.numel())
+        _, xi = best_entries(rest, self.s.ctx.settings.recall.page, x)  # [H, x]
+        xidx = (xi if cand is None else cand.gather(-1, xi)).to(pool.k.device)
+        heads = torch.arange(pool.heads, device=pool.k.device).unsqueeze(-1)
+        dst = self.excerpt.to(pool.k.device).expand(pool.heads, -1)
+        for buf in (pool.k, pool.v):
+            buf[layer][dst, heads] = buf[layer][self.cols[xidx], heads]
+        if self.tracked is not None:
+            self.excerpt_pos.append(self.tracked.hpos[layer].gather(-1, xidx.cpu()))
 
     def rollback(self, what: str) -> None:
         """A failure part-way (some layers swapped): swap those layers back, newest first, so the row and
@@ -529,6 +565,9 @@ class Recall:
             logger.exception("kvevict: undoing a failed recall failed")
         if self.s.recall.host is not None:
             self.s.recall.host.summaries = None
+        if self.excerpt is not None:  # never joined the branch
+            self.s.ctx.host.give_back(self.excerpt)
+            self.excerpt = None
         demote.fail(self.s, what)
 
     def _undo_append(self, layer: int, hidx: torch.Tensor) -> None:
@@ -572,6 +611,10 @@ class Recall:
         rt.tree.offsets[kv.req_pool_idx] = s.slot_map.offset
         if not self.read_only:  # a borrowed history is left as it was
             self._shrink_branch(a)
+        elif self.excerpt is not None:  # the borrower's own copy of the rest of what it ranked best
+            pos = torch.stack(self.excerpt_pos) if self.tracked is not None else None
+            pool.append(s.recall.entries(), self.excerpt, pos)
+            pool.totals.copied += int(self.excerpt.numel())
         if self.tracked is not None:
             pos = self.tracked.pos
             added = torch.stack(self.appended_pos)  # [L, H, a]
