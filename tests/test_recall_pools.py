@@ -722,3 +722,21 @@ def test_a_borrowed_history_is_appended_from_and_left_as_it_was(pools: Pools, mo
     for e in (node.host_entries, live):
         pool.release(e)
     assert pool.n_free == pool.size
+
+
+def test_the_lru_keeps_a_forks_history_after_those_continued_once() -> None:
+    """A stored history two branches continued (a fork's) is dropped after one continued once, even when
+    it is the less recently used; a copy never drops it (a sibling without room borrows instead)."""
+    pool = host.HostPool(L, H, D, 12, torch.float32)
+    fork, once = host.HostEntries(takers=2), host.HostEntries(takers=1)
+    for e in (fork, once):
+        pool.append(e, pool.alloc(4), None)
+        pool.drop_first(e)  # both were copied: the first victims of a copy
+    pool.touch(once)  # the more recently used
+    pool.drop_first(once)
+    live = host.HostEntries()
+    pool.append(live, pool.alloc(4), None)
+    assert pool.alloc(4, for_copy=True) is not None and once.count == 0 and fork.count == 4
+    assert pool.alloc(4, for_copy=True) is None and fork.count == 4  # the fork's history stays for a copy
+    assert pool.alloc(4) is not None and live.count == 0 and fork.count == 4  # a demotion: the others first
+    assert pool.alloc(4) is not None and fork.count == 0  # then it

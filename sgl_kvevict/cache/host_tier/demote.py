@@ -53,6 +53,7 @@ def take(s: st.ReqState) -> None:
     if got.count == 0:  # the LRU took them back
         pool.totals.histories_missed += got.dropped > 0
         return
+    got.takers += 1
     mine = pool.copy(got)
     if mine is None:
         s.recall.end_borrow(pool)

@@ -18,8 +18,8 @@ two branches can mutate the same entries: a request continuing a stored history 
 the pool has no room for a copy, the request *reads* the node's entries instead (`HostPool.borrow`):
 never writes them, and gives them up before its first write (`demote.end_borrow`); entries with readers
 are never evicted, and an owner's release of them waits for the last reader (`HostPool.unborrow`).
-The pool evicts whole branches least recently used when it needs columns; an emptied branch still
-runs, on what the device holds.
+The pool evicts whole branches least recently used when it needs columns, a history that several
+branches continued (a fork's) after the others; an emptied branch still runs, on what the device holds.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ class HostEntries:
     # may take room from it, never from a live history
     copied: bool = False
     readers: int = 0  # requests reading these entries without a copy (`HostPool.borrow`)
+    takers: int = 0  # requests that continued this stored history (copied or borrowed it: `demote.take`)
     released: bool = False  # its owner released it while read: the columns go back with the last reader
 
     @property
@@ -145,15 +146,21 @@ class HostPool:
         self, n: int, keep: HostEntries | None = None, for_copy: bool = False, count_refused: bool = True
     ) -> torch.Tensor | None:
         """`n` free columns for a demotion (or, `for_copy`, a copy), evicting least-recently-used branches
-        as needed: never `keep`, nor entries a recall armed for the next forward holds (`in_use`); for a
-        copy only stored histories already copied. None when the pool cannot give them (nothing is
+        as needed: never `keep`, nor entries a recall armed for the next forward holds (`in_use`) or a
+        request reads (`borrow`); for a copy only stored histories already copied, and never a fork's
+        (a sibling that finds no room borrows instead). None when the pool cannot give them (nothing is
         evicted then; a demotion's are counted as refused)."""
         if n <= 0:
             return torch.zeros(0, dtype=torch.int64)
         held = {id(keep), *(id(e) for e in self.in_use.values())}
         victims = [
-            e for e in self.lru.values() if id(e) not in held and not e.readers and (not for_copy or e.copied)
+            e
+            for e in self.lru.values()
+            if id(e) not in held and not e.readers and (not for_copy or (e.copied and e.takers <= 1))
         ]
+        # a history several branches continued (a fork's) goes after those continued once at most, each
+        # group least recently used first: the next sibling of a fork needs it again
+        victims.sort(key=lambda e: e.takers > 1)
         if n > self.n_free + sum(e.count for e in victims):
             self.totals.demote_refused += n if count_refused and not for_copy else 0
             return None
