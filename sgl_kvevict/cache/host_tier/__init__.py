@@ -7,7 +7,8 @@ server recalls. Each module holds one part of the route:
 - `host.py`: the pool of host columns, a branch's `HostEntries` (with their page summaries) and the LRU
   that drops whole branches;
 - `demote.py`: a commit's evicted entries copied into host columns (`HostTier`, the eviction hook), and a
-  request taking the host entries of the history it adopted;
+  request taking the host entries of the history it adopted (a copy, or, with no room for one, a borrow
+  it reads until its append keeps an excerpt);
 - `exact_prefill.py`: a turn's prefill over both tiers (its queries see the host entries too);
 - `recall.py`: the turn's append (the host entries of the positions its queries attend most, over every
   layer and KV head, into fresh slots after its compression), the
