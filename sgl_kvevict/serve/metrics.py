@@ -77,7 +77,7 @@ HOST_COUNTERS: list[tuple[str, str, str]] = [
         "histories_borrowed",
         "sglang:kvevict_host_histories_borrowed_total",
         "Requests that read their stored history's host entries without a copy of their own (no room for "
-        "one): their decode steps recall only what they demoted themselves.",
+        "one): their decode steps recall from an excerpt of it and what they demoted themselves.",
     ),
     (
         "histories_missed",

@@ -42,8 +42,9 @@ def take(s: st.ReqState) -> None:
     victims: the request's copy is the one a session goes on with. When the pool cannot hold a copy (a
     copy never drops another session's live history: `HostPool.copy`), the request reads the node's
     entries where they are (`HostPool.borrow`, `RecallState.borrowed`) until its first write
-    (`RecallState.end_borrow`): its prefill and its append see the whole history, and a fork of `n` branches costs
-    one history's columns, not `n` copies."""
+    (`RecallState.end_borrow`): its prefill and its append see the whole history, it keeps an excerpt
+    for its decode steps (`recall.EXCERPT`), and a fork of `n` branches costs one history's columns
+    and the excerpts, not `n` copies."""
     src = s.recall.host_src
     s.recall.host_src = None
     got = src.host_entries if src is not None else None

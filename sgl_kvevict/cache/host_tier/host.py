@@ -16,7 +16,7 @@ request's `RecallState.host` or a compressed tree node's `host_entries`; it move
 two branches can mutate the same entries: a request continuing a stored history takes a copy
 (`HostPool.copy`), and the node keeps its own for the next one (a fork sibling, a retried turn). Where
 the pool has no room for a copy, the request *reads* the node's entries instead (`HostPool.borrow`):
-never writes them, and gives them up before its first write (`demote.end_borrow`); entries with readers
+never writes them, and gives them up before its first write (`RecallState.end_borrow`); entries with readers
 are never evicted, and an owner's release of them waits for the last reader (`HostPool.unborrow`).
 The pool evicts whole branches least recently used when it needs columns, a history that several
 branches continued (a fork's) after the others; an emptied branch still runs, on what the device holds.
@@ -87,11 +87,11 @@ class HostTotals:
     branches_dropped: int = 0  # branches whose columns the LRU took back
     columns_dropped: int = 0
     demote_refused: int = 0  # evictions that could not be demoted (pool full even after the LRU)
-    # requests that adopted a stored history whose host entries were gone (the LRU took them back, or a
-    # fork sibling took them when the pool could not copy them): they answer without what it evicted
+    # requests that adopted a stored history whose host entries the LRU had taken back: they answer
+    # without what it evicted
     histories_missed: int = 0
     # requests that read a stored history's entries without a copy (no room for one): its prefill and
-    # its append read them; its decode steps recall from what it demoted itself
+    # its append read them; its decode steps recall from its excerpt and what it demoted itself
     histories_borrowed: int = 0
     decode_steps: int = 0  # decode steps whose fixed-shape recall ran (`decode_recall`)
     decode_steps_overlapped: int = 0  # of them, planned before the previous step's results were processed
@@ -149,7 +149,8 @@ class HostPool:
         as needed: never `keep`, nor entries a recall armed for the next forward holds (`in_use`) or a
         request reads (`borrow`); for a copy only stored histories already copied, and never a fork's
         (a sibling that finds no room borrows instead). None when the pool cannot give them (nothing is
-        evicted then; a demotion's are counted as refused)."""
+        evicted then; a demotion's are counted as refused unless `count_refused` is False: a borrower's
+        excerpt, `recall.EXCERPT`, is not a demotion)."""
         if n <= 0:
             return torch.zeros(0, dtype=torch.int64)
         held = {id(keep), *(id(e) for e in self.in_use.values())}

@@ -207,9 +207,9 @@ def append(req: Any, s: st.ReqState) -> int:
         return 0
     one = Recall.start(req, s, kv_len, length, lo, hi, a, paged=paged)
     one.new = alloc_slots(rt, a)
-    if one.read_only:
-        one.excerpt = _excerpt_columns(s, one, a)
     try:
+        if one.read_only:
+            one.excerpt = _excerpt_columns(s, one, a)
         one.append_all(
             [s.ctx.capture.get(kv.req_pool_idx, layer, length)[:, -w:] for layer in range(rt.n_layers)]
         )
@@ -224,20 +224,26 @@ def _excerpt_columns(s: st.ReqState, one: Recall, a: int) -> torch.Tensor | None
     """Fresh host columns for a borrower's excerpt (`EXCERPT`): as many as its ranked entries beyond the
     `a` appended hold (a paged append ranks the fetched pages' entries only), taken as a demotion takes
     them (the LRU may drop other branches; never what is read). None when the pool has no room."""
-    ranked = one.src.count if one.sums is None else (one.n_sel - 1) * one.sums.page + 1
-    x = min(EXCERPT * s.recall.tokens, ranked - a)
+    x = min(EXCERPT * s.recall.tokens, _ranked_columns(one.src.count, (one.sums, one.n_sel)) - a)
     if x <= 0:
         return None
     return s.ctx.host.alloc(x, keep=s.recall.entries(), count_refused=False)
 
 
+def _ranked_columns(count: int, paged: tuple[host.PageSummaries | None, int]) -> int:
+    """How many real columns per head a recall over `count` host columns ranks: all of them, or, paged
+    (`_paged`), at least `(n - 1) * page + 1` in the `n` fetched pages (the last may be partial)."""
+    sums, n_sel = paged
+    return count if sums is None else (n_sel - 1) * sums.page + 1
+
+
 def _paged_room(s: st.ReqState, a: int) -> tuple[int, tuple[host.PageSummaries | None, int]]:
-    """The append's count and its fetched pages: it picks from the pages `_paged` fetches for `a`, which
-    hold at least `(n - 1) * page + 1` real columns, so `a` shrinks to that until they agree."""
+    """The append's count and its fetched pages: it picks from the columns the pages `_paged` fetches for
+    `a` rank (`_ranked_columns`), so `a` shrinks to that until they agree."""
+    src = demote.reading(s)
     while True:
-        paged = _paged(s.ctx, demote.reading(s), a)
-        sums, n_sel = paged
-        room = a if sums is None else min(a, (n_sel - 1) * sums.page + 1)
+        paged = _paged(s.ctx, src, a)
+        room = min(a, _ranked_columns(src.count, paged))
         if room == a or room <= 0:
             return room, paged
         a = room
@@ -554,10 +560,9 @@ class Recall:
         may have seen the swapped columns); the next recall rebuilds them from the columns."""
         try:
             for step in reversed(self.done):
-                if isinstance(step, Appended) and self.read_only:
-                    continue  # nothing was moved out of a borrowed history
                 if isinstance(step, Appended):  # the chosen entries back to their columns (holes refilled)
-                    self._undo_append(step.layer, step.hidx)
+                    if not self.read_only:  # nothing was moved out of a borrowed history
+                        self._undo_append(step.layer, step.hidx)
                 else:  # a swap is its own inverse
                     K.host_swap(*step.args)
             self.done.clear()
