@@ -677,6 +677,48 @@ def test_fork_siblings_beyond_the_pools_room_read_the_history_where_it_is(pools:
     assert pool.n_free == pool.size
 
 
+def test_a_sessions_next_turn_without_room_for_a_copy_takes_the_entries_unless_a_sibling_waits(
+    pools: Pools,
+) -> None:
+    """The only request continuing a stored history, in a pool with no room for a copy, takes the node's
+    entries (a borrow would leave its own stored history with only what it demotes itself: the session's
+    next turn would lose the rest); the node keeps an empty set, and a later taker is counted as missed.
+    A sibling that has matched the node and not taken it yet makes the request borrow instead."""
+    batch = pools.batch(3, N, "snapkv", 48, {"window": W})
+    pool = host.HostPool(L, H, D, 8, torch.float32)
+    demote.attach(pools.ctx, pool)
+    live = host.HostEntries()  # another session's live history: a copy may not drop it
+    pool.append(live, pool.alloc(4), None)
+    node = nodes.CompressedNode(0, "fp")
+    node.host_entries = held = host.HostEntries()
+    pool.append(held, pool.alloc(4), None)
+    cols = held.cols.clone()
+    first, waiting, late = (st.get(req) for req in batch.reqs)
+    first.recall.host_src = node
+    demote.take(first)
+    assert first.recall.host is held and first.recall.borrowed is None and torch.equal(held.cols, cols)
+    assert node.host_entries is not held and node.host_entries.count == 0
+    assert held.takers == 0 and held.running == 0  # its own now: the turn after it takes them again
+    assert pool.totals.histories_moved == 1 and pool.totals.histories_borrowed == 0 and live.count == 4
+    late.recall.host_src = node
+    demote.take(late)
+    assert late.recall.host is None and pool.totals.histories_missed == 1
+    # the same, with a sibling that matched the node and waits: the request borrows
+    node.host_entries = again = first.recall.host
+    first.recall.host = None
+    for s in (first, waiting):
+        s.recall.host_src = node
+    demote.take(first)
+    assert first.recall.borrowed is again and node.host_entries is again and pool.totals.histories_moved == 1
+    demote.take(waiting)
+    assert waiting.recall.borrowed is again and again.readers == 2
+    for s in (first, waiting):
+        s.recall.drop_host(pool)
+    pool.release(again)
+    pool.release(live)
+    assert pool.n_free == pool.size
+
+
 @pytest.mark.parametrize("summary", ["off", "minmax"])
 def test_a_borrowed_history_is_appended_from_and_left_as_it_was(pools: Pools, monkeypatch, summary: str):
     """A request that borrows its stored history (the pool has no room for a copy) appends from it what
@@ -694,6 +736,7 @@ def test_a_borrowed_history_is_appended_from_and_left_as_it_was(pools: Pools, mo
     before = [buf[:, cols].clone() for buf in (pool.k, pool.v)]
     live = host.HostEntries()  # another session's live history fills the rest of the pool
     pool.append(live, pool.alloc(pool.n_free), None)
+    node.host_entries.takers = 1  # a fork sibling continued it first: this branch must not take it away
     s.recall.host_src = node
     s.recall.append_due = True
     assert recall.safe_append(req) == R
@@ -724,19 +767,37 @@ def test_a_borrowed_history_is_appended_from_and_left_as_it_was(pools: Pools, mo
     assert pool.n_free == pool.size
 
 
-def test_the_lru_keeps_a_forks_history_after_those_continued_once() -> None:
-    """A stored history two branches continued (a fork's) is dropped after one continued once, even when
-    it is the less recently used; a copy never drops it (a sibling without room borrows instead)."""
+def test_the_lru_keeps_a_running_forks_history_after_the_others_until_its_branches_end() -> None:
+    """A stored history two branches continued (a fork's) is dropped after the others while one of them
+    runs, even when it is the less recently used, and a copy never drops it then (a sibling without room
+    borrows instead). Once its branches are released it ages like any other: a finished session's fork
+    must not outlive a live session's history."""
     pool = host.HostPool(L, H, D, 12, torch.float32)
-    fork, once = host.HostEntries(takers=2), host.HostEntries(takers=1)
+    fork, once = host.HostEntries(), host.HostEntries()
+    branches = [st.RecallState() for _ in range(2)]
     for e in (fork, once):
         pool.append(e, pool.alloc(4), None)
         pool.drop_first(e)  # both were copied: the first victims of a copy
+    for r in branches:
+        fork.takers += 1
+        r.join(fork)
+    once.takers = 1
     pool.touch(once)  # the more recently used
     pool.drop_first(once)
     live = host.HostEntries()
     pool.append(live, pool.alloc(4), None)
-    assert pool.alloc(4, for_copy=True) is not None and once.count == 0 and fork.count == 4
+    assert fork.live_fork and fork.running == 2
+    got = pool.alloc(4, for_copy=True)
+    assert got is not None and once.count == 0 and fork.count == 4
     assert pool.alloc(4, for_copy=True) is None and fork.count == 4  # the fork's history stays for a copy
-    assert pool.alloc(4) is not None and live.count == 0 and fork.count == 4  # a demotion: the others first
-    assert pool.alloc(4) is not None and fork.count == 0  # then it
+    pool.give_back(got)
+    got = pool.alloc(8)
+    assert got is not None and live.count == 0 and fork.count == 4  # a demotion: the others first
+    pool.give_back(got)
+    for r in branches:  # both branches finish
+        r.leave()
+        r.leave()  # a second release is a no-op
+    assert fork.running == 0 and not fork.live_fork
+    later = host.HostEntries()
+    pool.append(later, pool.alloc(4), None)  # a live session's, more recent than the finished fork
+    assert pool.alloc(8) is not None and fork.count == 0 and later.count == 4  # now least recently used

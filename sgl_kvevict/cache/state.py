@@ -237,6 +237,9 @@ class RecallState:
     # (`demote.take`): read only, until the request's first write (`end_borrow`)
     borrowed: host_tier.HostEntries | None = None
     history_borrowed: bool = False  # it did (reported: `host_borrowed`)
+    # the stored history's entries it continued (copied or borrowed), counted in their `running` until
+    # the request is released (`leave`)
+    adopted: host_tier.HostEntries | None = None
     # logical tokens before this turn's own: recall scores with the turn's queries only (`recall.own`)
     turn_start: int | None = None
     due: bool = False  # a prefill ran: recall once its compression has committed
@@ -267,6 +270,18 @@ class RecallState:
         self.end_borrow(pool)
         host_tier.release(pool, self.host)
         self.host = None
+
+    def join(self, e: host_tier.HostEntries) -> None:
+        """The request continues stored history `e`: it runs on it until released (`leave`)."""
+        self.leave()
+        e.running += 1
+        self.adopted = e
+
+    def leave(self) -> None:
+        """Released (finished or retracted): no longer one of its adopted history's running branches."""
+        a, self.adopted = self.adopted, None
+        if a is not None:
+            a.running -= 1
 
     def end_borrow(self, pool: host_tier.HostPool | None) -> None:
         """Stop reading a borrowed stored history: before anything would write host entries (an exchange,

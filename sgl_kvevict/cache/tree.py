@@ -579,6 +579,7 @@ class KvEvictRadixCache(RadixCache):
         if s is not None:
             s.pending = None  # a plan over slots the request gives up is never committed
             s.recall.end_borrow(self.ctx.host)  # a retraction too: its checkpoint stores what it holds
+            s.recall.leave()  # no longer a running branch of the history it adopted
         if s is not None and not req.finished():
             return  # retraction: the request comes back, with its counters, failure flag and policy state
         if st.DEBUG and s is not None and s.slot_map.anchor is not None:

@@ -80,6 +80,12 @@ HOST_COUNTERS: list[tuple[str, str, str]] = [
         "one): their decode steps recall from an excerpt of it and what they demoted themselves.",
     ),
     (
+        "histories_moved",
+        "sglang:kvevict_host_histories_moved_total",
+        "Requests that took their stored history's host entries from its node (a session's next turn, no "
+        "room for a copy, nobody else continuing it): the node keeps none for a later sibling or retry.",
+    ),
+    (
         "histories_missed",
         "sglang:kvevict_host_histories_missed_total",
         "Requests whose stored history's host entries the LRU had taken back.",

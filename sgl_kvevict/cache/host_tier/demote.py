@@ -19,6 +19,7 @@ from sgl_kvevict.cache.host_tier import host
 
 if TYPE_CHECKING:
     from sgl_kvevict.cache.context import KvEvictContext
+    from sgl_kvevict.cache.nodes import CompressedNode
 
 logger = logging.getLogger("sgl_kvevict")
 
@@ -40,11 +41,12 @@ def take(s: st.ReqState) -> None:
     device KV: a copy (`HostPool.copy`), so the node keeps them for whoever continues it next (a fork
     sibling, a retried turn) and they go with the node. The node's entries become the pool's first LRU
     victims: the request's copy is the one a session goes on with. When the pool cannot hold a copy (a
-    copy never drops another session's live history: `HostPool.copy`), the request reads the node's
-    entries where they are (`HostPool.borrow`, `RecallState.borrowed`) until its first write
-    (`RecallState.end_borrow`): its prefill and its append see the whole history, it keeps an excerpt
-    for its decode steps (`recall.EXCERPT`), and a fork of `n` branches costs one history's columns
-    and the excerpts, not `n` copies."""
+    copy never drops another session's live history: `HostPool.copy`), the entries move to the
+    request when nobody else continues the history (`sole_continuation`: a session's next turn), and
+    otherwise the request reads the node's entries where they are (`HostPool.borrow`,
+    `RecallState.borrowed`) until its first write (`RecallState.end_borrow`): its prefill and its append
+    see the whole history, it keeps an excerpt for its decode steps (`recall.EXCERPT`), and a fork of
+    `n` branches costs one history's columns and the excerpts, not `n` copies."""
     src = s.recall.host_src
     s.recall.host_src = None
     got = src.host_entries if src is not None else None
@@ -55,14 +57,21 @@ def take(s: st.ReqState) -> None:
         pool.totals.histories_missed += got.dropped > 0
         return
     got.takers += 1
+    s.recall.join(got)
     mine = pool.copy(got)
-    if mine is None:
+    if mine is None and not sole_continuation(s, src, got):
         s.recall.end_borrow(pool)
         pool.borrow(got)
         s.recall.borrowed, s.recall.history_borrowed = got, True
         s.recall.host_peak = max(s.recall.host_peak, got.count)
         return
-    pool.drop_first(got)
+    if mine is None:  # the session's next turn, and no room for a copy: the entries move to it
+        mine, src.host_entries = got, host.HostEntries(dropped=got.count, takers=got.takers)
+        s.recall.leave()  # its own entries now, not a stored history it runs on
+        got.takers = 0  # and nobody has continued them yet
+        pool.totals.histories_moved += 1
+    else:
+        pool.drop_first(got)
     if s.recall.host is None or s.recall.host.count == 0:
         s.recall.host = mine
     else:  # already holds some (a retracted request coming back): merge
@@ -70,6 +79,17 @@ def take(s: st.ReqState) -> None:
         pool.lru.pop(id(mine), None)
         mine.cols = torch.zeros(0, dtype=torch.int64)
     pool.touch(s.recall.host)
+
+
+def sole_continuation(s: st.ReqState, src: CompressedNode, got: host.HostEntries) -> bool:
+    """Nobody but `s` continues the stored history `src` (whose entries are `got`): no other request took
+    or reads them, and none waiting or running has matched `src` and not taken them yet. Its entries can
+    then move to `s` when the pool has no room for a copy: a borrow would leave the session's next
+    stored history with only what this turn demoted itself (the borrow ends at the append), while a
+    fork's siblings, which do need the node's entries, borrow them."""
+    if got.takers > 1 or got.readers:
+        return False
+    return not any(o is not s and o.recall.host_src is src for o in list(st.LIVE.values()))
 
 
 def reading(s: st.ReqState) -> host.HostEntries | None:

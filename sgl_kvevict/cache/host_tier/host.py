@@ -18,8 +18,8 @@ two branches can mutate the same entries: a request continuing a stored history 
 the pool has no room for a copy, the request *reads* the node's entries instead (`HostPool.borrow`):
 never writes them, and gives them up before its first write (`RecallState.end_borrow`); entries with readers
 are never evicted, and an owner's release of them waits for the last reader (`HostPool.unborrow`).
-The pool evicts whole branches least recently used when it needs columns, a history that several
-branches continued (a fork's) after the others; an emptied branch still runs, on what the device holds.
+The pool evicts whole branches least recently used when it needs columns, a fork's history after the
+others while its branches run; an emptied branch still runs, on what the device holds.
 """
 
 from __future__ import annotations
@@ -68,11 +68,19 @@ class HostEntries:
     copied: bool = False
     readers: int = 0  # requests reading these entries without a copy (`HostPool.borrow`)
     takers: int = 0  # requests that continued this stored history (copied or borrowed it: `demote.take`)
+    running: int = 0  # of them, those still running (`RecallState.leave` counts them out)
     released: bool = False  # its owner released it while read: the columns go back with the last reader
 
     @property
     def count(self) -> int:
         return int(self.cols.numel())
+
+    @property
+    def live_fork(self) -> bool:
+        """A stored history several branches continued while one of them still runs: a sibling may still
+        come for it. Once its branches are done it ages like any other (a finished session's fork must
+        not outlive the live sessions' histories)."""
+        return self.takers > 1 and self.running > 0
 
 
 @dataclass
@@ -93,6 +101,9 @@ class HostTotals:
     # requests that read a stored history's entries without a copy (no room for one): its prefill and
     # its append read them; its decode steps recall from its excerpt and what it demoted itself
     histories_borrowed: int = 0
+    # requests that took their stored history's entries from its node (a session's next turn, nobody
+    # else continuing it, no room for a copy): the node keeps none for a later sibling or retry
+    histories_moved: int = 0
     decode_steps: int = 0  # decode steps whose fixed-shape recall ran (`decode_recall`)
     decode_steps_overlapped: int = 0  # of them, planned before the previous step's results were processed
     prefills_both_tiers: int = 0  # prefill chunks that attended over the host entries too (`exact_prefill`)
@@ -147,8 +158,8 @@ class HostPool:
     ) -> torch.Tensor | None:
         """`n` free columns for a demotion (or, `for_copy`, a copy), evicting least-recently-used branches
         as needed: never `keep`, nor entries a recall armed for the next forward holds (`in_use`) or a
-        request reads (`borrow`); for a copy only stored histories already copied, and never a fork's
-        (a sibling that finds no room borrows instead). None when the pool cannot give them (nothing is
+        request reads (`borrow`); for a copy only stored histories already copied, and never a running
+        fork's (`live_fork`: a sibling that finds no room borrows instead). None when the pool cannot give them (nothing is
         evicted then; a demotion's are counted as refused unless `count_refused` is False: a borrower's
         excerpt, `recall.EXCERPT`, is not a demotion)."""
         if n <= 0:
@@ -157,11 +168,11 @@ class HostPool:
         victims = [
             e
             for e in self.lru.values()
-            if id(e) not in held and not e.readers and (not for_copy or (e.copied and e.takers <= 1))
+            if id(e) not in held and not e.readers and (not for_copy or (e.copied and not e.live_fork))
         ]
-        # a history several branches continued (a fork's) goes after those continued once at most, each
-        # group least recently used first: the next sibling of a fork needs it again
-        victims.sort(key=lambda e: e.takers > 1)
+        # a fork's history whose branches still run goes after the others, each group least recently used
+        # first: the fork's next sibling needs it again
+        victims.sort(key=lambda e: e.live_fork)
         if n > self.n_free + sum(e.count for e in victims):
             self.totals.demote_refused += n if count_refused and not for_copy else 0
             return None
