@@ -282,10 +282,10 @@ def test_host_pool_lru_drops_whole_branches():
     pool.append(a, pool.alloc(4), None)
     pool.append(b, pool.alloc(4), None)
     pool.touch(a)  # b is now the least recently used
-    got = pool.alloc(5, keep=c)
+    got = pool.alloc(5, keep=(c,))
     assert got is not None and b.count == 0 and b.dropped == 4 and a.count == 4
     pool.append(c, got, None)
-    assert pool.alloc(20, keep=c) is None and a.count == 4  # cannot fit: nothing dropped
+    assert pool.alloc(20, keep=(c,)) is None and a.count == 4  # cannot fit: nothing dropped
     pool.release(a)
     pool.release(c)
     assert pool.n_free == pool.size and sorted(pool.free_cols.tolist()) == list(range(10))
@@ -318,25 +318,24 @@ def test_a_copy_holds_the_same_entries_and_an_armed_recalls_entries_are_never_dr
     assert pool.n_free == pool.size
 
 
-def test_a_copy_never_drops_another_branchs_live_history():
-    """Copying a stored history (the request continuing it) may take room only from stored histories
-    that were copied already; when that is not enough the copy is refused (the request then takes the
-    node's own entries, `demote.take`) and every live history stays whole."""
+def test_a_copy_takes_room_from_stored_histories_never_from_running_branches():
+    """Copying a stored history (a request continuing it) takes room from stored histories, least
+    recently used first, but never from the entries running requests own (`running`), the history it
+    copies, or a fork's history while one of its branches runs; when that is not enough the copy is
+    refused and nothing is dropped. A demotion still takes the least recently used branch."""
     pool = host.HostPool(2, 3, 4, 12, torch.float32)
     a, b, old = host.HostEntries(), host.HostEntries(), host.HostEntries()
     for e in (old, b, a):
         pool.append(e, pool.alloc(4), None)  # full: old is the least recently used
-    assert pool.copy(a) is None and old.count == b.count == 4  # old and b are live: neither is dropped
-    pool.drop_first(old)  # a request took a copy of old: old is spare now
-    c = pool.copy(a)
+    assert pool.copy(a, running=[old, b]) is None and old.count == b.count == 4  # both run: refused
+    c = pool.copy(a, running=[b])  # old is a stored history now (its request finished)
     assert c is not None and c.count == 4 and old.count == 0 and b.count == 4 and a.count == 4
-    pool.drop_first(a)
-    pool.touch(a)  # used again (a request took a's own entries): live, a copy cannot take it
-    assert pool.copy(b) is None and a.count == 4
+    b.takers, b.running = 2, 1  # a fork's history, one of its branches running
+    assert pool.copy(a, running=[c]) is None and b.count == 4
     got = pool.alloc(4)  # a demotion still takes the least recently used branch, live or not
-    assert got is not None and b.count == 0
+    assert got is not None and a.count == 0 and b.count == 4  # the fork's history goes last
     pool.give_back(got)
-    for e in (a, c):
+    for e in (b, c):
         pool.release(e)
     assert pool.n_free == pool.size
 
@@ -687,7 +686,7 @@ def test_a_sessions_next_turn_without_room_for_a_copy_takes_the_entries_unless_a
     batch = pools.batch(3, N, "snapkv", 48, {"window": W})
     pool = host.HostPool(L, H, D, 8, torch.float32)
     demote.attach(pools.ctx, pool)
-    live = host.HostEntries()  # another session's live history: a copy may not drop it
+    live = host.HostEntries(takers=2, running=1)  # a running fork's history: a copy may not drop it
     pool.append(live, pool.alloc(4), None)
     node = nodes.CompressedNode(0, "fp")
     node.host_entries = held = host.HostEntries()
@@ -734,7 +733,7 @@ def test_a_borrowed_history_is_appended_from_and_left_as_it_was(pools: Pools, mo
     node.host_entries, s.recall.host = s.recall.host, None
     cols, positions = node.host_entries.cols.clone(), node.host_entries.positions.clone()
     before = [buf[:, cols].clone() for buf in (pool.k, pool.v)]
-    live = host.HostEntries()  # another session's live history fills the rest of the pool
+    live = host.HostEntries(takers=2, running=1)  # a running fork's history fills the rest of the pool
     pool.append(live, pool.alloc(pool.n_free), None)
     node.host_entries.takers = 1  # a fork sibling continued it first: this branch must not take it away
     s.recall.host_src = node
@@ -777,19 +776,19 @@ def test_the_lru_keeps_a_running_forks_history_after_the_others_until_its_branch
     branches = [st.RecallState() for _ in range(2)]
     for e in (fork, once):
         pool.append(e, pool.alloc(4), None)
-        pool.drop_first(e)  # both were copied: the first victims of a copy
+        pool.drop_first(e)  # both were copied: the first victims
     for r in branches:
         fork.takers += 1
         r.join(fork)
     once.takers = 1
     pool.touch(once)  # the more recently used
     pool.drop_first(once)
-    live = host.HostEntries()
+    live = host.HostEntries()  # a running request's own
     pool.append(live, pool.alloc(4), None)
     assert fork.live_fork and fork.running == 2
-    got = pool.alloc(4, for_copy=True)
+    got = pool.alloc(4, keep=(live,), for_copy=True)
     assert got is not None and once.count == 0 and fork.count == 4
-    assert pool.alloc(4, for_copy=True) is None and fork.count == 4  # the fork's history stays for a copy
+    assert pool.alloc(4, keep=(live,), for_copy=True) is None and fork.count == 4  # stays for a copy
     pool.give_back(got)
     got = pool.alloc(8)
     assert got is not None and live.count == 0 and fork.count == 4  # a demotion: the others first

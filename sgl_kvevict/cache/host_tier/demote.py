@@ -40,8 +40,9 @@ def take(s: st.ReqState) -> None:
     """The request takes the host entries of the compressed node it adopted, as it takes the node's
     device KV: a copy (`HostPool.copy`), so the node keeps them for whoever continues it next (a fork
     sibling, a retried turn) and they go with the node. The node's entries become the pool's first LRU
-    victims: the request's copy is the one a session goes on with. When the pool cannot hold a copy (a
-    copy never drops another session's live history: `HostPool.copy`), the entries move to the
+    victims when nobody else continues them (the request's copy is the one a session goes on with),
+    and its most recently used while a fork's siblings still come for them. When the pool cannot hold a copy (a
+    copy never drops a running request's entries: `HostPool.copy`), the entries move to the
     request when nobody else continues the history (`sole_continuation`: a session's next turn), and
     otherwise the request reads the node's entries where they are (`HostPool.borrow`,
     `RecallState.borrowed`) until its first write (`RecallState.end_borrow`): its prefill and its append
@@ -58,8 +59,9 @@ def take(s: st.ReqState) -> None:
         return
     got.takers += 1
     s.recall.join(got)
-    mine = pool.copy(got)
-    if mine is None and not sole_continuation(s, src, got):
+    mine = pool.copy(got, running_entries(s))
+    sole = sole_continuation(s, src, got)
+    if mine is None and not sole:
         s.recall.end_borrow(pool)
         pool.borrow(got)
         s.recall.borrowed, s.recall.history_borrowed = got, True
@@ -70,8 +72,10 @@ def take(s: st.ReqState) -> None:
         s.recall.leave()  # its own entries now, not a stored history it runs on
         got.takers = 0  # and nobody has continued them yet
         pool.totals.histories_moved += 1
-    else:
+    elif sole:  # the copy is the one the session goes on with
         pool.drop_first(got)
+    else:  # a fork: its next sibling needs the node's entries soon
+        pool.touch(got)
     if s.recall.host is None or s.recall.host.count == 0:
         s.recall.host = mine
     else:  # already holds some (a retracted request coming back): merge
@@ -79,6 +83,11 @@ def take(s: st.ReqState) -> None:
         pool.lru.pop(id(mine), None)
         mine.cols = torch.zeros(0, dtype=torch.int64)
     pool.touch(s.recall.host)
+
+
+def running_entries(s: st.ReqState) -> list[host.HostEntries]:
+    """The host entries the live requests of `s`'s server own: a copy must not take them."""
+    return [o.recall.host for o in list(st.LIVE.values()) if o.ctx is s.ctx and o.recall.host is not None]
 
 
 def sole_continuation(s: st.ReqState, src: CompressedNode, got: host.HostEntries) -> bool:
@@ -148,7 +157,7 @@ def plan_demote(s: st.ReqState, a: int, slots: torch.Tensor, keep: torch.Tensor)
         n, k = int(slots.numel()), int(keep.shape[-1])
         if k >= n:
             return None
-        cols = pool.alloc(n - k, keep=s.recall.entries())
+        cols = pool.alloc(n - k, keep=(s.recall.entries(),))
         if cols is None:
             return None
         ev = evicted_indices(keep, n)  # [L, H, e]

@@ -14,8 +14,10 @@ The store here is the same layout in plain torch; a column copy is one `index_co
 Ownership: a `HostEntries` (one branch's columns) is held by exactly one owner at a time, a running
 request's `RecallState.host` or a compressed tree node's `host_entries`; it moves between them, so no
 two branches can mutate the same entries: a request continuing a stored history takes a copy
-(`HostPool.copy`), and the node keeps its own for the next one (a fork sibling, a retried turn). Where
-the pool has no room for a copy, the request *reads* the node's entries instead (`HostPool.borrow`):
+(`HostPool.copy`, room taken from stored histories, never from a running request's entries), and the
+node keeps its own for the next one (a fork sibling, a retried turn). Where the pool has no room for a
+copy, the request takes the node's entries when nobody else continues it, else *reads* them where they
+are (`HostPool.borrow`):
 never writes them, and gives them up before its first write (`RecallState.end_borrow`); entries with readers
 are never evicted, and an owner's release of them waits for the last reader (`HostPool.unborrow`).
 The pool evicts whole branches least recently used when it needs columns, a fork's history after the
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -63,9 +66,6 @@ class HostEntries:
     positions: torch.Tensor | None = None  # [L, H, e] logical positions (None: lost, see `HostPool.append`)
     dropped: int = 0  # columns the pool took back (LRU) from this branch
     summaries: PageSummaries | None = None  # of a prefix of `cols`, built and kept by `recall.py`
-    # a stored history a request took a copy of (`HostPool.drop_first`) and nobody used since: a copy
-    # may take room from it, never from a live history
-    copied: bool = False
     readers: int = 0  # requests reading these entries without a copy (`HostPool.borrow`)
     takers: int = 0  # requests that continued this stored history (copied or borrowed it: `demote.take`)
     running: int = 0  # of them, those still running (`RecallState.leave` counts them out)
@@ -142,7 +142,6 @@ class HostPool:
         return self.size - self.n_free
 
     def touch(self, e: HostEntries) -> None:
-        e.copied = False  # in use again: a live history
         if e.count and not e.released:
             self.lru[id(e)] = e
             self.lru.move_to_end(id(e))
@@ -151,24 +150,27 @@ class HostPool:
         """`e` becomes the first branch the LRU drops (a stored history whose request took a copy)."""
         if id(e) in self.lru:
             self.lru.move_to_end(id(e), last=False)
-            e.copied = True
 
     def alloc(
-        self, n: int, keep: HostEntries | None = None, for_copy: bool = False, count_refused: bool = True
+        self,
+        n: int,
+        keep: Iterable[HostEntries | None] = (),
+        for_copy: bool = False,
+        count_refused: bool = True,
     ) -> torch.Tensor | None:
         """`n` free columns for a demotion (or, `for_copy`, a copy), evicting least-recently-used branches
-        as needed: never `keep`, nor entries a recall armed for the next forward holds (`in_use`) or a
-        request reads (`borrow`); for a copy only stored histories already copied, and never a running
-        fork's (`live_fork`: a sibling that finds no room borrows instead). None when the pool cannot give them (nothing is
+        as needed: never those in `keep`, nor entries a recall armed for the next forward holds (`in_use`)
+        or a request reads (`borrow`); for a copy never a running fork's history either (`live_fork`: a
+        sibling that finds no room borrows instead). None when the pool cannot give them (nothing is
         evicted then; a demotion's are counted as refused unless `count_refused` is False: a borrower's
         excerpt, `recall.EXCERPT`, is not a demotion)."""
         if n <= 0:
             return torch.zeros(0, dtype=torch.int64)
-        held = {id(keep), *(id(e) for e in self.in_use.values())}
+        held = {*(id(e) for e in keep), *(id(e) for e in self.in_use.values())}
         victims = [
             e
             for e in self.lru.values()
-            if id(e) not in held and not e.readers and (not for_copy or (e.copied and not e.live_fork))
+            if id(e) not in held and not e.readers and not (for_copy and e.live_fork)
         ]
         # a fork's history whose branches still run goes after the others, each group least recently used
         # first: the fork's next sibling needs it again
@@ -203,7 +205,6 @@ class HostPool:
         if e.readers:
             e.released = True
             return
-        e.copied = False
         self.give_back(e.cols)
         e.cols = torch.zeros(0, dtype=torch.int64)
         e.positions = None
@@ -219,12 +220,13 @@ class HostPool:
             e.positions = None
         self.touch(e)
 
-    def copy(self, e: HostEntries) -> HostEntries | None:
+    def copy(self, e: HostEntries, running: Iterable[HostEntries] = ()) -> HostEntries | None:
         """A second branch holding the same entries in columns of its own (a fork sibling's: each
-        branch then swaps into its own, and neither sees the other's recalls). None when the pool cannot
-        give the columns without dropping a live history (only stored histories already copied make room:
-        a copy must not cost another session its history); `e` is never evicted for them."""
-        cols = self.alloc(e.count, keep=e, for_copy=True)
+        branch then swaps into its own, and neither sees the other's recalls). Room comes from stored
+        histories, least recently used first, never from `e`, a running fork's history or the entries
+        of the requests `running` (a copy must not cost a running branch its history). None when that
+        is not enough."""
+        cols = self.alloc(e.count, keep=(e, *running), for_copy=True)
         if cols is None:
             return None
         src, dst = e.cols.to(self.k.device), cols.to(self.k.device)

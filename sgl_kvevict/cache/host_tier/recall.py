@@ -227,7 +227,7 @@ def _excerpt_columns(s: st.ReqState, one: Recall, a: int) -> torch.Tensor | None
     x = min(EXCERPT * s.recall.tokens, _ranked_columns(one.src.count, (one.sums, one.n_sel)) - a)
     if x <= 0:
         return None
-    return s.ctx.host.alloc(x, keep=s.recall.entries(), count_refused=False)
+    return s.ctx.host.alloc(x, keep=(s.recall.entries(),), count_refused=False)
 
 
 def _ranked_columns(count: int, paged: tuple[host.PageSummaries | None, int]) -> int:
