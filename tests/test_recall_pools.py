@@ -676,6 +676,33 @@ def test_fork_siblings_beyond_the_pools_room_read_the_history_where_it_is(pools:
     assert pool.n_free == pool.size
 
 
+def test_a_copied_history_goes_first_in_the_lru_unless_a_sibling_waits_for_it(pools: Pools) -> None:
+    """After a copy, the node's entries are the pool's first LRU victims when nobody else continues them
+    (the session goes on with the copy), and stay among its most recently used while a fork sibling
+    that matched the node has not taken them yet (it needs them next)."""
+    batch = pools.batch(2, N, "snapkv", 48, {"window": W})
+    pool = host.HostPool(L, H, D, 16, torch.float32)
+    demote.attach(pools.ctx, pool)
+    other = host.HostEntries()  # an older stored history
+    pool.append(other, pool.alloc(2), None)
+    first, sibling = (st.get(req) for req in batch.reqs)
+    for waiting in (False, True):
+        node = nodes.CompressedNode(0, "fp")
+        node.host_entries = held = host.HostEntries()
+        pool.append(held, pool.alloc(2), None)
+        first.recall.host_src = node
+        sibling.recall.host_src = node if waiting else None
+        demote.take(first)
+        order = list(pool.lru.values())
+        assert first.recall.host is not held and order[-1] is first.recall.host
+        assert (order.index(held) > order.index(other)) == waiting, waiting
+        first.recall.drop_host(pool)
+        pool.release(held)
+    sibling.recall.host_src = None
+    pool.release(other)
+    assert pool.n_free == pool.size
+
+
 def test_a_sessions_next_turn_without_room_for_a_copy_takes_the_entries_unless_a_sibling_waits(
     pools: Pools,
 ) -> None:
