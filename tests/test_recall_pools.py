@@ -327,11 +327,11 @@ def test_a_copy_takes_room_from_stored_histories_never_from_running_branches():
     a, b, old = host.HostEntries(), host.HostEntries(), host.HostEntries()
     for e in (old, b, a):
         pool.append(e, pool.alloc(4), None)  # full: old is the least recently used
-    assert pool.copy(a, running=[old, b]) is None and old.count == b.count == 4  # both run: refused
-    c = pool.copy(a, running=[b])  # old is a stored history now (its request finished)
+    assert pool.copy(a, busy=[old, b]) is None and old.count == b.count == 4  # both run: refused
+    c = pool.copy(a, busy=[b])  # old is a stored history now (its request finished)
     assert c is not None and c.count == 4 and old.count == 0 and b.count == 4 and a.count == 4
     b.takers, b.running = 2, 1  # a fork's history, one of its branches running
-    assert pool.copy(a, running=[c]) is None and b.count == 4
+    assert pool.copy(a, busy=[c]) is None and b.count == 4
     got = pool.alloc(4)  # a demotion still takes the least recently used branch, live or not
     assert got is not None and a.count == 0 and b.count == 4  # the fork's history goes last
     pool.give_back(got)
@@ -673,6 +673,34 @@ def test_fork_siblings_beyond_the_pools_room_read_the_history_where_it_is(pools:
     demote.take(states[1])
     assert pool.totals.histories_missed == 1
     pool.release(states[0].recall.host)
+    assert pool.n_free == pool.size
+
+
+def test_a_history_a_waiting_request_matched_is_kept_from_copies_and_demoted_over_last(pools: Pools) -> None:
+    """A stored history that a waiting request has matched and not taken yet (`demote.awaited`: a fork's
+    siblings before their first commit) is never dropped for another history's copy, and a demotion
+    takes it only after every other branch, even when it is the least recently used."""
+    batch = pools.batch(2, N, "snapkv", 48, {"window": W})
+    pool = host.HostPool(L, H, D, 12, torch.float32)
+    demote.attach(pools.ctx, pool)
+    taker, waiting = (st.get(req) for req in batch.reqs)
+    awaited, other, src = (nodes.CompressedNode(0, "fp") for _ in range(3))
+    for node in (awaited, other, src):  # awaited is the least recently used
+        node.host_entries = host.HostEntries()
+        pool.append(node.host_entries, pool.alloc(4), None)
+    waiting.recall.host_src = awaited
+    assert demote.awaited(taker) == [awaited.host_entries]
+    taker.recall.host_src = src
+    demote.take(taker)  # a copy of src: room from `other` only
+    assert taker.recall.host is not None and taker.recall.host.count == 4
+    assert awaited.host_entries.count == 4 and other.host_entries.count == 0
+    pool.touch(src.host_entries)  # awaited is the least recently used branch now
+    cols = pool.alloc(4, keep=(taker.recall.host,), last=demote.awaited(taker))  # a demotion: src first
+    assert cols is not None and src.host_entries.count == 0 and awaited.host_entries.count == 4
+    pool.give_back(cols)
+    waiting.recall.host_src = None
+    taker.recall.drop_host(pool)
+    pool.release(awaited.host_entries)
     assert pool.n_free == pool.size
 
 

@@ -59,7 +59,7 @@ def take(s: st.ReqState) -> None:
         return
     got.takers += 1
     s.recall.join(got)
-    mine = pool.copy(got, running_entries(s))
+    mine = pool.copy(got, [*running_entries(s), *awaited(s)])
     sole = sole_continuation(s, src, got)
     if mine is None and not sole:
         s.recall.end_borrow(pool)
@@ -85,9 +85,21 @@ def take(s: st.ReqState) -> None:
     pool.touch(s.recall.host)
 
 
+def _others(s: st.ReqState) -> list[st.ReqState]:
+    return [o for o in list(st.LIVE.values()) if o is not s and o.ctx is s.ctx]
+
+
 def running_entries(s: st.ReqState) -> list[host.HostEntries]:
-    """The host entries the live requests of `s`'s server own: a copy must not take them."""
-    return [o.recall.host for o in list(st.LIVE.values()) if o.ctx is s.ctx and o.recall.host is not None]
+    """The host entries the other live requests of `s`'s server own: a copy must not take them."""
+    return [o.recall.host for o in _others(s) if o.recall.host is not None]
+
+
+def awaited(s: st.ReqState) -> list[host.HostEntries]:
+    """The entries of the stored histories other live requests have matched and not taken yet (a fork's
+    siblings still waiting, a session's next turn before its first commit): they are needed next, so a
+    copy never takes them and a demotion takes them last."""
+    nodes = [o.recall.host_src for o in _others(s) if o.recall.host_src is not None]
+    return [n.host_entries for n in nodes if n.host_entries is not None]
 
 
 def sole_continuation(s: st.ReqState, src: CompressedNode, got: host.HostEntries) -> bool:
@@ -98,7 +110,7 @@ def sole_continuation(s: st.ReqState, src: CompressedNode, got: host.HostEntries
     fork's siblings, which do need the node's entries, borrow them."""
     if got.takers > 1 or got.readers:
         return False
-    return not any(o is not s and o.recall.host_src is src for o in list(st.LIVE.values()))
+    return not any(o.recall.host_src is src for o in _others(s))
 
 
 def reading(s: st.ReqState) -> host.HostEntries | None:
@@ -157,7 +169,7 @@ def plan_demote(s: st.ReqState, a: int, slots: torch.Tensor, keep: torch.Tensor)
         n, k = int(slots.numel()), int(keep.shape[-1])
         if k >= n:
             return None
-        cols = pool.alloc(n - k, keep=(s.recall.entries(),))
+        cols = pool.alloc(n - k, keep=(s.recall.entries(),), last=awaited(s))
         if cols is None:
             return None
         ev = evicted_indices(keep, n)  # [L, H, e]

@@ -157,11 +157,13 @@ class HostPool:
         keep: Iterable[HostEntries | None] = (),
         for_copy: bool = False,
         count_refused: bool = True,
+        last: Iterable[HostEntries] = (),
     ) -> torch.Tensor | None:
         """`n` free columns for a demotion (or, `for_copy`, a copy), evicting least-recently-used branches
         as needed: never those in `keep`, nor entries a recall armed for the next forward holds (`in_use`)
         or a request reads (`borrow`); for a copy never a running fork's history either (`live_fork`: a
-        sibling that finds no room borrows instead). None when the pool cannot give them (nothing is
+        sibling that finds no room borrows instead); those in `last` (stored histories a waiting request
+        is about to continue) and running forks' histories after the others. None when the pool cannot give them (nothing is
         evicted then; a demotion's are counted as refused unless `count_refused` is False: a borrower's
         excerpt, `recall.EXCERPT`, is not a demotion)."""
         if n <= 0:
@@ -172,9 +174,10 @@ class HostPool:
             for e in self.lru.values()
             if id(e) not in held and not e.readers and not (for_copy and e.live_fork)
         ]
-        # a fork's history whose branches still run goes after the others, each group least recently used
-        # first: the fork's next sibling needs it again
-        victims.sort(key=lambda e: e.live_fork)
+        # a history about to be continued goes after the others, each group least recently used first: a
+        # running fork's next sibling, a waiting request, needs it again
+        later = {id(e) for e in last}
+        victims.sort(key=lambda e: e.live_fork or id(e) in later)
         if n > self.n_free + sum(e.count for e in victims):
             self.totals.demote_refused += n if count_refused and not for_copy else 0
             return None
@@ -220,13 +223,13 @@ class HostPool:
             e.positions = None
         self.touch(e)
 
-    def copy(self, e: HostEntries, running: Iterable[HostEntries] = ()) -> HostEntries | None:
+    def copy(self, e: HostEntries, busy: Iterable[HostEntries] = ()) -> HostEntries | None:
         """A second branch holding the same entries in columns of its own (a fork sibling's: each
         branch then swaps into its own, and neither sees the other's recalls). Room comes from stored
-        histories, least recently used first, never from `e`, a running fork's history or the entries
-        of the requests `running` (a copy must not cost a running branch its history). None when that
-        is not enough."""
-        cols = self.alloc(e.count, keep=(e, *running), for_copy=True)
+        histories, least recently used first, never from `e`, a running fork's history or `busy` (the
+        entries running requests own and those waiting requests are about to continue: a copy must not
+        cost another branch its history). None when that is not enough."""
+        cols = self.alloc(e.count, keep=(e, *busy), for_copy=True)
         if cols is None:
             return None
         src, dst = e.cols.to(self.k.device), cols.to(self.k.device)
