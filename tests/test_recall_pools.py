@@ -319,14 +319,15 @@ def test_a_copy_holds_the_same_entries_and_an_armed_recalls_entries_are_never_dr
 
 
 def test_a_copy_takes_room_from_stored_histories_never_from_running_branches():
-    """Copying a stored history (a request continuing it) takes room from stored histories, least
-    recently used first, but never from the entries running requests own (`running`), the history it
-    copies, or a fork's history while one of its branches runs; when that is not enough the copy is
+    """Copying a stored history (a request continuing it) takes room from the branches less recently
+    used than it, least recently used first, but never from the entries running requests own (`busy`),
+    the history it copies, or a fork's history while one of its branches runs; when that is not enough the copy is
     refused and nothing is dropped. A demotion still takes the least recently used branch."""
     pool = host.HostPool(2, 3, 4, 12, torch.float32)
     a, b, old = host.HostEntries(), host.HostEntries(), host.HostEntries()
     for e in (old, b, a):
         pool.append(e, pool.alloc(4), None)  # full: old is the least recently used
+    assert pool.copy(old) is None and a.count == b.count == 4  # both more recently used than old
     assert pool.copy(a, busy=[old, b]) is None and old.count == b.count == 4  # both run: refused
     c = pool.copy(a, busy=[b])  # old is a stored history now (its request finished)
     assert c is not None and c.count == 4 and old.count == 0 and b.count == 4 and a.count == 4
@@ -841,9 +842,9 @@ def test_the_lru_keeps_a_running_forks_history_after_the_others_until_its_branch
     live = host.HostEntries()  # a running request's own
     pool.append(live, pool.alloc(4), None)
     assert fork.live_fork and fork.running == 2
-    got = pool.alloc(4, keep=(live,), for_copy=True)
+    got = pool.alloc(4, keep=(live,), copying=live)
     assert got is not None and once.count == 0 and fork.count == 4
-    assert pool.alloc(4, keep=(live,), for_copy=True) is None and fork.count == 4  # stays for a copy
+    assert pool.alloc(4, keep=(live,), copying=live) is None and fork.count == 4  # stays for a copy
     pool.give_back(got)
     got = pool.alloc(8)
     assert got is not None and live.count == 0 and fork.count == 4  # a demotion: the others first

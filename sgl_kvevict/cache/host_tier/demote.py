@@ -40,8 +40,8 @@ def take(s: st.ReqState) -> None:
     """The request takes the host entries of the compressed node it adopted, as it takes the node's
     device KV: a copy (`HostPool.copy`), so the node keeps them for whoever continues it next (a fork
     sibling, a retried turn) and they go with the node. The node's entries become the pool's first LRU
-    victims when nobody else continues them (the request's copy is the one a session goes on with),
-    and its most recently used while a fork's siblings still come for them. When the pool cannot hold a copy (a
+    victims when nobody else continues them (the request's copy is the one a session goes on with);
+    a fork's keep their place for the siblings still to come. When the pool cannot hold a copy (a
     copy never drops a running request's entries: `HostPool.copy`), the entries move to the
     request when nobody else continues the history (`sole_continuation`: a session's next turn), and
     otherwise the request reads the node's entries where they are (`HostPool.borrow`,
@@ -72,10 +72,8 @@ def take(s: st.ReqState) -> None:
         s.recall.leave()  # its own entries now, not a stored history it runs on
         got.takers = 0  # and nobody has continued them yet
         pool.totals.histories_moved += 1
-    elif sole:  # the copy is the one the session goes on with
+    elif sole:  # the copy is the one the session goes on with (a fork's keep their place)
         pool.drop_first(got)
-    else:  # a fork: its next sibling needs the node's entries soon
-        pool.touch(got)
     if s.recall.host is None or s.recall.host.count == 0:
         s.recall.host = mine
     else:  # already holds some (a retracted request coming back): merge

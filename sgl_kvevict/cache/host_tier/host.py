@@ -155,31 +155,34 @@ class HostPool:
         self,
         n: int,
         keep: Iterable[HostEntries | None] = (),
-        for_copy: bool = False,
+        copying: HostEntries | None = None,
         count_refused: bool = True,
         last: Iterable[HostEntries] = (),
     ) -> torch.Tensor | None:
-        """`n` free columns for a demotion (or, `for_copy`, a copy), evicting least-recently-used branches
+        """`n` free columns for a demotion (or a copy of `copying`), evicting least-recently-used branches
         as needed: never those in `keep`, nor entries a recall armed for the next forward holds (`in_use`)
-        or a request reads (`borrow`); for a copy never a running fork's history either (`live_fork`: a
-        sibling that finds no room borrows instead); those in `last` (stored histories a waiting request
+        or a request reads (`borrow`); for a copy only branches less recently used than `copying`, and
+        never a running fork's history (`live_fork`: a sibling that finds no room borrows instead); those in `last` (stored histories a waiting request
         is about to continue) and running forks' histories after the others. None when the pool cannot give them (nothing is
         evicted then; a demotion's are counted as refused unless `count_refused` is False: a borrower's
         excerpt, `recall.EXCERPT`, is not a demotion)."""
         if n <= 0:
             return torch.zeros(0, dtype=torch.int64)
         held = {*(id(e) for e in keep), *(id(e) for e in self.in_use.values())}
+        order = list(self.lru.values())
+        if copying is not None:  # a copy displaces only what is colder than the history it copies
+            order = order[: order.index(copying)] if id(copying) in self.lru else []
         victims = [
             e
-            for e in self.lru.values()
-            if id(e) not in held and not e.readers and not (for_copy and e.live_fork)
+            for e in order
+            if id(e) not in held and not e.readers and not (copying is not None and e.live_fork)
         ]
         # a history about to be continued goes after the others, each group least recently used first: a
         # running fork's next sibling, a waiting request, needs it again
         later = {id(e) for e in last}
         victims.sort(key=lambda e: e.live_fork or id(e) in later)
         if n > self.n_free + sum(e.count for e in victims):
-            self.totals.demote_refused += n if count_refused and not for_copy else 0
+            self.totals.demote_refused += n if count_refused and copying is None else 0
             return None
         for victim in victims:
             if self.n_free >= n:
@@ -225,11 +228,12 @@ class HostPool:
 
     def copy(self, e: HostEntries, busy: Iterable[HostEntries] = ()) -> HostEntries | None:
         """A second branch holding the same entries in columns of its own (a fork sibling's: each
-        branch then swaps into its own, and neither sees the other's recalls). Room comes from stored
-        histories, least recently used first, never from `e`, a running fork's history or `busy` (the
-        entries running requests own and those waiting requests are about to continue: a copy must not
-        cost another branch its history). None when that is not enough."""
-        cols = self.alloc(e.count, keep=(e, *busy), for_copy=True)
+        branch then swaps into its own, and neither sees the other's recalls). Room comes from the
+        branches less recently used than `e`, least recently used first (a copy displaces only what is
+        colder than the history it copies), never from a running fork's history or `busy` (the entries
+        running requests own and those waiting requests are about to continue: a copy must not cost
+        another branch its history). None when that is not enough."""
+        cols = self.alloc(e.count, keep=(e, *busy), copying=e)
         if cols is None:
             return None
         src, dst = e.cols.to(self.k.device), cols.to(self.k.device)
