@@ -321,15 +321,20 @@ def test_a_copy_holds_the_same_entries_and_an_armed_recalls_entries_are_never_dr
 def test_a_copy_takes_room_from_stored_histories_never_from_running_branches():
     """Copying a stored history (a request continuing it) takes room from the branches less recently
     used than it, least recently used first, but never from the entries running requests own (`busy`),
-    the history it copies, or a fork's history while one of its branches runs; when that is not enough the copy is
-    refused and nothing is dropped. A demotion still takes the least recently used branch."""
+    the history it copies, a fork's history while one of its branches runs, or a session's latest
+    history that nobody has continued yet (`awaits_next_turn`: its next turn is likely on its way); a
+    fork branch's stored history is fair game. When that is not enough the copy is refused and nothing
+    is dropped. A demotion still takes the least recently used branch, fork branches' first."""
     pool = host.HostPool(2, 3, 4, 12, torch.float32)
     a, b, old = host.HostEntries(), host.HostEntries(), host.HostEntries()
     for e in (old, b, a):
         pool.append(e, pool.alloc(4), None)  # full: old is the least recently used
+    assert old.awaits_next_turn
     assert pool.copy(old) is None and a.count == b.count == 4  # both more recently used than old
-    assert pool.copy(a, busy=[old, b]) is None and old.count == b.count == 4  # both run: refused
-    c = pool.copy(a, busy=[b])  # old is a stored history now (its request finished)
+    assert pool.copy(a) is None and old.count == b.count == 4  # sessions' latest: refused
+    old.fork_branch = True  # stored by a branch of a fork: rarely continued
+    assert pool.copy(a, busy=[old, b]) is None and old.count == b.count == 4  # running: refused
+    c = pool.copy(a, busy=[b])  # old is a stored fork branch now (its request finished)
     assert c is not None and c.count == 4 and old.count == 0 and b.count == 4 and a.count == 4
     b.takers, b.running = 2, 1  # a fork's history, one of its branches running
     assert pool.copy(a, busy=[c]) is None and b.count == 4
@@ -338,6 +343,14 @@ def test_a_copy_takes_room_from_stored_histories_never_from_running_branches():
     pool.give_back(got)
     for e in (b, c):
         pool.release(e)
+    assert pool.n_free == pool.size
+    late, early = host.HostEntries(), host.HostEntries(fork_branch=True)
+    for e in (late, early):  # a session's latest is the least recently used
+        pool.append(e, pool.alloc(6), None)
+    got = pool.alloc(4)
+    assert got is not None and early.count == 0 and late.count == 6  # a fork branch's goes first
+    pool.give_back(got)
+    pool.release(late)
     assert pool.n_free == pool.size
 
 
@@ -687,7 +700,7 @@ def test_a_history_a_waiting_request_matched_is_kept_from_copies_and_demoted_ove
     taker, waiting = (st.get(req) for req in batch.reqs)
     awaited, other, src = (nodes.CompressedNode(0, "fp") for _ in range(3))
     for node in (awaited, other, src):  # awaited is the least recently used
-        node.host_entries = host.HostEntries()
+        node.host_entries = host.HostEntries(fork_branch=node is other)  # other: a fork branch stored it
         pool.append(node.host_entries, pool.alloc(4), None)
     waiting.recall.host_src = awaited
     assert demote.awaited(taker) == [awaited.host_entries]

@@ -70,10 +70,18 @@ class HostEntries:
     takers: int = 0  # requests that continued this stored history (copied or borrowed it: `demote.take`)
     running: int = 0  # of them, those still running (`RecallState.leave` counts them out)
     released: bool = False  # its owner released it while read: the columns go back with the last reader
+    # stored by a branch of a fork (the history it continued had several takers): rarely continued, so
+    # the pool gives its room first (`HostPool.alloc`)
+    fork_branch: bool = False
 
     @property
     def count(self) -> int:
         return int(self.cols.numel())
+
+    @property
+    def awaits_next_turn(self) -> bool:
+        """A session's latest stored history, not continued yet: its next turn is likely on its way."""
+        return self.takers == 0 and not self.fork_branch
 
     @property
     def live_fork(self) -> bool:
@@ -161,11 +169,13 @@ class HostPool:
     ) -> torch.Tensor | None:
         """`n` free columns for a demotion (or a copy of `copying`), evicting least-recently-used branches
         as needed: never those in `keep`, nor entries a recall armed for the next forward holds (`in_use`)
-        or a request reads (`borrow`); for a copy only branches less recently used than `copying`, and
-        never a running fork's history (`live_fork`: a sibling that finds no room borrows instead); those in `last` (stored histories a waiting request
-        is about to continue) and running forks' histories after the others. None when the pool cannot give them (nothing is
-        evicted then; a demotion's are counted as refused unless `count_refused` is False: a borrower's
-        excerpt, `recall.EXCERPT`, is not a demotion)."""
+        or a request reads (`borrow`). A copy takes only branches less recently used than `copying`, and
+        never a running fork's history (`live_fork`: a sibling that finds no room borrows instead) nor a
+        session's latest (`awaits_next_turn`). Branches a fork's branches stored and histories already
+        continued go first, then sessions' latest, then those in `last` (stored histories a waiting
+        request is about to continue) and running forks' histories, each group least recently used
+        first. None when the pool cannot give them (nothing is evicted then; a demotion's are counted as
+        refused unless `count_refused` is False: a borrower's excerpt, `recall.EXCERPT`, is not one)."""
         if n <= 0:
             return torch.zeros(0, dtype=torch.int64)
         held = {*(id(e) for e in keep), *(id(e) for e in self.in_use.values())}
@@ -175,12 +185,12 @@ class HostPool:
         victims = [
             e
             for e in order
-            if id(e) not in held and not e.readers and not (copying is not None and e.live_fork)
+            if id(e) not in held
+            and not e.readers
+            and not (copying is not None and (e.live_fork or e.awaits_next_turn))
         ]
-        # a history about to be continued goes after the others, each group least recently used first: a
-        # running fork's next sibling, a waiting request, needs it again
         later = {id(e) for e in last}
-        victims.sort(key=lambda e: e.live_fork or id(e) in later)
+        victims.sort(key=lambda e: 2 if e.live_fork or id(e) in later else int(e.awaits_next_turn))
         if n > self.n_free + sum(e.count for e in victims):
             self.totals.demote_refused += n if count_refused and copying is None else 0
             return None
