@@ -767,6 +767,7 @@ def test_a_sessions_next_turn_without_room_for_a_copy_takes_the_entries_unless_a
     assert first.recall.host is held and first.recall.borrowed is None and torch.equal(held.cols, cols)
     assert node.host_entries is not held and node.host_entries.count == 0
     assert held.takers == 0 and held.running == 0  # its own now: the turn after it takes them again
+    assert not first.recall.continued_fork  # a session's next turn, not a fork's branch
     assert pool.totals.histories_moved == 1 and pool.totals.histories_borrowed == 0 and live.count == 4
     late.recall.host_src = node
     demote.take(late)
@@ -849,6 +850,7 @@ def test_the_lru_keeps_a_running_forks_history_after_the_others_until_its_branch
     for r in branches:
         fork.takers += 1
         r.join(fork)
+    assert all(r.continued_fork for r in branches)  # what they store is a fork branch's history
     once.takers = 1
     pool.touch(once)  # the more recently used
     pool.drop_first(once)

@@ -271,6 +271,11 @@ class RecallState:
         host_tier.release(pool, self.host)
         self.host = None
 
+    @property
+    def continued_fork(self) -> bool:
+        """The stored history this request continued had several takers: it is a fork's branch."""
+        return self.adopted is not None and self.adopted.takers > 1
+
     def join(self, e: host_tier.HostEntries) -> None:
         """The request continues stored history `e`: it runs on it until released (`leave`)."""
         self.leave()

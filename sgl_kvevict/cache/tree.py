@@ -514,8 +514,7 @@ class KvEvictRadixCache(RadixCache):
             host.release(s.ctx.host, mine)
             return
         cnode.host_entries = mine
-        # a fork's branch (its history had several takers) is rarely continued: the pool's first room
-        mine.fork_branch = s.recall.adopted is not None and s.recall.adopted.takers > 1
+        mine.fork_branch = s.recall.continued_fork  # rarely continued: the host pool's first room
         if s.ctx.host is not None:
             s.ctx.host.touch(mine)
 

@@ -20,8 +20,9 @@ copy, the request takes the node's entries when nobody else continues it, else *
 are (`HostPool.borrow`):
 never writes them, and gives them up before its first write (`RecallState.end_borrow`); entries with readers
 are never evicted, and an owner's release of them waits for the last reader (`HostPool.unborrow`).
-The pool evicts whole branches least recently used when it needs columns, a fork's history after the
-others while its branches run; an emptied branch still runs, on what the device holds.
+The pool evicts whole branches least recently used when it needs columns, in the order `alloc` gives
+(a fork's branches' stored histories first; the histories about to be continued last); an emptied
+branch still runs, on what the device holds.
 """
 
 from __future__ import annotations
