@@ -14,12 +14,12 @@ The store here is the same layout in plain torch; a column copy is one `index_co
 Ownership: a `HostEntries` (one branch's columns) is held by exactly one owner at a time, a running
 request's `RecallState.host` or a compressed tree node's `host_entries`; it moves between them, so no
 two branches can mutate the same entries: a request continuing a stored history takes a copy
-(`HostPool.copy`, room taken from stored histories, never from a running request's entries), and the
-node keeps its own for the next one (a fork sibling, a retried turn). Where the pool has no room for a
-copy, the request takes the node's entries when nobody else continues it, else *reads* them where they
-are (`HostPool.borrow`):
-never writes them, and gives them up before its first write (`RecallState.end_borrow`); entries with readers
-are never evicted, and an owner's release of them waits for the last reader (`HostPool.unborrow`).
+(`HostPool.copy`, its room taken from colder branches, never from a running request's entries), and
+the node keeps its own for the next one (a fork sibling, a retried turn). Where the pool has no room for
+a copy, the request takes the node's entries when nobody else continues it, else *reads* them where
+they are (`HostPool.borrow`): never writes them, and gives them up before its first write
+(`RecallState.end_borrow`); entries with readers are never evicted, and an owner's release of them
+waits for the last reader (`HostPool.unborrow`).
 The pool evicts whole branches least recently used when it needs columns, in the order `alloc` gives
 (a fork's branches' stored histories first; the histories about to be continued last); an emptied
 branch still runs, on what the device holds.
