@@ -703,13 +703,15 @@ def test_a_history_a_waiting_request_matched_is_kept_from_copies_and_demoted_ove
         node.host_entries = host.HostEntries(fork_branch=node is other)  # other: a fork branch stored it
         pool.append(node.host_entries, pool.alloc(4), None)
     waiting.recall.host_src = awaited
-    assert demote.awaited(taker) == [awaited.host_entries]
+    assert demote.awaited(demote.others(taker)) == [awaited.host_entries]
     taker.recall.host_src = src
     demote.take(taker)  # a copy of src: room from `other` only
     assert taker.recall.host is not None and taker.recall.host.count == 4
     assert awaited.host_entries.count == 4 and other.host_entries.count == 0
     pool.touch(src.host_entries)  # awaited is the least recently used branch now
-    cols = pool.alloc(4, keep=(taker.recall.host,), last=demote.awaited(taker))  # a demotion: src first
+    cols = pool.alloc(
+        4, keep=(taker.recall.host,), last=demote.awaited(demote.others(taker))
+    )  # a demotion: src first
     assert cols is not None and src.host_entries.count == 0 and awaited.host_entries.count == 4
     pool.give_back(cols)
     waiting.recall.host_src = None

@@ -59,8 +59,9 @@ def take(s: st.ReqState) -> None:
         return
     got.takers += 1
     s.recall.join(got)
-    mine = pool.copy(got, [*running_entries(s), *awaited(s)])
-    sole = sole_continuation(s, src, got)
+    rest = others(s)  # the server's other live requests, read once
+    mine = pool.copy(got, [*running_entries(rest), *awaited(rest)])
+    sole = sole_continuation(src, got, rest)
     if mine is None and not sole:
         s.recall.end_borrow(pool)
         pool.borrow(got)
@@ -83,32 +84,34 @@ def take(s: st.ReqState) -> None:
     pool.touch(s.recall.host)
 
 
-def _others(s: st.ReqState) -> list[st.ReqState]:
+def others(s: st.ReqState) -> list[st.ReqState]:
+    """The other live requests of `s`'s server."""
     return [o for o in list(st.LIVE.values()) if o is not s and o.ctx is s.ctx]
 
 
-def running_entries(s: st.ReqState) -> list[host.HostEntries]:
-    """The host entries the other live requests of `s`'s server own: a copy must not take them."""
-    return [o.recall.host for o in _others(s) if o.recall.host is not None]
+def running_entries(rest: list[st.ReqState]) -> list[host.HostEntries]:
+    """The host entries the requests `rest` own: a copy must not take them."""
+    return [o.recall.host for o in rest if o.recall.host is not None]
 
 
-def awaited(s: st.ReqState) -> list[host.HostEntries]:
-    """The entries of the stored histories other live requests have matched and not taken yet (a fork's
+def awaited(rest: list[st.ReqState]) -> list[host.HostEntries]:
+    """The entries of the stored histories the requests `rest` have matched and not taken yet (a fork's
     siblings still waiting, a session's next turn before its first commit): they are needed next, so a
     copy never takes them and a demotion takes them last."""
-    nodes = [o.recall.host_src for o in _others(s) if o.recall.host_src is not None]
+    nodes = [o.recall.host_src for o in rest if o.recall.host_src is not None]
     return [n.host_entries for n in nodes if n.host_entries is not None]
 
 
-def sole_continuation(s: st.ReqState, src: CompressedNode, got: host.HostEntries) -> bool:
-    """Nobody but `s` continues the stored history `src` (whose entries are `got`): no other request took
-    or reads them, and none waiting or running has matched `src` and not taken them yet. Its entries can
-    then move to `s` when the pool has no room for a copy: a borrow would leave the session's next
-    stored history with only what this turn demoted itself (the borrow ends at the append), while a
-    fork's siblings, which do need the node's entries, borrow them."""
+def sole_continuation(src: CompressedNode, got: host.HostEntries, rest: list[st.ReqState]) -> bool:
+    """Nobody but the request taking them continues the stored history `src` (whose entries are
+    `got`): no other request took or reads them, and none of the others `rest`, waiting or running, has
+    matched `src` and not taken them yet. Its entries can then move to the request when the pool has no
+    room for a copy: a borrow would leave the session's next stored history with only what this turn
+    demoted itself (the borrow ends at the append), while a fork's siblings, which do need the node's
+    entries, borrow them."""
     if got.takers > 1 or got.readers:
         return False
-    return not any(o.recall.host_src is src for o in _others(s))
+    return not any(o.recall.host_src is src for o in rest)
 
 
 def reading(s: st.ReqState) -> host.HostEntries | None:
@@ -167,7 +170,9 @@ def plan_demote(s: st.ReqState, a: int, slots: torch.Tensor, keep: torch.Tensor)
         n, k = int(slots.numel()), int(keep.shape[-1])
         if k >= n:
             return None
-        cols = pool.alloc(n - k, keep=(s.recall.entries(),), last=awaited(s))
+        # only an eviction orders victims: the other requests are read when the pool is short
+        last = awaited(others(s)) if pool.n_free < n - k else ()
+        cols = pool.alloc(n - k, keep=(s.recall.entries(),), last=last)
         if cols is None:
             return None
         ev = evicted_indices(keep, n)  # [L, H, e]
