@@ -3,10 +3,14 @@ the entries a torch reference picks, keeping device + host = the region's origin
 
 from __future__ import annotations
 
+from array import array
 from math import inf
 
 import pytest
 import torch
+from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.sampling.sampling_params import SamplingParams
 
 from sgl_kvevict import kernels as K
 from sgl_kvevict.cache import capture, compressor, engine, nodes, trigger
@@ -276,17 +280,25 @@ def test_demote_then_recall_keeps_every_entry(
     assert p.ctx.host.n_free == p.ctx.host.size
 
 
-def test_host_pool_lru_drops_whole_branches():
+def test_host_pool_lru_takes_what_it_needs_from_the_least_recently_used():
+    """The LRU takes whole branches, least recently used first, and from the last one only the newest
+    columns still needed: it keeps the page summaries of the whole pages that remain and the positions
+    of the entries that remain. It never takes the requester's, and drops nothing when it cannot fit."""
     pool = host.HostPool(1, 1, 4, 10, torch.float32)
     a, b, c = host.HostEntries(), host.HostEntries(), host.HostEntries()
     pool.append(a, pool.alloc(4), None)
-    pool.append(b, pool.alloc(4), None)
+    pool.append(b, pool.alloc(4), torch.arange(4).view(1, 1, 4))
+    b.summaries = host.PageSummaries(None, None, torch.arange(2.0).view(2, 1, 1, 1), n=4, page=2)
+    kept = b.cols[:1].clone()
     pool.touch(a)  # b is now the least recently used
-    got = pool.alloc(5, keep=(c,))
-    assert got is not None and b.count == 0 and b.dropped == 4 and a.count == 4
+    got = pool.alloc(5, keep=(c,))  # 2 free, 3 of b's
+    assert got is not None and a.count == 4 and b.dropped == 3 and torch.equal(b.cols, kept)
+    assert b.positions.tolist() == [[[0]]] and b.summaries.n == 0 and b.summaries.kmean.shape[0] == 0
     pool.append(c, got, None)
-    assert pool.alloc(20, keep=(c,)) is None and a.count == 4  # cannot fit: nothing dropped
-    pool.release(a)
+    assert pool.alloc(6, keep=(c,)) is None and a.count == 4 and b.count == 1  # cannot fit: nothing dropped
+    got = pool.alloc(5, keep=(c,))
+    assert got is not None and a.count == 0 and b.count == 0 and pool.totals.branches_dropped == 3
+    pool.give_back(got)
     pool.release(c)
     assert pool.n_free == pool.size and sorted(pool.free_cols.tolist()) == list(range(10))
 
@@ -348,9 +360,10 @@ def test_a_copy_takes_room_from_stored_histories_never_from_running_branches():
     for e in (late, early):  # a session's latest is the least recently used
         pool.append(e, pool.alloc(6), None)
     got = pool.alloc(4)
-    assert got is not None and early.count == 0 and late.count == 6  # a fork branch's goes first
+    assert got is not None and early.count == 2 and late.count == 6  # a fork branch's goes first
     pool.give_back(got)
     pool.release(late)
+    pool.release(early)
     assert pool.n_free == pool.size
 
 
@@ -787,6 +800,89 @@ def test_a_sessions_next_turn_without_room_for_a_copy_takes_the_entries_unless_a
         s.recall.drop_host(pool)
     pool.release(again)
     pool.release(live)
+    assert pool.n_free == pool.size
+
+
+def test_a_demotion_never_takes_a_running_requests_entries(pools: Pools) -> None:
+    """A demotion (or a borrower's excerpt) under a full pool drops stored histories, never the entries
+    another running request holds: that request's turn would go on without its history. When stored
+    histories are not enough, the demotion is refused and the running request keeps everything."""
+    batch = pools.batch(2, N, "snapkv", 48, {"window": W})
+    me, running = (st.get(req) for req in batch.reqs)
+    pool = host.HostPool(L, H, D, 8, torch.float32)
+    demote.attach(pools.ctx, pool)
+    pool.append(running.recall.entries(), pool.alloc(4), None)  # the least recently used branch
+    stored = host.HostEntries()
+    pool.append(stored, pool.alloc(4), None)
+    cols = demote.columns(me, 4)
+    assert cols is not None and stored.count == 0 and running.recall.host.count == 4
+    pool.append(me.recall.entries(), cols, None)
+    assert demote.columns(me, 2) is None and pool.totals.demote_refused == 2
+    assert demote.columns(me, 2, count_refused=False) is None and pool.totals.demote_refused == 2
+    assert running.recall.host.count == 4 and me.recall.host.count == 4
+    for s in (me, running):
+        s.recall.drop_host(pool)
+    assert pool.n_free == pool.size
+
+
+def test_a_demotion_never_takes_a_sessions_latest_history_stored_after_it_arrived(pools: Pools) -> None:
+    """A request's demotions take a session's latest history only if it was stored before the request
+    arrived (`RecallState.arrived`, the pool's clock at its first match): one stored since is for that
+    session's next turn, on its way. A fork branch's stored history is fair game whenever it was
+    stored, and a request arriving later may take the newer history."""
+    batch = pools.batch(2, N, "snapkv", 48, {"window": W})
+    me, later = (st.get(req) for req in batch.reqs)
+    pool = host.HostPool(L, H, D, 12, torch.float32)
+    demote.attach(pools.ctx, pool)
+    old, new, fork = host.HostEntries(), host.HostEntries(), host.HostEntries(fork_branch=True)
+    pool.append(old, pool.alloc(4), None)
+    me.recall.arrived = pool.clock
+    for e in (new, fork):  # stored while `me` runs
+        pool.append(e, pool.alloc(4), None)
+    assert demote.columns(me, 10) is None and old.count == new.count == fork.count == 4
+    cols = demote.columns(me, 6)  # the fork branch's, then 2 of the old history's newest
+    assert cols is not None and fork.count == 0 and old.count == 2 and new.count == 4
+    pool.give_back(cols)
+    pool.touch(old)  # used again since `me` arrived: kept from it too
+    assert demote.columns(me, 8) is None and old.count == 2
+    later.recall.arrived = pool.clock
+    cols = demote.columns(later, 12)
+    assert cols is not None and old.count == new.count == 0
+    pool.give_back(cols)
+    assert pool.n_free == pool.size
+
+
+def test_a_request_waiting_in_the_queue_guards_the_history_it_will_adopt(pools: Pools) -> None:
+    """A request that joined SGLang's waiting queue is matched on arrival (`demote.match_waiting`, once):
+    the stored history it will adopt counts as awaited, so the sibling that runs first, finding no room
+    for a copy, borrows the node's entries instead of moving them away from the one still waiting."""
+    batch = pools.batch(1, N, "snapkv", 48, {"window": W, "scope": "branch"})
+    first = batch.reqs[0]
+    s = st.get(first)
+    params = SamplingParams(max_new_tokens=8, custom_params=first.sampling_params.custom_params)
+    waiting = Req("waiting", "", array("q", range(1000, 1024)), params)  # not seen by the tree yet
+    pool = host.HostPool(L, H, D, 8, torch.float32)
+    demote.attach(pools.ctx, pool)
+    node, _ = pools.tree._insert_compressed(
+        pools.tree.root_node, RadixKey(array("q", range(1000, 1020))), pools.alloc.alloc(8).long(), 0, s.fp
+    )
+    node.host_entries = held = host.HostEntries()
+    pool.append(held, pool.alloc(4), None)
+    other = host.HostEntries()  # the rest of the pool: no copy fits
+    pool.append(other, pool.alloc(4), None)
+    demote.match_waiting(pools.tree, [waiting])
+    w = st.get(waiting)
+    assert w is not None and w.recall.host_src is node
+    assert demote.awaited(demote.others(s)) == [held]
+    demote.match_waiting(pools.tree, [waiting])
+    assert st.get(waiting) is w  # matched once; SGLang matches it again at admission
+    s.recall.host_src = node
+    demote.take(s)
+    assert s.recall.borrowed is held and node.host_entries is held and pool.totals.histories_moved == 0
+    s.recall.drop_host(pool)
+    w.recall.host_src = None
+    pool.release(held)
+    pool.release(other)
     assert pool.n_free == pool.size
 
 

@@ -240,6 +240,9 @@ class RecallState:
     # the stored history's entries it continued (copied or borrowed), counted in their `running` until
     # the request is released (`leave`)
     adopted: host_tier.HostEntries | None = None
+    # the host pool's clock when the request was first matched: its demotions never take a session's
+    # latest history stored after that (`HostPool.alloc`)
+    arrived: int | None = None
     # logical tokens before this turn's own: recall scores with the turn's queries only (`recall.own`)
     turn_start: int | None = None
     due: bool = False  # a prefill ran: recall once its compression has committed
@@ -432,6 +435,8 @@ def on_match(req: Any, ctx: KvEvictContext, region: Any, prefix_pos: torch.Tenso
     # Per-head policy state (D2O's tau) survives a retraction; per-slot entries do not (the slots change).
     s.policy_state.layers = [{k: v for k, v in d.items() if k != "carried"} for d in s.policy_state.layers]
     first = region.first
+    if s.recall.arrived is None and ctx.host is not None:
+        s.recall.arrived = ctx.host.clock
     s.recall.host_src = None
     if first is not None and is_compressed(first):
         s.recall.host_src = first  # its host entries, if any, move to the request at its first commit

@@ -18,7 +18,9 @@ Each hook is one of the places where SGLang assumes "one KV slot per token", whi
 - `Scheduler.get_next_batch_to_run`, `process_batch_result` (AROUND): under the overlap scheduler, a
   step in which a compression is due processes the previous step's results first (overlap off for that
   step only); a finished request gives back the slot of its in-flight last token before its last
-  compression. Both make overlap on and off compress the same.
+  compression. Both make overlap on and off compress the same. With a host tier, the requests that
+  joined the waiting queue are matched as they arrive (`demote.match_waiting`), so the host pool
+  knows which histories they wait for.
 - meta_info and `/server_info` reporting.
 Every hook guards itself: an exception in our code must never take the scheduler down.
 """
@@ -48,7 +50,7 @@ from sgl_kvevict.cache import (
 )
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.context import KvEvictContext
-from sgl_kvevict.cache.host_tier import exact_prefill, recall
+from sgl_kvevict.cache.host_tier import demote, exact_prefill, recall
 from sgl_kvevict.cache.tree import KvEvictRadixCache
 from sgl_kvevict.config import KvConfig
 
@@ -342,6 +344,11 @@ def get_next_batch_to_run(original, scheduler, *args, **kwargs):
             scheduler.process_batch_result(batch, result)
             q.appendleft((DRAINED, None))
             ctx.rt.totals.overlap_drained_steps += 1
+    if ctx is not None and ctx.host is not None:
+        try:
+            demote.match_waiting(scheduler.tree_cache, scheduler.waiting_queue)
+        except Exception:
+            logger.exception("kvevict: matching the waiting requests failed")
     return original(scheduler, *args, **kwargs)
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+from sglang.srt.mem_cache.common import match_kv_cache
 
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.host_tier import host
@@ -90,7 +91,7 @@ def others(s: st.ReqState) -> list[st.ReqState]:
 
 
 def running_entries(rest: list[st.ReqState]) -> list[host.HostEntries]:
-    """The host entries the requests `rest` own: a copy must not take them."""
+    """The host entries the requests `rest` own: neither a copy nor a demotion takes them."""
     return [o.recall.host for o in rest if o.recall.host is not None]
 
 
@@ -100,6 +101,17 @@ def awaited(rest: list[st.ReqState]) -> list[host.HostEntries]:
     copy never takes them and a demotion takes them last."""
     nodes = [o.recall.host_src for o in rest if o.recall.host_src is not None]
     return [n.host_entries for n in nodes if n.host_entries is not None]
+
+
+def match_waiting(tree_cache: Any, waiting: list) -> None:
+    """Match each request that just joined the waiting queue, as SGLang's longest-prefix scheduling
+    matches every waiting request: a question that waits to be admitted then counts as awaiting its
+    history (`awaited`, `sole_continuation`), so the first of a fork's branches to run borrows instead
+    of moving the entries away, and the LRU takes the history last. SGLang matches a request again at
+    admission (`on_match` then sees the tree as it is then); a waiting request's match only guards."""
+    for req in waiting:
+        if st.get(req) is None:
+            match_kv_cache(req, tree_cache)
 
 
 def sole_continuation(src: CompressedNode, got: host.HostEntries, rest: list[st.ReqState]) -> bool:
@@ -112,6 +124,23 @@ def sole_continuation(src: CompressedNode, got: host.HostEntries, rest: list[st.
     if got.takers > 1 or got.readers:
         return False
     return not any(o.recall.host_src is src for o in rest)
+
+
+def columns(s: st.ReqState, n: int, count_refused: bool = True) -> torch.Tensor | None:
+    """`n` fresh host columns for request `s` (a demotion, or a borrower's excerpt). The LRU may drop
+    stored histories for them, never the entries a running request holds (its turn would go on without
+    its history: what this request evicts now is worth less), nor a session's latest history stored
+    since this request arrived (`RecallState.arrived`), and the histories waiting requests have matched
+    only after every other (`awaited`). Only an eviction orders victims: the other requests are
+    read when the pool is short. None when the pool cannot give them."""
+    pool = s.ctx.host
+    keep: list[host.HostEntries] = [s.recall.entries()]
+    last: list[host.HostEntries] = []
+    if pool.n_free < n:
+        rest = others(s)
+        keep += running_entries(rest)
+        last = awaited(rest)
+    return pool.alloc(n, keep=keep, last=last, count_refused=count_refused, arrived=s.recall.arrived)
 
 
 def reading(s: st.ReqState) -> host.HostEntries | None:
@@ -170,9 +199,7 @@ def plan_demote(s: st.ReqState, a: int, slots: torch.Tensor, keep: torch.Tensor)
         n, k = int(slots.numel()), int(keep.shape[-1])
         if k >= n:
             return None
-        # only an eviction orders victims: the other requests are read when the pool is short
-        last = awaited(others(s)) if pool.n_free < n - k else ()
-        cols = pool.alloc(n - k, keep=(s.recall.entries(),), last=last)
+        cols = columns(s, n - k)
         if cols is None:
             return None
         ev = evicted_indices(keep, n)  # [L, H, e]

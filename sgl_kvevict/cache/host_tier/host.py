@@ -74,6 +74,7 @@ class HostEntries:
     # stored by a branch of a fork (the history it continued had several takers): rarely continued, so
     # the pool gives its room first (`HostPool.alloc`)
     fork_branch: bool = False
+    touched: int = 0  # the pool's clock when it was last used (`HostPool.touch`)
 
     @property
     def count(self) -> int:
@@ -101,7 +102,9 @@ class HostTotals:
     recalls: int = 0  # requests that ran a recall
     recall_failures: int = 0
     copied: int = 0  # columns copied host to host (a request continuing a stored history)
-    branches_dropped: int = 0  # branches whose columns the LRU took back
+    branches_dropped: int = (
+        0  # branches the LRU took columns back from (all of them, or the newest it needed)
+    )
     columns_dropped: int = 0
     demote_refused: int = 0  # evictions that could not be demoted (pool full even after the LRU)
     # requests that adopted a stored history whose host entries the LRU had taken back: they answer
@@ -140,6 +143,7 @@ class HostPool:
         # request row -> the entries a recall armed for the next forward reads and writes: never evicted
         self.in_use: dict[int, HostEntries] = {}
         self.totals = HostTotals()
+        self.clock = 0  # counts touches: when a branch was last used (`HostEntries.touched`)
 
     @property
     def column_bytes(self) -> int:
@@ -154,6 +158,8 @@ class HostPool:
         if e.count and not e.released:
             self.lru[id(e)] = e
             self.lru.move_to_end(id(e))
+            self.clock += 1
+            e.touched = self.clock
 
     def drop_first(self, e: HostEntries) -> None:
         """`e` becomes the first branch the LRU drops (a stored history whose request took a copy)."""
@@ -167,15 +173,20 @@ class HostPool:
         copying: HostEntries | None = None,
         count_refused: bool = True,
         last: Iterable[HostEntries] = (),
+        arrived: int | None = None,
     ) -> torch.Tensor | None:
-        """`n` free columns for a demotion (or a copy of `copying`), evicting least-recently-used branches
-        as needed: never those in `keep`, nor entries a recall armed for the next forward holds (`in_use`)
+        """`n` free columns for a demotion (or a copy of `copying`), taken back from least-recently-used
+        branches as needed (whole branches, and the newest columns of the last one: a small demotion
+        costs another history what it needs, not all of it): never those in `keep`, nor entries a recall armed for the next forward holds (`in_use`)
         or a request reads (`borrow`). A copy takes only branches less recently used than `copying`, and
         never a running fork's history (`live_fork`: a sibling that finds no room borrows instead) nor a
         session's latest (`awaits_next_turn`). Branches a fork's branches stored and histories already
         continued go first, then sessions' latest, then those in `last` (stored histories a waiting
         request is about to continue) and running forks' histories, each group least recently used
-        first. None when the pool cannot give them (nothing is evicted then; a demotion's are counted as
+        first. A demotion of a request that arrived at pool clock `arrived` takes from those last two
+        groups only branches touched before it arrived: the history a session stored while the request
+        ran is for that session's next turn, on its way, and outweighs what the request evicts now (a
+        finished session's history ages out once newer requests arrive). None when the pool cannot give them (nothing is evicted then; a demotion's are counted as
         refused unless `count_refused` is False: a borrower's excerpt, `recall.EXCERPT`, is not one)."""
         if n <= 0:
             return torch.zeros(0, dtype=torch.int64)
@@ -183,28 +194,52 @@ class HostPool:
         order = list(self.lru.values())
         if copying is not None:  # a copy displaces only what is colder than the history it copies
             order = order[: order.index(copying)] if id(copying) in self.lru else []
+        later = {id(e) for e in last}
+
+        def group(e: HostEntries) -> int:  # 0: rarely continued; 1: a session's latest; 2: needed next
+            return 2 if e.live_fork or id(e) in later else int(e.awaits_next_turn)
+
         victims = [
             e
             for e in order
             if id(e) not in held
             and not e.readers
             and not (copying is not None and (e.live_fork or e.awaits_next_turn))
+            and not (arrived is not None and e.touched > arrived and group(e) > 0)
         ]
-        later = {id(e) for e in last}
-        victims.sort(key=lambda e: 2 if e.live_fork or id(e) in later else int(e.awaits_next_turn))
+        victims.sort(key=group)
         if n > self.n_free + sum(e.count for e in victims):
             self.totals.demote_refused += n if count_refused and copying is None else 0
             return None
-        for victim in victims:
-            if self.n_free >= n:
+        for victim in victims:  # as many columns as still needed, the victim's newest ones
+            short = n - self.n_free
+            if short <= 0:
                 break
+            took = min(short, victim.count)
             self.totals.branches_dropped += 1
-            self.totals.columns_dropped += victim.count
-            victim.dropped += victim.count
-            self.release(victim)
+            self.totals.columns_dropped += took
+            victim.dropped += took
+            if took == victim.count:
+                self.release(victim)
+            else:
+                self.trim(victim, took)
         out = self.free_cols[self.n_free - n : self.n_free].clone()
         self.n_free -= n
         return out
+
+    def trim(self, e: HostEntries, a: int) -> None:
+        """The branch gives back its last `a` columns, keeping the page summaries of its whole pages that
+        remain and the positions of the entries that remain."""
+        c2 = e.count - a
+        self.give_back(e.cols[c2:])
+        e.cols = e.cols[:c2].clone()
+        sm = e.summaries
+        if sm is not None and sm.n > c2:  # whole pages only: the next recall re-summarises the rest
+            full = c2 // sm.page
+            cut = [x[:full].clone() if x is not None else None for x in (sm.kmin, sm.kmax, sm.kmean)]
+            e.summaries = PageSummaries(*cut, n=full * sm.page, page=sm.page)
+        if e.positions is not None:
+            e.positions = e.positions[..., :c2].clone()
 
     def give_back(self, cols: torch.Tensor) -> None:
         """Columns that were allocated but never attached to a branch (a commit that did not happen)."""

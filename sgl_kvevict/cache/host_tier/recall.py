@@ -223,11 +223,11 @@ def append(req: Any, s: st.ReqState) -> int:
 def _excerpt_columns(s: st.ReqState, one: Recall, a: int) -> torch.Tensor | None:
     """Fresh host columns for a borrower's excerpt (`EXCERPT`): as many as its ranked entries beyond the
     `a` appended hold (a paged append ranks the fetched pages' entries only), taken as a demotion takes
-    them (the LRU may drop other branches; never what is read). None when the pool has no room."""
+    them (`demote.columns`). None when the pool has no room."""
     x = min(EXCERPT * s.recall.tokens, _ranked_columns(one.src.count, (one.sums, one.n_sel)) - a)
     if x <= 0:
         return None
-    return s.ctx.host.alloc(x, keep=(s.recall.entries(),), count_refused=False)
+    return demote.columns(s, x, count_refused=False)
 
 
 def _ranked_columns(count: int, paged: tuple[host.PageSummaries | None, int]) -> int:
@@ -630,15 +630,9 @@ class Recall:
     def _shrink_branch(self, a: int) -> None:
         """The branch gives back its last `a` columns (their entries filled the holes), keeping its page
         summaries of whole pages and its entries' positions."""
-        pool, e = self.s.ctx.host, self.s.recall.host
+        e = self.s.recall.host
         c2 = e.count - a
-        pool.give_back(e.cols[c2:])
-        e.cols = e.cols[:c2].clone()
-        sm = e.summaries
-        if sm is not None:  # whole pages only: the next recall re-summarises the partial last one
-            full = c2 // sm.page
-            cut = [x[:full].clone() if x is not None else None for x in (sm.kmin, sm.kmax, sm.kmean)]
-            e.summaries = host.PageSummaries(*cut, n=full * sm.page, page=sm.page)
+        self.s.ctx.host.trim(e, a)
         if self.tracked is not None:
             e.positions = self.tracked.hpos[..., :c2].clone()
 
