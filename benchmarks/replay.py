@@ -320,6 +320,7 @@ class Replayer:
             "recalled": stats.get("recalled") if stats else None,
             "bytes_moved": stats.get("bytes_moved") if stats else None,
             "host_tokens": stats.get("host_tokens") if stats else None,
+            "host_borrowed": stats.get("host_borrowed") if stats else None,  # read its history in place
             "peak_kv_tokens": stats.get("peak_kv_tokens") if stats else None,  # what the answer read over
             "retractions": int(meta.get("num_retractions", 0) or 0),
             "ttft": call.ttft,
