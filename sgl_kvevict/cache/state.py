@@ -241,7 +241,7 @@ class RecallState:
     # the request is released (`leave`)
     adopted: host_tier.HostEntries | None = None
     # the host pool's clock when the request was first matched: its demotions never take a session's
-    # latest history stored after that (`HostPool.alloc`)
+    # latest history, an awaited one or a running fork's used since then (`HostPool.alloc`)
     arrived: int | None = None
     # logical tokens before this turn's own: recall scores with the turn's queries only (`recall.own`)
     turn_start: int | None = None

@@ -20,9 +20,10 @@ a copy, the request takes the node's entries when nobody else continues it, else
 they are (`HostPool.borrow`): never writes them, and gives them up before its first write
 (`RecallState.end_borrow`); entries with readers are never evicted, and an owner's release of them
 waits for the last reader (`HostPool.unborrow`).
-The pool evicts whole branches least recently used when it needs columns, in the order `alloc` gives
-(a fork's branches' stored histories first; the histories about to be continued last); an emptied
-branch still runs, on what the device holds.
+When it needs columns the pool takes them back from branches least recently used, in the order `alloc`
+gives (a fork's branches' stored histories first; the histories about to be continued last): whole
+branches, and only the newest columns still needed from the last one (`trim`); an emptied branch still
+runs, on what the device holds.
 """
 
 from __future__ import annotations
@@ -102,9 +103,8 @@ class HostTotals:
     recalls: int = 0  # requests that ran a recall
     recall_failures: int = 0
     copied: int = 0  # columns copied host to host (a request continuing a stored history)
-    branches_dropped: int = (
-        0  # branches the LRU took columns back from (all of them, or the newest it needed)
-    )
+    # branches the LRU took columns back from (all of them, or the newest it needed)
+    branches_dropped: int = 0
     columns_dropped: int = 0
     demote_refused: int = 0  # evictions that could not be demoted (pool full even after the LRU)
     # requests that adopted a stored history whose host entries the LRU had taken back: they answer
@@ -177,17 +177,19 @@ class HostPool:
     ) -> torch.Tensor | None:
         """`n` free columns for a demotion (or a copy of `copying`), taken back from least-recently-used
         branches as needed (whole branches, and the newest columns of the last one: a small demotion
-        costs another history what it needs, not all of it): never those in `keep`, nor entries a recall armed for the next forward holds (`in_use`)
-        or a request reads (`borrow`). A copy takes only branches less recently used than `copying`, and
-        never a running fork's history (`live_fork`: a sibling that finds no room borrows instead) nor a
-        session's latest (`awaits_next_turn`). Branches a fork's branches stored and histories already
+        costs another history what it needs, not all of it): never those in `keep`, nor entries a
+        recall armed for the next forward holds (`in_use`) or a request reads (`borrow`). A copy takes
+        only branches less recently used than `copying`, and never a running fork's history
+        (`live_fork`: a sibling that finds no room borrows instead) nor a session's latest
+        (`awaits_next_turn`). Branches a fork's branches stored and histories already
         continued go first, then sessions' latest, then those in `last` (stored histories a waiting
         request is about to continue) and running forks' histories, each group least recently used
         first. A demotion of a request that arrived at pool clock `arrived` takes from those last two
         groups only branches touched before it arrived: the history a session stored while the request
         ran is for that session's next turn, on its way, and outweighs what the request evicts now (a
-        finished session's history ages out once newer requests arrive). None when the pool cannot give them (nothing is evicted then; a demotion's are counted as
-        refused unless `count_refused` is False: a borrower's excerpt, `recall.EXCERPT`, is not one)."""
+        finished session's history ages out once newer requests arrive). None when the pool cannot
+        give them (nothing is evicted then; a demotion's are counted as refused unless `count_refused`
+        is False: a borrower's excerpt, `recall.EXCERPT`, is not one)."""
         if n <= 0:
             return torch.zeros(0, dtype=torch.int64)
         held = {*(id(e) for e in keep), *(id(e) for e in self.in_use.values())}
