@@ -47,7 +47,7 @@ def default_model_path(verbose: bool = True) -> Path:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")  # two servers starting at once convert apart
     tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
     import torch
 
@@ -62,11 +62,16 @@ def default_model_path(verbose: bool = True) -> Path:
     cfg = json.loads((tmp / "config.json").read_text())
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     (tmp / ".complete").write_text(f"from {src}\n")
-    if out.exists():
-        import shutil
+    import shutil
 
-        shutil.rmtree(out)
-    tmp.rename(out)
+    try:
+        tmp.rename(out)  # refused while `out` holds files: a finished folder is never replaced
+    except OSError:
+        if (out / ".complete").exists():  # another process finished first: its folder is the same model
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:  # a partial folder left by an older version
+            shutil.rmtree(out)
+            tmp.rename(out)
     if verbose:
         print(f"[model] done in {time.time() - t0:.0f} s", file=sys.stderr)
     return out

@@ -1,7 +1,8 @@
 """Memory the plugin reserves beside SGLang's own KV pool, in bytes, for a model's shape.
 
 - the **host tier** (`--kv-recall-tokens`): `columns` columns, each one evicted entry of every layer and KV
-  head, K and V (`cache/host_tier/host.py`), in host memory (pinned on a GPU);
+  head, K and V (`cache/host_tier/host.py`), in host memory (pinned on a GPU); by default twice the device
+  KV pool's tokens, at most a quarter of the RAM (`default_columns`);
 - the **window-query capture buffer** (attention-based policies, or recall): `(slots + 1) x layers x
   (window + 1) x query heads x head dim` in the model's dtype, on the device (`cache/capture.py`);
 - the **page summaries** recall scores host pages with (`kernels/page_scores.py`): per page of `page` host
@@ -26,14 +27,16 @@ from pathlib import Path
 
 from sgl_kvevict.config import (
     DEFAULT_CAPTURE_SLOTS,
-    DEFAULT_HOST_TOKENS,
     DEFAULT_RECALL_PAGE,
+    HOST_POOL_RATIO,
+    HOST_RAM_SHARE,
     MAX_HOST_TOKENS,
 )
 from sgl_kvevict.policies.base import PolicyConfig
 
 GIB = 1 << 30
 MIB = 1 << 20
+TABLE_POOL_TOKENS = 65536  # the device pool the docs' table sizes the default host tier for
 DEFAULT_WINDOW = PolicyConfig.model_fields["window"].default
 _DTYPE_BYTES = {
     "float32": 4,
@@ -121,11 +124,20 @@ def columns_for_bytes(nbytes: float, shape: Shape, flag: str = "--kv-host-gib") 
     return cols
 
 
+def default_columns(pool_tokens: int, shape: Shape, ram_bytes: int | None) -> int:
+    """The host tier's size when no flag gives one: `HOST_POOL_RATIO` times the device KV pool's tokens, at
+    most `HOST_RAM_SHARE` of the machine's RAM (when known) and `MAX_HOST_TOKENS`; at least one column."""
+    cols = min(HOST_POOL_RATIO * pool_tokens, MAX_HOST_TOKENS)
+    if ram_bytes is not None:
+        cols = min(cols, int(ram_bytes * HOST_RAM_SHARE // shape.column_bytes))
+    return max(1, cols)
+
+
 def _fmt(n: int) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
 
 
-def table(shapes: tuple[Shape, ...] = MODELS, columns: int = DEFAULT_HOST_TOKENS) -> str:
+def table(shapes: tuple[Shape, ...] = MODELS, columns: int = HOST_POOL_RATIO * TABLE_POOL_TOKENS) -> str:
     """The Markdown sizing table of docs/deployment.md."""
     lines = [
         f"| model (bf16) | layers x KV heads x head dim | one host column | host tier, {columns:,} columns "
@@ -146,16 +158,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-path", help="a folder with config.json (default: the table's three models)")
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument(
-        "--host-tokens", type=int, default=None, help=f"host columns (default {DEFAULT_HOST_TOKENS})"
+        "--host-tokens",
+        type=int,
+        default=HOST_POOL_RATIO * TABLE_POOL_TOKENS,
+        help="host columns (default %(default)s: the server's default for a device pool of "
+        f"{TABLE_POOL_TOKENS} tokens)",
     )
     ap.add_argument("--host-gib", type=float, default=None, help="host tier in GiB instead of columns")
     args = ap.parse_args(argv)
     if args.model_path is None:
-        print(table(columns=args.host_tokens or DEFAULT_HOST_TOKENS))
+        print(table(columns=args.host_tokens))
         return 0
     cfg = json.loads((Path(args.model_path) / "config.json").read_text())
     shape = shape_of(cfg, args.tp_size, name=Path(args.model_path).name)
-    columns = args.host_tokens or DEFAULT_HOST_TOKENS
+    columns = args.host_tokens
     if args.host_gib is not None:
         try:
             columns = columns_for_bytes(args.host_gib * GIB, shape)

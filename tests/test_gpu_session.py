@@ -40,6 +40,22 @@ def test_the_sizing_table_in_the_docs_is_the_commands_output() -> None:
         assert sizing.host_bytes(shape, cols) <= 1.5 * sizing.GIB < sizing.host_bytes(shape, cols + 1)
 
 
+def test_the_default_host_tier_follows_the_device_pool() -> None:
+    """Without a size flag the host tier is twice the device pool's tokens, capped by a quarter of the RAM
+    and by the column bound, and never empty."""
+    from sgl_kvevict import sizing
+    from sgl_kvevict.config import MAX_HOST_TOKENS
+
+    shape = sizing.MODELS[0]
+    assert sizing.default_columns(60000, shape, None) == 120000
+    assert sizing.default_columns(60000, shape, 64 * sizing.GIB) == 120000
+    small_ram = 1 * sizing.GIB  # a quarter of it holds fewer than 120,000 columns of 22 KiB
+    cols = sizing.default_columns(60000, shape, small_ram)
+    assert sizing.host_bytes(shape, cols) <= small_ram // 4 < sizing.host_bytes(shape, cols + 1)
+    assert sizing.default_columns(MAX_HOST_TOKENS, shape, None) == MAX_HOST_TOKENS
+    assert sizing.default_columns(0, shape, None) == 1
+
+
 def test_the_dummy_model_is_8b_shaped_with_the_embedded_tokenizer(tmp_path: Path) -> None:
     import json
 

@@ -248,12 +248,17 @@ def attach(cache: Any, ctx: Any) -> Runtime:
 
         k0 = rt.k_buffer(0)
         shape = sizing.Shape("", rt.n_layers, rt.n_q_heads, rt.n_kv_heads, rt.head_dim, k0.element_size())
-        columns, given = settings.host_tokens, f"--kv-host-tokens {settings.host_tokens}"
+        total = _host_ram_bytes()
         if settings.host_gib is not None:  # this rank's exact shape and KV dtype (the launcher estimated)
             columns = sizing.columns_for_bytes(settings.host_gib * sizing.GIB, shape)
             given = f"--kv-host-gib {settings.host_gib:g} ({columns} columns)"
+        elif settings.host_tokens is not None:
+            columns, given = settings.host_tokens, f"--kv-host-tokens {settings.host_tokens}"
+        else:
+            pool = int(rt.allocator.size)
+            columns = sizing.default_columns(pool, shape, total)
+            given = f"default host tier ({columns} columns for a device pool of {pool} tokens)"
         need = sizing.host_bytes(shape, columns)
-        total = _host_ram_bytes()
         if total is not None and need > total // 2:  # reserved lazily: pages are committed as used
             raise RuntimeError(
                 f"sgl-kvevict: {given} needs {need / 2**30:.1f} GiB of host "

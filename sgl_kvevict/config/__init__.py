@@ -26,9 +26,10 @@ from sgl_kvevict.config.budget import (
 from sgl_kvevict.config.flags import FLAG, FLAGS, Flag, interval
 from sgl_kvevict.config.policy import ENV_VAR, MAX_CAPTURE, KvConfig, OverridePolicy, server_config
 from sgl_kvevict.config.recall import (
-    DEFAULT_HOST_TOKENS,
     DEFAULT_RECALL_EVERY,
     DEFAULT_RECALL_PAGE,
+    HOST_POOL_RATIO,
+    HOST_RAM_SHARE,
     MAX_HOST_GIB,
     MAX_HOST_TOKENS,
     MAX_RECALL_EVERY,
@@ -51,7 +52,8 @@ from sgl_kvevict.config.server import (
 __all__ = [
     "DEFAULT_BUDGET",
     "DEFAULT_CAPTURE_SLOTS",
-    "DEFAULT_HOST_TOKENS",
+    "HOST_POOL_RATIO",
+    "HOST_RAM_SHARE",
     "DEFAULT_RECALL_EVERY",
     "DEFAULT_RECALL_PAGE",
     "ENV_VAR",

@@ -11,7 +11,12 @@ from pydantic import BaseModel, ConfigDict, Field
 MAX_RECALL_TOKENS = 4096  # bound on --kv-recall-tokens and a request's recall_tokens (per layer and head)
 MAX_HOST_TOKENS = 1 << 21  # bound on --kv-host-tokens (host columns)
 MIN_HOST_GIB, MAX_HOST_GIB = 0.001, 4096.0  # bounds on --kv-host-gib (per rank; then checked in columns too)
-DEFAULT_HOST_TOKENS = 16384
+# Without a size the host tier holds twice the device KV pool's tokens, as SGLang's HiCache sizes its host
+# pool (`--hicache-ratio` 2), and at most a quarter of the machine's RAM: on the recall suite's LoCoMo
+# family a fixed 16,384 columns (about a quarter of the pool) lost histories to the LRU, so recall had
+# nothing to bring back (docs/benchmarks.md, "Host tier and recall").
+HOST_POOL_RATIO = 2
+HOST_RAM_SHARE = 0.25
 MAX_RECALL_PAGE = 256  # bound on the recall page (host columns per page)
 MAX_RECALL_EVERY = 4096  # bound on recall every (decode steps)
 DEFAULT_RECALL_PAGE = 8

@@ -21,7 +21,6 @@ from sgl_kvevict import policies
 from sgl_kvevict.config.base import Published
 from sgl_kvevict.config.policy import MAX_CAPTURE, KvConfig, OverridePolicy
 from sgl_kvevict.config.recall import (
-    DEFAULT_HOST_TOKENS,
     MAX_HOST_GIB,
     MAX_HOST_TOKENS,
     MAX_RECALL_TOKENS,
@@ -82,12 +81,13 @@ class ServerSettings(Published):
         "layer and KV head into its kept history (0: off)",
         json_schema_extra={"flag": "--kv-recall-tokens"},
     )
-    host_tokens: int = Field(
-        DEFAULT_HOST_TOKENS,
+    host_tokens: int | None = Field(
+        None,
         ge=1,
         le=MAX_HOST_TOKENS,
         description="host tier capacity in columns (one evicted entry per layer and KV head each; needs "
-        "--kv-recall-tokens); branches are dropped least-recently-used beyond it",
+        "--kv-recall-tokens); branches are dropped least-recently-used beyond it (default: none, twice the "
+        "device KV pool's tokens as SGLang's HiCache sizes its host pool, at most a quarter of the RAM)",
         json_schema_extra={"flag": "--kv-host-tokens"},
     )
     host_gib: float | None = Field(
