@@ -18,7 +18,7 @@ def test_two_processes_converting_at_once_both_get_the_folder(tmp_path: Path) ->
         for _ in "ab"
     ]
     outs = [p.communicate(timeout=600) for p in procs]
-    for p, (out, err) in zip(procs, outs, strict=True):
+    for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-2000:]
     paths = {Path(out.strip().splitlines()[-1]) for out, _ in outs}
     assert len(paths) == 1, paths
