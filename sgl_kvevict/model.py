@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -62,8 +63,6 @@ def default_model_path(verbose: bool = True) -> Path:
     cfg = json.loads((tmp / "config.json").read_text())
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     (tmp / ".complete").write_text(f"from {src}\n")
-    import shutil
-
     try:
         tmp.rename(out)  # refused while `out` holds files: a finished folder is never replaced
     except OSError:

@@ -37,6 +37,7 @@ from sgl_kvevict.policies.base import PolicyConfig
 GIB = 1 << 30
 MIB = 1 << 20
 TABLE_POOL_TOKENS = 65536  # the device pool the docs' table sizes the default host tier for
+TABLE_HOST_COLUMNS = HOST_POOL_RATIO * TABLE_POOL_TOKENS  # that pool's default host tier
 DEFAULT_WINDOW = PolicyConfig.model_fields["window"].default
 _DTYPE_BYTES = {
     "float32": 4,
@@ -137,7 +138,7 @@ def _fmt(n: int) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
 
 
-def table(shapes: tuple[Shape, ...] = MODELS, columns: int = HOST_POOL_RATIO * TABLE_POOL_TOKENS) -> str:
+def table(shapes: tuple[Shape, ...] = MODELS, columns: int = TABLE_HOST_COLUMNS) -> str:
     """The Markdown sizing table of docs/deployment.md."""
     lines = [
         f"| model (bf16) | layers x KV heads x head dim | one host column | host tier, {columns:,} columns "
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--host-tokens",
         type=int,
-        default=HOST_POOL_RATIO * TABLE_POOL_TOKENS,
+        default=TABLE_HOST_COLUMNS,
         help="host columns (default %(default)s: the server's default for a device pool of "
         f"{TABLE_POOL_TOKENS} tokens)",
     )
