@@ -40,7 +40,7 @@ pkgs=(
   prompt_toolkit==3.0.53 wcwidth==0.9.4 pexpect==4.9.0 ptyprocess==0.7.0
   stack-data==0.6.3 executing==2.3.0 asttokens==3.0.2 pure_eval==0.2.4 matplotlib-inline==0.2.2
   ipython_pygments_lexers==1.1.1 soundfile==0.13.1 cffi==2.1.1 pycparser==3.12 Jinja2==3.1.6
-  MarkupSafe==3.0.4
+  MarkupSafe==3.0.4 loguru==0.7.3
 )
 "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --abi cp312 --abi abi3 --abi none --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 \

@@ -80,7 +80,7 @@ if [ "$dry" = 1 ]; then
   if [ -n "$py312" ]; then  # what imports without torch (the GPU machine's, not bundled) under Python 3.12
     PYTHONPATH="$target/site" "$py312" -c "import transformers, fastapi, uvicorn, uvloop, msgspec, zmq, pydantic, \
 openai, IPython, PIL, numpy, aiohttp, jsonschema, sentencepiece, tokenizers, orjson, huggingface_hub, prometheus_client, \
-partial_json_parser, setproctitle, multipart, soundfile, gguf, einops, dill, pybase64, psutil, regex, yaml; \
+partial_json_parser, setproctitle, multipart, soundfile, gguf, einops, dill, pybase64, psutil, regex, yaml, loguru; \
 print('python3.12 imports: ok')" 2>&1 | tail -1 | tee -a "$out/session.txt" >&2
     grep -q "python3.12 imports: ok" "$out/session.txt" || { say "FAIL: a bundled package does not import under 3.12"; exit 1; }
   fi
@@ -128,6 +128,11 @@ if [ ! -x "$venv/bin/python" ]; then
   "$py" -m venv --system-site-packages "$venv" || exit 2
   purelib=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
   untar "$venv/bin/python" "$bundle/site.tar.xz" "$purelib" || exit 2
+  # the machine's torch may sit outside the base interpreter's own site folders (a user site, a folder
+  # on sys.path by other means), which a venv does not see: list every such folder after the bundle's
+  "$py" -c "import sys; print('\n'.join(p for p in sys.path if p.endswith(('site-packages', 'dist-packages'))))" \
+    > "$purelib/zz_machine_site.pth"
+  "$venv/bin/python" -c "import torch" 2>/dev/null || { say "FAIL: the venv does not import the machine's torch"; exit 2; }
   "$venv/bin/python" -m pip install -q --no-index --no-deps --force-reinstall "$bundle"/sgl_kvevict-*.whl 2>&1 | tail -5 | tee -a "$out/session.txt" >&2
 fi
 py="$venv/bin/python"

@@ -78,8 +78,8 @@ def test_the_dummy_model_is_8b_shaped_with_the_embedded_tokenizer(tmp_path: Path
 
 
 def test_the_stand_in_answers_what_sglang_imports_on_cuda() -> None:
-    """Without a real sgl-kernel, `sgl_kernel.utils` (imported by SGLang's Triton backend on CUDA) comes from
-    the stand-in, and nothing else below `sgl_kernel` can be imported from it."""
+    """Without a real sgl-kernel, the submodules SGLang imports at module load on CUDA (`utils`,
+    `quantization`, `kvcacheio`) come from the stand-in, and those it imports inside a try do not."""
     import importlib
 
     from sgl_kvevict import cpu_compat
@@ -90,8 +90,13 @@ def test_the_stand_in_answers_what_sglang_imports_on_cuda() -> None:
     assert utils.is_arch_support_pdl() is False
     with pytest.raises(NotImplementedError, match="sgl_kernel.rmsnorm"):
         importlib.import_module("sgl_kernel").rmsnorm(None)
-    with pytest.raises(ImportError):
-        importlib.import_module("sgl_kernel.bf16_linear")
+    quantization = importlib.import_module("sgl_kernel.quantization")
+    with pytest.raises(NotImplementedError, match="ggml_dequantize"):
+        quantization.ggml_dequantize(None)
+    assert callable(importlib.import_module("sgl_kernel.kvcacheio").transfer_kv_per_layer)
+    for guarded in ("sgl_kernel.bf16_linear", "sgl_kernel.allreduce", "sgl_kernel.flash_attn"):
+        with pytest.raises(ImportError):  # SGLang imports these inside a try: its fallback must run
+            importlib.import_module(guarded)
 
 
 @pytest.mark.long

@@ -14,9 +14,12 @@ import importlib.util
 import sys
 
 STUB_NAME = "sgl_kernel"
-# submodules SGLang imports at module load on CUDA (`layers/attention/triton_backend.py`: `sgl_kernel.utils`),
-# served by the same stand-in: scripts/gpu_session.sh runs the Triton backend on a GPU without sgl-kernel
-SUBMODULES = ("sgl_kernel.utils",)
+# submodules SGLang imports at module load on CUDA outside a try (`layers/attention/triton_backend.py`:
+# `utils`; `layers/quantization/gguf.py`: `quantization`; `mem_cache/memory_pool_host.py` and
+# `pool_host/`: `kvcacheio`), served by the same stand-in: scripts/gpu_session.sh runs the Triton backend
+# on a GPU without sgl-kernel. Submodules SGLang imports inside a try (`allreduce`, `flash_attn`) are left
+# unanswered, so its fallbacks still see an ImportError.
+SUBMODULES = ("sgl_kernel.utils", "sgl_kernel.quantization", "sgl_kernel.kvcacheio")
 _STUB_MODULE = "sgl_kvevict.cpu_compat.sgl_kernel_stub"
 
 
