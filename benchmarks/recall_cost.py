@@ -87,7 +87,7 @@ def measure(e: int, budget: int, r: int, new_tokens: int, steps: int) -> dict:
     # a new turn's prefill over both tiers: the row's last `new_tokens` slots stand for its new tokens
     kv_len = int(req.kv.kv_committed_len)
     slots = p.r2t.req_to_token[0, :kv_len].to(torch.int64)
-    one = exact_prefill.ExactArm(req, s, s.recall.host.cols.clone())
+    one = exact_prefill.ExactArm(req, s, s.recall.host.cols.clone(), s.recall.host)
     q = torch.randn(new_tokens, p.q_heads, DIM, generator=p.gen).to(torch.bfloat16)
     t0 = time.perf_counter()
     for layer in range(LAYERS):
