@@ -45,6 +45,49 @@ def _prompts(n: int, words: int) -> list[str]:
     return [PROMPT + " ".join(f"step {i}.{j}: ok" for j in range(words)) for i in range(n)]
 
 
+# what a server's processes import at start (the HTTP server, the scheduler and its model runner, CUDA
+# graphs, the model, the Triton backend, the sampler, the host pools' kernels, this plugin): on a new
+# machine `--preflight` imports them here first and lists every module missing, not only the first
+PREFLIGHT_MODULES = (
+    "sglang.srt.entrypoints.http_server",
+    "sglang.srt.managers.scheduler",
+    "sglang.srt.managers.detokenizer_manager",
+    "sglang.srt.model_executor.model_runner",
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner",
+    "sglang.srt.models.llama",
+    "sglang.srt.layers.attention.triton_backend",
+    "sglang.srt.layers.sampler",
+    "sglang.srt.mem_cache.memory_pool_host",
+    "sgl_kvevict.serve.plugin",
+)
+
+
+def preflight(modules: tuple[str, ...] = PREFLIGHT_MODULES, tries: int = 50) -> list[str]:
+    """Import `modules` as a server's processes will on this machine; returns what failed. A missing module
+    is recorded and stood in for by a placeholder (`unittest.mock.MagicMock`) so that the import goes on
+    to the next missing one: one run lists them all (each try of a server start costs minutes on a GPU).
+    Any other error is recorded and ends that module's import."""
+    import importlib
+    from unittest import mock
+
+    problems: list[str] = []
+    for name in modules:
+        for _ in range(tries):
+            try:
+                importlib.import_module(name)
+                break
+            except ModuleNotFoundError as e:
+                if not e.name or e.name in sys.modules:
+                    problems.append(f"{name}: ModuleNotFoundError: {e}")
+                    break
+                problems.append(f"missing module {e.name} (importing {name})")
+                sys.modules[e.name] = mock.MagicMock(name=e.name)
+            except Exception as e:  # noqa: BLE001 (any import-time failure is a finding)
+                problems.append(f"{name}: {type(e).__name__}: {e}")
+                break
+    return problems
+
+
 def _generate(url: str, prompts: list[str], max_new: int, policy: str | None, budget: str) -> list[Any]:
     import requests
 
@@ -182,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--model-path", help="the model to serve (required, except with --preflight)")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument(
         "--backends",
@@ -200,8 +243,22 @@ def main(argv: list[str] | None = None) -> int:
         action="store_false",
         help="skip the recall check (the first policy with --kv-recall-tokens 64: no decode-step recall)",
     )
+    ap.add_argument(
+        "--preflight",
+        action="store_true",
+        help="only import what a server imports at start, here, and list every module missing (exit 1 if any)",
+    )
     ap.add_argument("extra", nargs="*", help="more launch_server flags, after --")
     args = ap.parse_args(argv)
+    if args.preflight:
+        problems = preflight()
+        for p in problems:
+            print(f"preflight: {p}", file=sys.stderr)
+        print(f"preflight: {len(PREFLIGHT_MODULES)} modules, {len(problems)} problems", file=sys.stderr)
+        return 1 if problems else 0
+    if not args.model_path:
+        print("gpu_check: --model-path is required", file=sys.stderr)
+        return 2
     from sgl_kvevict.policies import REGISTRY
 
     args.policies = [p for p in args.policies.split(",") if p]

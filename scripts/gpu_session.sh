@@ -6,7 +6,8 @@
 #
 #   bash scripts/gpu_session.sh [--dry-run] [--throughput] [OUT_DIR]     # default OUT_DIR: results/gpu-session
 #
-# Checks (benchmarks/gpu_check.py on SGLang's Triton attention backend with snapkv, `--load-format dummy`,
+# First `gpu_check.py --preflight` (every module a server imports at start that is missing here, listed
+# at once; none started if any). Checks (benchmarks/gpu_check.py on SGLang's Triton attention backend with snapkv, `--load-format dummy`,
 # CUDA graphs and the overlap scheduler on): greedy tokens at budget 100% equal `none`'s; compressing outputs equal
 # with overlap on and off; every slot back after /flush_cache (strict memory checks on); recall at its
 # defaults runs no decode-step recall. --throughput adds benchmarks/replay.py: 64 multi-turn sessions at
@@ -148,6 +149,10 @@ fi
 export HF_HUB_OFFLINE=1 SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY=1
 model="$out/model"
 model_dir "$py" "$model" || exit 2
+# every module missing on this machine at once, before the first of five server starts (a minute each)
+say "preflight: the modules a server imports at start, here (gpu_check.py --preflight)"
+"$py" "$here/benchmarks/gpu_check.py" --preflight 2>&1 | tee -a "$out/session.txt" >&2
+[ "${PIPESTATUS[0]}" = 0 ] || { say "FAIL: preflight (the list above); no server started"; exit 1; }
 # decode graphs up to batch 16 (the check's 16 requests): five server starts must fit in seven minutes
 flags=(--load-format dummy --sampling-backend pytorch --mem-fraction-static 0.85 --cuda-graph-max-bs-decode 16)
 say "checks: gpu_check.py, triton backend, snapkv (none, 3 runs, recall), graphs and overlap on"

@@ -399,19 +399,45 @@ def test_override_window_above_the_capture_buffer_is_refused():
     assert request_override({"kvevict": {"policy": "lagkv"}}, base, settings).policy == "lagkv"
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here: gpu_check.py would run, not refuse")
-def test_gpu_check_refuses_without_cuda(capsys) -> None:
-    """benchmarks/gpu_check.py is for a GPU machine: here it must say so and exit 2, starting nothing."""
+def _gpu_check():
     import importlib.util
 
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
     spec = importlib.util.spec_from_file_location("gpu_check", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here: gpu_check.py would run, not refuse")
+def test_gpu_check_refuses_without_cuda(capsys) -> None:
+    """benchmarks/gpu_check.py is for a GPU machine: here it must say so and exit 2, starting nothing."""
+    mod = _gpu_check()
     assert mod.main(["--model-path", "m"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
     assert mod.main(["--model-path", "m", "--policies", "nope"]) == 2
     assert "valid choices" in capsys.readouterr().err
+
+
+def test_gpu_check_preflight_lists_every_missing_module(monkeypatch, tmp_path: Path) -> None:
+    """`gpu_check.py --preflight` imports what a server imports at start: here every module it names
+    exists in the pinned SGLang and imports; a module that imports two missing ones gets both listed in
+    one run, not only the first (on a GPU each server start that stops at one costs minutes)."""
+    mod = _gpu_check()
+    assert mod.preflight() == []
+    (tmp_path / "kvevict_entry_probe.py").write_text("import kvevict_absent_a\nimport kvevict_absent_b\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("kvevict_entry_probe", "kvevict_absent_a", "kvevict_absent_b"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    try:
+        got = mod.preflight(("kvevict_entry_probe",))
+    finally:  # the placeholders stay out of the other tests' imports
+        for name in ("kvevict_entry_probe", "kvevict_absent_a", "kvevict_absent_b"):
+            sys.modules.pop(name, None)
+    assert [p.split(" (")[0] for p in got] == [
+        "missing module kvevict_absent_a",
+        "missing module kvevict_absent_b",
+    ]
 
 
 def test_cpu_servers_wait_passively_unless_told(monkeypatch) -> None:
@@ -588,14 +614,9 @@ def test_supported_backends_pass_and_none_runs_any(monkeypatch, capsys) -> None:
 def test_gpu_check_covers_every_supported_cuda_backend() -> None:
     """benchmarks/gpu_check.py checks each backend the plugin accepts on CUDA (all but the CPU's
     torch_native), and no other."""
-    import importlib.util
-
     from sgl_kvevict.serve import plugin
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
-    spec = importlib.util.spec_from_file_location("gpu_check", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _gpu_check()
     assert set(mod.BACKENDS) == set(plugin.SUPPORTED_ATTENTION_BACKENDS) - {"torch_native"}
 
 
