@@ -95,12 +95,11 @@ def report(t: dict) -> str:
     lines = [f"## {t['session']}: asked {t['value']!r}, answered {t['answer']!r}", ""]
     lines += [f"value positions {pos[:1] + pos[-1:]} ({len(pos)}), {pairs} (layer, KV head) pairs", ""]
     lines += ["| event | tokens | rows hold | value entries held |", "|---|---|---|---|"]
+    rows = [len(ev["positions"][0][0]) for ev in tl]
     for i, ev in enumerate(tl):
-        n = len(ev["positions"][0][0])
-        lines.append(f"| {i} | {ev['tokens']} | {n} | {held(ev, pos)} of {len(pos) * pairs} |")
+        lines.append(f"| {i} | {ev['tokens']} | {rows[i]} | {held(ev, pos)} of {len(pos) * pairs} |")
     # the turn's append: the first event whose rows grew at the same tokens, short of them all (the prefill
     # over both tiers is an event that sees every position)
-    rows = [len(ev["positions"][0][0]) for ev in tl]
     grow = next(
         (i for i in range(1, len(tl)) if rows[i - 1] < rows[i] < tl[i]["tokens"] == tl[i - 1]["tokens"]), None
     )

@@ -427,12 +427,13 @@ def test_gpu_check_preflight_lists_every_missing_module(monkeypatch, tmp_path: P
     assert mod.preflight() == []
     (tmp_path / "kvevict_entry_probe.py").write_text("import kvevict_absent_a\nimport kvevict_absent_b\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    for name in ("kvevict_entry_probe", "kvevict_absent_a", "kvevict_absent_b"):
+    probes = ("kvevict_entry_probe", "kvevict_absent_a", "kvevict_absent_b")
+    for name in probes:
         monkeypatch.delitem(sys.modules, name, raising=False)
     try:
-        got = mod.preflight(("kvevict_entry_probe",))
+        got = mod.preflight(probes[:1])
     finally:  # the placeholders stay out of the other tests' imports
-        for name in ("kvevict_entry_probe", "kvevict_absent_a", "kvevict_absent_b"):
+        for name in probes:
             sys.modules.pop(name, None)
     assert [p.split(" (")[0] for p in got] == [
         "missing module kvevict_absent_a",
