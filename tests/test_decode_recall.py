@@ -4,6 +4,8 @@ only (what a CUDA graph needs) with no host sync, and a failure inside it puts e
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -42,6 +44,12 @@ def _ready(n_reqs: int, page: int, seed: int = 0, recalls: tuple[int, ...] = (R,
             assert compressor.compress(req, "prefill") > 0
     q = torch.randn(L, n_reqs, H * G, D, generator=torch.Generator().manual_seed(seed + 7)) * 3
     return p, batch.reqs, q
+
+
+def _with_slot_stats(p: Pools) -> None:
+    """A per-slot statistic buffer (`slotstats`), written everywhere, for the recalls to mark stale."""
+    slots = p.kv.get_key_buffer(0).shape[0]
+    p.ctx.slot_stats = SimpleNamespace(buf=torch.ones(L, slots, H))
 
 
 def _bounds(req) -> tuple[int, int, int]:
@@ -86,6 +94,7 @@ def test_a_step_swaps_what_the_per_request_recall_swaps(
     monkeypatch.setattr(st, "DEBUG", debug)
     monkeypatch.setattr(recall_core, "MIN_SCORE", floor)
     ref, reqs_ref, q = _ready(n_reqs, page)
+    _with_slot_stats(ref)
     for i, req in enumerate(reqs_ref):  # one query head per request leans on its branch's last host entry:
         s = st.get(req)  # its page, partial when the count is not a multiple of `page`, ranks first
         assert s.recall.host.count % page or page == 1
@@ -98,6 +107,7 @@ def test_a_step_swaps_what_the_per_request_recall_swaps(
             one.layer(ly, q[ly, i][:, None])
         one.finish()
     p, reqs, _ = _ready(n_reqs, page)
+    _with_slot_stats(p)
     # padded host columns read the scratch column, which is never written before (uninitialised memory,
     # NaN here): the step's padding must keep whatever it holds out of the softmax
     for buf in (p.ctx.host.k, p.ctx.host.v):
@@ -117,6 +127,11 @@ def test_a_step_swaps_what_the_per_request_recall_swaps(
             )
             assert a.trace.timeline[-1] == b.trace.timeline[-1]
     assert not p.ctx.host.in_use  # the step's hold on the branches ends with it
+    # a moved slot's ||v W_O|| statistic is another value's: stale (NaN) in the moved (layer, slot, head)s
+    # only, as the per-request recall marks them
+    stale = p.ctx.stats.isnan()
+    assert torch.equal(stale, ref.ctx.stats.isnan())
+    assert int(stale.sum()) == int(one.moved.sum()) == sum(st.get(r).recall.recalled for r in reqs)
     for i, req in enumerate(reqs):  # no padded host column moved
         moved_cols = one.hidx[:, i][one.moved[:, i]]
         assert int(moved_cols.max()) < st.get(req).recall.host.count

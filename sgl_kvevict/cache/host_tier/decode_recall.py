@@ -17,8 +17,9 @@ A decode step's recall has three parts, and only the middle one runs inside the 
    (`tests/test_decode_recall.py` checks the op sequence). Pairs that do not move name device slot 0
    (SGLang's slot for padded tokens, never read) and the scratch column. Each exchange is recorded on
    the device.
-3. `finish` (the scheduler, after the step): the records become the requests' counters, debug positions
-   and stale page summaries, read once for the whole batch.
+3. `finish` (the scheduler, after the step): the records become the requests' counters, debug positions,
+   stale page summaries and stale per-slot statistics, read once for the whole batch (a compression
+   never runs between a step and its `finish`: `hooks.get_next_batch_to_run` processes the step first).
 
 The ranking is `recall.exchange`'s (the same `recall_core.best_entries`, the same floor) over every host entry of
 the branch; the page summaries that a turn's recall uses to fetch fewer keys are not used here.
@@ -249,7 +250,6 @@ class StepPlan:
         ex = choose(q[: self.batch], keys_row, keys_host, slots, self.bounds, ctx.rt.scale)
         _swap(ctx, layer, ex.dev_slots, ex.host_cols)
         self._record(layer, ex)
-        mark_stale(ctx.stats, layer, ex.dev_slots, ex.moved)
 
     def gather(self, ctx: KvEvictContext, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The rows' slots `[B, W]` and, heads first, their keys `[B, H, W, D]` and the branches' host keys
@@ -364,9 +364,9 @@ def plan(ctx: KvEvictContext, reqs: list[Any]) -> StepPlan | None:
 
 def finish(ctx: KvEvictContext, one: StepPlan) -> int:
     """After the step: the records become each recalling request's counters and the logical positions
-    its row and host entries hold; the branch's page summaries are stale where entries moved. The step's hold
-    on its branches' host entries ends, unless a later step in flight armed the same row. Returns the
-    entries swapped in, over the batch."""
+    its row and host entries hold; the branch's page summaries and the moved slots' statistics are stale.
+    The step's hold on its branches' host entries ends, unless a later step in flight armed the same row.
+    Returns the entries swapped in, over the batch."""
     later = {
         row
         for p in ctx.steps_in_flight
@@ -380,6 +380,7 @@ def finish(ctx: KvEvictContext, one: StepPlan) -> int:
     if one.failed or one.layers_done == 0:
         return 0
     done, pool = one.layers_done, ctx.host
+    mark_stale(ctx.stats, 0, one.dev_slots[:done], one.moved[:done])  # before a compression reads them
     pool.totals.decode_steps += 1
     pool.totals.decode_steps_overlapped += one.overlapped
     counts = one.moved[:done].sum(dim=(0, 2, 3)).tolist()  # the one host read of the step's recall

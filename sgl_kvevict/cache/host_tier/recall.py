@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from sgl_kvevict import kernels as K
-from sgl_kvevict.cache import capture, compressor, context
+from sgl_kvevict.cache import capture, compressor, context, threads
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.host_tier import decode_recall, demote, exact_prefill, host, recall_core
 from sgl_kvevict.cache.host_tier.recall_core import SwapPositions, account, best_entries, mark_stale
@@ -295,8 +295,7 @@ def exchange(
     K.host_swap(*args)
     if log is not None:
         log.append(Swapped(args))
-    for i, li in enumerate(layers):
-        mark_stale(s.ctx.stats, li, dev_slots[i], swap[i])
+    mark_stale(s.ctx.stats, layer, dev_slots, swap)
     return counts
 
 
@@ -821,7 +820,7 @@ def before_attention(layer_mod, q, k, v, forward_batch, *args, **kwargs):
     if not one.failed and one.layers_done == layer:  # each layer once, in order
         try:
             # KVEVICT_DEBUG: count what would make the host wait for a GPU (the tests expect none)
-            with SyncCounter() if st.DEBUG else contextlib.nullcontext() as syncs:
+            with threads.one_thread(), SyncCounter() if st.DEBUG else contextlib.nullcontext() as syncs:
                 one.layer(ctx, layer, q.view(-1, rt.n_q_heads, rt.head_dim))
             if syncs is not None:
                 ctx.host.totals.decode_step_syncs += syncs.total

@@ -88,14 +88,19 @@ def append_order(host_sc: torch.Tensor, page: int, a: int, shared: torch.Tensor 
     return order.topk(a, dim=-1).indices
 
 
-def mark_stale(stats: torch.Tensor | None, layer: int, dev_slots: torch.Tensor, moved: torch.Tensor) -> None:
+def mark_stale(stats: torch.Tensor | None, first: int, dev_slots: torch.Tensor, moved: torch.Tensor) -> None:
     """A recalled slot's ||v W_O|| (`slotstats`, `[layers, slots, KV heads]`) is another value's: NaN
-    (stale) where `moved`. `dev_slots`, `moved`: `[..., KV heads, r]`."""
+    (stale) where `moved`. `dev_slots`, `moved`: `[l, ..., KV heads, r]` for the layers from `first`, all
+    marked by one write (a pair that does not move writes its slot's own value back)."""
     if stats is None:
         return
-    heads = torch.arange(dev_slots.shape[-2], device=dev_slots.device).unsqueeze(-1)
-    old = stats[layer][dev_slots, heads]
-    stats[layer][dev_slots, heads] = torch.where(moved, torch.nan, old)
+    n, h = stats.shape[1], dev_slots.shape[-2]
+    lead = (-1,) + (1,) * (dev_slots.dim() - 1)
+    layers = torch.arange(first, first + dev_slots.shape[0], device=stats.device).view(lead)
+    heads = torch.arange(h, device=stats.device).view(h, 1)
+    idx = ((layers * n + dev_slots.to(stats.device)) * h + heads).flatten()
+    flat = stats.view(-1)
+    flat.index_put_((idx,), torch.where(moved.to(stats.device).flatten(), torch.nan, flat[idx]))
 
 
 class SwapPositions:
