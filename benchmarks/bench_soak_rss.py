@@ -11,7 +11,7 @@ scheduler process's RSS is sampled. Variants:
 - `d2o-malloc`: as `d2o` with glibc's allocator bounded: `MALLOC_ARENA_MAX=2` and a fixed
   `MALLOC_MMAP_THRESHOLD_` (blocks of 1 MiB and up are mmapped and unmapped when freed).
 - `stock-malloc`: as `stock` with the same allocator bound.
-- `d2o-recall`: as `d2o` with the host tier on (`--kv-recall-tokens 64`, a 20,000-column host pool) and
+- `d2o-recall`: as `d2o` with the host tier on (`--kv-recall-tokens 64`, the host pool at its default size) and
   every compressing request in branch scope, so evictions are demoted and later turns recall; after the
   final flush the host tier must be empty (`host_used_after_flush` 0).
 
@@ -43,7 +43,7 @@ from sgl_kvevict.serve.serverproc import Server  # noqa: E402
 
 MALLOC_BOUND = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 POLICY_ARGS = ["--kv-policy", "d2o", "--kv-budget", "256"]
-HOST_ARGS = ["--kv-recall-tokens", "64", "--kv-host-tokens", "20000"]
+HOST_ARGS = ["--kv-recall-tokens", "64"]  # the host tier at its default size
 
 
 class Variant(NamedTuple):
