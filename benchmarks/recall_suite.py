@@ -31,6 +31,9 @@ replay is `benchmarks/replay.py`'s own command (docs/benchmarks.md). Writes `sui
 `suite.md` under `--out`, and one replay folder per run under its family's (`composed/none`, `composed/snapkv-18pct`, ...); `--resume` reads back the
 finished ones instead of running them again, so a cut-off suite continues where it stopped;
 `--report` only reads them back and prints the table (no server; a blank cell where a run is missing).
+A compressed answer can change with how the server scheduled the sessions (docs/benchmarks.md,
+`multikey`), so a design is judged over several schedules: `--report --pool DIR` pools each cell with
+the same run under DIR (say, the suite with `--concurrency 1`): answers summed, F1 over every question.
 """
 
 from __future__ import annotations
@@ -213,12 +216,28 @@ def finished(a: argparse.Namespace, out: Path, spec: str) -> dict[str, Any] | No
     return old["runs"][0]
 
 
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run of the questions of all `runs` (the same spec under several schedules): each run's
+    sessions keep their own names (`0:`, `1:`, ... before them), so the F1 share pairs each question
+    with the full cache's under the same schedule."""
+    turns = [{**t, "session": f"{i}:{t.get('session')}"} for i, r in enumerate(runs) for t in r["turns"]]
+    return {**runs[0], "turns": turns}
+
+
 def run_one(
     a: argparse.Namespace, family: str, url: str | None, out: Path, spec: str, what: str
 ) -> dict[str, Any] | None:
     """One replay of `spec` on `family` into `out`; with `--resume`, a finished one already there is read
-    back instead; with `--report`, only read back (None where there is none)."""
+    back instead; with `--report`, only read back (None where there is none), pooled with the same run
+    under each `--pool` folder (None where one of them lacks it)."""
     old = finished(a, out, spec) if a.resume or a.report else None
+    if a.report and a.pool and old is not None:
+        where = out.relative_to(Path(a.out))
+        others = [finished(a, Path(d) / where, spec) for d in a.pool]
+        if any(o is None for o in others):
+            print(f"[suite] {family}: {what}: not in every --pool folder, left out", file=sys.stderr)
+            return None
+        old = pooled([old, *others])
     if old is not None or a.report:
         print(
             f"[suite] {family}: {what}: {'reusing' if old else 'no finished run in'} {out}", file=sys.stderr
@@ -270,6 +289,14 @@ def parser() -> argparse.ArgumentParser:
         help="run nothing (no server): print the table of the runs already finished under --out, a cell "
         "left blank where its run is missing",
     )
+    p.add_argument(
+        "--pool",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="with --report: pool each cell with the same run under DIR (another schedule or seed of the "
+        "same suite; repeatable): answers summed, F1 over every question",
+    )
     return p
 
 
@@ -282,6 +309,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         p.error(f"unknown family {bad[0]!r}; valid: {', '.join(FAMILIES)}")
     if "locomo" in families and not a.locomo_path and not a.report:
         p.error("family locomo needs --locomo-path (LoCoMo's data/locomo10.json)")
+    if a.pool and not a.report:
+        p.error("--pool pools finished runs: give it with --report")
     fractions = [float(x) for x in a.fractions.split(",")]
     if any(not 0 < f < 1 for f in fractions):
         p.error("--fractions are shares of the context in (0, 1)")
@@ -341,7 +370,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "share": f1_share(full, run) if fam in f1_families else None,
                 }
             rows = row_order(rows, a, fractions)
-            write_table(out, rows, families, f1_families)
+            if not a.pool:  # a pooled table is printed only: `--out`'s own table stays its own
+                write_table(out, rows, families, f1_families)
     print(table(rows, families, f1_families))
     return rows
 

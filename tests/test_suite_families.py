@@ -244,6 +244,40 @@ def test_suite_report_prints_the_finished_runs_and_starts_nothing(tmp_path, monk
     assert "| d2o 25% | 1/1 (1/1), 20% |  |" in out and "multikey" in out
 
 
+def test_suite_report_pools_the_same_run_under_another_schedule(tmp_path, monkeypatch, capsys) -> None:
+    """`--report --pool DIR` sums each cell with the same run under DIR (full cache included); a run
+    missing under DIR leaves its cell blank; `--pool` without `--report` exits 2."""
+    monkeypatch.setattr(recall_suite.replay, "main", lambda cfg: pytest.fail("--report ran a replay"))
+    b = recall_suite.budget_for(0.25, 1000, 64)
+
+    def save(root: Path, folder: str, spec: str, correct: list[bool]) -> None:
+        d = root / "multikey" / folder
+        d.mkdir(parents=True)
+        turns = [
+            {"session": f"s{i}", "expect": "7", "error": None, "correct": c, "f1": None}
+            | {"prompt_tokens": 1000, "kv_tokens": 200, "peak_kv_tokens": None}
+            for i, c in enumerate(correct)
+        ]
+        run = {"turns": turns, "budget": None if spec == "none" else b}
+        d.joinpath("replay.json").write_text(
+            json.dumps({"config": {"policies": [spec], "scenario": {"sessions": 12}}, "runs": [run]})
+        )
+
+    four, one = tmp_path / "four", tmp_path / "one"
+    for root, got in ((four, [True, False]), (one, [True, True])):
+        save(root, "none", "none", [True, True])
+        save(root, "d2o-25pct", f"d2o@branch={b}", got)
+    save(four, "snapkv-25pct", f"snapkv@branch={b}", [True, True])  # not under `one`: left out
+    args = ["--report", "--out", str(four), "--pool", str(one), "--families", "multikey"]
+    rows = recall_suite.main([*args, "--fractions", "0.25", "--policies", "snapkv,d2o", "--no-recall-runs"])
+    assert list(rows) == ["none", "d2o 25%"]
+    assert "| d2o 25% | 3/4 (4/4), 20% |" in capsys.readouterr().out
+    assert not (four / "suite.md").exists()  # printed only: the folder's own table is not rewritten
+    with pytest.raises(SystemExit) as e:
+        recall_suite.main(["--pool", str(one), "--families", "multikey"])
+    assert e.value.code == 2
+
+
 def test_locomo_windows_replay_the_next_stretch_with_its_own_questions(tmp_path: Path) -> None:
     """`windows` 2: the session the first window stopped before starts the second, whose questions are
     those with evidence in it (the session-3 question, not the session-1 one)."""
