@@ -1,4 +1,5 @@
-"""Thread pinning: compression runs with one OpenMP thread on a CPU (`KVEVICT_COMPRESS_THREADS`)."""
+"""Thread pinning: compression and each layer's decode-step recall run with one OpenMP thread on a CPU
+(`KVEVICT_COMPRESS_THREADS`): both are many small tensor ops, which a second thread slows down."""
 
 from __future__ import annotations
 
