@@ -33,7 +33,8 @@ finished ones instead of running them again, so a cut-off suite continues where 
 `--report` only reads them back and prints the table (no server; a blank cell where a run is missing).
 A compressed answer can change with how the server scheduled the sessions (docs/benchmarks.md,
 `multikey`), so a design is judged over several schedules: `--report --pool DIR` pools each cell with
-the same run under DIR (say, the suite with `--concurrency 1`): answers summed, F1 over every question.
+the same run under DIR (say, the suite with `--concurrency 1`; the same policy and fraction, whose budget
+follows that schedule's own context): answers summed, F1 over every question.
 """
 
 from __future__ import annotations
@@ -204,14 +205,17 @@ def run_folder(name: str) -> str:
     return name.replace("%", "pct").replace(" ", "-").replace("#", "-")
 
 
-def finished(a: argparse.Namespace, out: Path, spec: str) -> dict[str, Any] | None:
-    """The finished replay of `spec` in `out` (same spec and sessions, not partial), or None."""
+def finished(a: argparse.Namespace, out: Path, spec: str, any_budget: bool = False) -> dict[str, Any] | None:
+    """The finished replay of `spec` in `out` (same spec and sessions, not partial), or None. With
+    `any_budget`, the same policy and scope at any budget: another schedule of a family whose history
+    holds the model's own replies has another context, so the same fraction is another budget."""
     done = out / "replay.json"
     if not done.exists():
         return None
     old = json.loads(done.read_text())
     cfg = old["config"]
-    if old.get("partial") or cfg["policies"] != [spec] or cfg["scenario"]["sessions"] != a.sessions:
+    same = [spec] if not any_budget else [p for p in cfg["policies"] if p.split("=")[0] == spec.split("=")[0]]
+    if old.get("partial") or cfg["policies"] != same or cfg["scenario"]["sessions"] != a.sessions:
         return None
     return old["runs"][0]
 
@@ -233,7 +237,7 @@ def run_one(
     old = finished(a, out, spec) if a.resume or a.report else None
     if a.report and a.pool and old is not None:
         where = out.relative_to(Path(a.out))
-        others = [finished(a, Path(d) / where, spec) for d in a.pool]
+        others = [finished(a, Path(d) / where, spec, any_budget=True) for d in a.pool]
         if any(o is None for o in others):
             print(f"[suite] {family}: {what}: not in every --pool folder, left out", file=sys.stderr)
             return None

@@ -264,9 +264,9 @@ def test_suite_report_pools_the_same_run_under_another_schedule(tmp_path, monkey
         )
 
     four, one = tmp_path / "four", tmp_path / "one"
-    for root, got in ((four, [True, False]), (one, [True, True])):
-        save(root, "none", "none", [True, True])
-        save(root, "d2o-25pct", f"d2o@branch={b}", got)
+    for root, got, budget in ((four, [True, False], b), (one, [True, True], b + 3)):
+        save(root, "none", "none", [True, True])  # `one`'s context differs a little: so does its budget
+        save(root, "d2o-25pct", f"d2o@branch={budget}", got)
     save(four, "snapkv-25pct", f"snapkv@branch={b}", [True, True])  # not under `one`: left out
     args = ["--report", "--out", str(four), "--pool", str(one), "--families", "multikey"]
     rows = recall_suite.main([*args, "--fractions", "0.25", "--policies", "snapkv,d2o", "--no-recall-runs"])
