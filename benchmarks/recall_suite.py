@@ -214,8 +214,9 @@ def finished(a: argparse.Namespace, out: Path, spec: str, any_budget: bool = Fal
         return None
     old = json.loads(done.read_text())
     cfg = old["config"]
-    same = [spec] if not any_budget else [p for p in cfg["policies"] if p.split("=")[0] == spec.split("=")[0]]
-    if old.get("partial") or cfg["policies"] != same or cfg["scenario"]["sessions"] != a.sessions:
+    ran = [p.split("=")[0] if any_budget else p for p in cfg["policies"]]  # `policy@scope=budget`
+    want = spec.split("=")[0] if any_budget else spec
+    if old.get("partial") or ran != [want] or cfg["scenario"]["sessions"] != a.sessions:
         return None
     return old["runs"][0]
 

@@ -4,12 +4,10 @@ only (what a CUDA graph needs) with no host sync, and a failure inside it puts e
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
-from sgl_kvevict.cache import compressor
+from sgl_kvevict.cache import compressor, slotstats
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.host_tier import decode_recall, demote, host, recall, recall_core
 from sgl_kvevict.config import RecallTuning, ServerSettings
@@ -49,7 +47,7 @@ def _ready(n_reqs: int, page: int, seed: int = 0, recalls: tuple[int, ...] = (R,
 def _with_slot_stats(p: Pools) -> None:
     """A per-slot statistic buffer (`slotstats`), written everywhere, for the recalls to mark stale."""
     slots = p.kv.get_key_buffer(0).shape[0]
-    p.ctx.slot_stats = SimpleNamespace(buf=torch.ones(L, slots, H))
+    p.ctx.slot_stats = slotstats.SlotStats(torch.ones(L, slots, H), [], 0, torch.float32)
 
 
 def _bounds(req) -> tuple[int, int, int]:
