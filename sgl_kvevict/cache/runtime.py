@@ -259,7 +259,7 @@ def attach(cache: Any, ctx: Any) -> Runtime:
             columns = sizing.default_columns(pool, shape, total)
             given = f"default host tier ({columns} columns for a device pool of {pool} tokens)"
         need = sizing.host_bytes(shape, columns)
-        if total is not None and need > total // 2:  # reserved lazily: pages are committed as used
+        if total is not None and need > total // 2:  # committed at start (`host.HostPool`)
             raise RuntimeError(
                 f"sgl-kvevict: {given} needs {need / 2**30:.1f} GiB of host "
                 f"memory, more than half of this machine's {total / 2**30:.1f} GiB: lower it"

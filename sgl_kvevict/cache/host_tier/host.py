@@ -134,9 +134,11 @@ class HostPool:
         # not move name (`decode_recall`); never a branch's
         shape = (layers, columns + 1, heads, dim)
         self.scratch = columns
-        # empty, not zeros: the OS commits pages only when a column is first written
-        self.k = torch.empty(shape, dtype=dtype, pin_memory=pin)
-        self.v = torch.empty(shape, dtype=dtype, pin_memory=pin)
+        # zeros, not empty: every page is committed at start, as SGLang's own KV pool is (and pinned memory
+        # on a GPU always is), so the tier's memory shows at start instead of creeping up over hours as
+        # columns are first written, which an operator cannot tell from a leak
+        self.k = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        self.v = torch.zeros(shape, dtype=dtype, pin_memory=pin)
         self.free_cols = torch.arange(columns - 1, -1, -1, dtype=torch.int64)  # a stack, top at the end
         self.n_free = columns
         self.lru: OrderedDict[int, HostEntries] = OrderedDict()
@@ -326,7 +328,7 @@ def build(
     keeps it (`KvEvictContext.host`)."""
     pool = HostPool(layers, heads, dim, columns, dtype, pin=device.type == "cuda")
     logger.info(
-        "sgl-kvevict: host tier: %d columns x %d layers x %d KV heads x %d (%.1f MiB reserved, committed as used)",
+        "sgl-kvevict: host tier: %d columns x %d layers x %d KV heads x %d (%.1f MiB, committed at start)",
         columns,
         layers,
         heads,
