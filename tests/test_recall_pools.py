@@ -3,6 +3,7 @@ the entries a torch reference picks, keeping device + host = the region's origin
 
 from __future__ import annotations
 
+import os
 from array import array
 from math import inf
 
@@ -278,6 +279,23 @@ def test_demote_then_recall_keeps_every_entry(
     assert s.recall.recalled == swapped and s.recall.bytes_moved == swapped * 2 * D * 4 * 2
     s.recall.drop_host(s.ctx.host)
     assert p.ctx.host.n_free == p.ctx.host.size
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+def test_the_host_pool_is_resident_once_built():
+    """The tier's memory is committed when the pool is built (as SGLang's own KV pool is), not as columns
+    are first written: an operator watching RSS sees its size at start, not a slow climb that looks like a
+    leak. With `torch.empty` the pages would stay uncommitted and RSS would barely move here."""
+    before = _rss_bytes()
+    pool = host.HostPool(4, 2, 64, 64_000, torch.bfloat16)  # 2 x 4 x 64,001 x 2 x 64 x 2 bytes: 125 MiB
+    grown = _rss_bytes() - before
+    want = pool.k.nbytes + pool.v.nbytes
+    assert grown >= 0.9 * want, (grown, want)
 
 
 def test_host_pool_lru_takes_what_it_needs_from_the_least_recently_used():
