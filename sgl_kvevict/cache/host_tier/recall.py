@@ -28,10 +28,11 @@ kept ones, and whose page a query gives at least `recall_core.MIN_SCORE` of its 
 with them in the request's own slots (`kernels.host_swap`). The floor keeps weak evidence from moving
 entries back and forth (without it a turn moved 3-5x the bytes and answered no better). The displaced
 entries go to the host in exchange, so the row keeps its length and the request's offset does not
-change. A decode-time recall moves at most one page per step since the last recall. Sinks and the uncompressed
-tail (the recent window, where the queries sit) are never displaced. Shared slots are never written
-(invariant 1): recall runs only when the compacted history is the request's own (after a prefill
-compression it always is; otherwise `compressor.own_region` copies it out of the tree first).
+change. A decode-time recall moves at most `recall_core.PAGES_PER_STEP` pages per step since the last
+recall. Sinks and the uncompressed tail (the recent window, where the queries sit) are never displaced.
+Shared slots are never written (invariant 1): recall runs only when the compacted history is the
+request's own (after a prefill compression it always is; otherwise `compressor.own_region` copies it
+out of the tree first).
 
 *Append* (`append`): once a turn's prefill compression committed, before its first
 decode step, the turn's window queries bring `a` <= R host entries per layer and KV head into
@@ -77,7 +78,7 @@ FETCH_PAGES = 64
 # A request that borrowed its stored history (no room for a copy) keeps, from the append on, a copy of
 # its best `EXCERPT * R` entries per layer and KV head beyond those appended (R: its recall tokens), by
 # the append's ranking: its decode steps recall from them and from what it demotes itself. An answer
-# that recalls a page every step recalls 4R entries in 4R / page steps.
+# that recalls two pages every step recalls 4R entries in 2R / page steps.
 EXCERPT = 4
 
 
@@ -153,8 +154,8 @@ def recall(req: Any, s: st.ReqState) -> int:
     fresh, s.recall.steps = s.recall.steps, 0
     w = min(capture.count(s.ctx, kv.req_pool_idx, length), kv_len - hi, fresh or own(s, length))
     r = min(s.recall.tokens, hi - lo, s.recall.host.count)
-    if fresh:  # during decode: at most one page per step since the last recall (bounds a step's bytes)
-        r = min(r, fresh * s.ctx.settings.recall.page)
+    if fresh:  # during decode: a step's bytes are bounded
+        r = min(r, recall_core.step_swaps(fresh, s.ctx.settings.recall.page))
     if r <= 0 or w <= 0:
         s.recall.skipped += 1
         return 0
@@ -689,8 +690,8 @@ def arm(req: Any, s: st.ReqState, decode: bool = False) -> bool:
     A prefill chunk (`decode` False) attends over both tiers (`exact_prefill`), once the turn has its
     slots: its compacted history still sits in the tree node it matched (shared), so it is copied into
     slots the request owns first (`compressor.own_region`, up to the new tokens). A decode step's query
-    recalls for the token it is about to write, at most one page per step since the last recall, in
-    fixed shapes for the whole batch (`decode_recall`).
+    recalls for the token it is about to write, at most `recall_core.PAGES_PER_STEP` pages per step
+    since the last recall, in fixed shapes for the whole batch (`decode_recall`).
     A failure here turns recall off for the request (logged, counted); nothing else changes."""
     row = req.kv.req_pool_idx
     disarm(s.ctx, row)
@@ -727,7 +728,12 @@ def _plan_arm(req: Any, s: st.ReqState, decode: bool) -> bool:
         return False  # the history is not the request's own yet (`recall` copies it)
     lo, hi = _displaceable(s)
     fresh, s.recall.steps = max(1, s.recall.steps), 0
-    r = min(s.recall.tokens, hi - lo, s.recall.host.count, fresh * s.ctx.settings.recall.page)
+    r = min(
+        s.recall.tokens,
+        hi - lo,
+        s.recall.host.count,
+        recall_core.step_swaps(fresh, s.ctx.settings.recall.page),
+    )
     if r > 0:
         decode_recall.arm(req, s, lo, hi, r)
     return r > 0

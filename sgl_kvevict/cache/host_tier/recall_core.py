@@ -17,6 +17,16 @@ if TYPE_CHECKING:
 # A host page comes back only where a query gives its best entry at least this much attention: weaker
 # evidence swapped entries back and forth (3-5x the bytes moved) and answered no better (measured).
 MIN_SCORE = 0.05
+# A decode-time recall moves at most this many pages per layer and KV head for each step since the last
+# recall (so a step's bytes stay bounded). On the recall suite's `multikey` at 12%, over both schedules
+# (24 sessions; the full cache 22), one page answered 16-20 per policy, knorm the worst; two pages 19-22;
+# four pages lost h2o and d2o answers one session at a time (9 against 10 with two).
+PAGES_PER_STEP = 2
+
+
+def step_swaps(steps: int, page: int) -> int:
+    """The most entries a decode-time recall moves per layer and KV head after `steps` decode steps."""
+    return steps * PAGES_PER_STEP * page
 
 
 def best_entries(sc: torch.Tensor, page: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
