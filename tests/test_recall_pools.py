@@ -257,15 +257,8 @@ def test_demote_then_recall_keeps_every_entry(
     assert s.recall.host.count == freed and p.ctx.host.n_free == before_free - freed
     ks, vs = _held(p, req, s)
     assert torch.allclose(_tags(ks, vs, probe), want, atol=1e-4)  # nothing lost: device + host = the region
-    expect = _reference_swaps(
-        p,
-        req,
-        s,
-        page,
-        fresh or W,
-        cap=fresh * recall_core.PAGES_PER_STEP * page if fresh else R,
-        floor=floor,
-    )
+    cap = recall_core.step_swaps(fresh, page) if fresh else R
+    expect = _reference_swaps(p, req, s, page, fresh or W, cap=cap, floor=floor)
     if floor:  # the floor is what holds some back: without it, more would come
         unfloored = _reference_swaps(p, req, s, page, fresh or W, cap=R)
         assert sum(len(x) for per in expect for x in per) < sum(len(x) for per in unfloored for x in per)
@@ -501,7 +494,7 @@ def test_paged_recall_swaps_what_the_reference_picks(
     page is partial). `fetch`: the least pages fetched (`recall.FETCH_PAGES`)."""
     p = pools
     req, s, probe, want = _compressed(p, monkeypatch, _tuning(monkeypatch, page=page, fetch_pages=fetch))
-    cap = fresh * recall_core.PAGES_PER_STEP * page if fresh else R
+    cap = recall_core.step_swaps(fresh, page) if fresh else R
     sums, n_sel = recall._paged(s.ctx, s.recall.host, min(R, cap))
     assert sums is not None and n_sel < -(-s.recall.host.count // page)  # fewer pages fetched than held
     assert n_sel == max(-(-recall.FETCH * min(R, cap) // page), fetch)
