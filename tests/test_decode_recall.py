@@ -54,7 +54,7 @@ def _bounds(req) -> tuple[int, int, int]:
     """`(lo, hi, r)` of a decode step's recall, as `recall.arm` computes them (one step since the last)."""
     s = st.get(req)
     lo, hi = recall._displaceable(s)
-    return lo, hi, min(s.recall.tokens, hi - lo, s.recall.host.count, s.ctx.settings.recall.page)
+    return lo, hi, recall.swaps(s, lo, hi, 1)
 
 
 def _held(p: Pools, reqs) -> list[torch.Tensor]:

@@ -153,9 +153,7 @@ def recall(req: Any, s: st.ReqState) -> int:
     # the steps since the last recall only (the answer forming now, not the prompt the start already used)
     fresh, s.recall.steps = s.recall.steps, 0
     w = min(capture.count(s.ctx, kv.req_pool_idx, length), kv_len - hi, fresh or own(s, length))
-    r = min(s.recall.tokens, hi - lo, s.recall.host.count)
-    if fresh:  # during decode: a step's bytes are bounded
-        r = min(r, recall_core.step_swaps(fresh, s.ctx.settings.recall.page))
+    r = swaps(s, lo, hi, fresh)
     if r <= 0 or w <= 0:
         s.recall.skipped += 1
         return 0
@@ -248,6 +246,14 @@ def _paged_room(s: st.ReqState, a: int) -> tuple[int, tuple[host.PageSummaries |
         if room == a or room <= 0:
             return room, paged
         a = room
+
+
+def swaps(s: st.ReqState, lo: int, hi: int, steps: int) -> int:
+    """The most entries per layer and KV head a recall may move into rows `[lo, hi)`: at most the
+    request's recall tokens and the branch's host entries, and during decode (`steps` > 0 decode steps
+    since the last recall) at most `recall_core.step_swaps` (a step's bytes stay bounded)."""
+    r = min(s.recall.tokens, hi - lo, s.recall.host.count)
+    return min(r, recall_core.step_swaps(steps, s.ctx.settings.recall.page)) if steps else r
 
 
 def _displaceable(s: st.ReqState) -> tuple[int, int]:
@@ -728,12 +734,7 @@ def _plan_arm(req: Any, s: st.ReqState, decode: bool) -> bool:
         return False  # the history is not the request's own yet (`recall` copies it)
     lo, hi = _displaceable(s)
     fresh, s.recall.steps = max(1, s.recall.steps), 0
-    r = min(
-        s.recall.tokens,
-        hi - lo,
-        s.recall.host.count,
-        recall_core.step_swaps(fresh, s.ctx.settings.recall.page),
-    )
+    r = swaps(s, lo, hi, fresh)
     if r > 0:
         decode_recall.arm(req, s, lo, hi, r)
     return r > 0
