@@ -46,8 +46,12 @@ API (implemented in the modules below; this list is the contract the policies an
     dev_slots, host_cols: [L, Hkv, r]; host_k/v: [L, cols, Hkv, D]. Exchanges dev[l][slot, h] with
     host[l, col, h] for K and V; with counts ([L, Hkv]) only each head's first counts[l, h] pairs.
     `host_fetch`: the same ids, host to device only.
+- recall_layer_cpu(q, k_dev, v_dev, k_host, v_host, ...) -> None   (in place; CPU, bf16, numba)
+    A decode step's recall at one layer, decided and exchanged in one compiled loop: the CPU form of
+    `cache/host_tier/decode_recall.choose` followed by `host_swap` (its reference; there is no Triton
+    form: on a GPU the torch form is what a CUDA graph captures). `recall_layer_cpu_supports(k_dev)`.
 
-Every op also exists as `<op>_ref` (torch, fp32 accumulation, bf16 or fp32 buffers) and `<op>_triton`.
+Every op except `recall_layer_cpu` also exists as `<op>_ref` (torch, fp32 accumulation, bf16 or fp32 buffers) and `<op>_triton`.
 The re-exported functions shadow their modules' names here: reach a module (e.g. to tune a chunk size)
 with `importlib.import_module("sgl_kvevict.kernels.vo_norms")`.
 """
@@ -78,10 +82,16 @@ from .page_scores import (
     refresh_pages,
     select_pages,
 )
+from .recall_layer_cpu import recall_layer_cpu
+from .recall_layer_cpu import supports as recall_layer_cpu_supports
+from .recall_layer_cpu import warm as recall_layer_cpu_warm
 from .vo_norms import vo_norms, vo_norms_ref, vo_norms_rows, vo_norms_triton
 from .window_attention import window_attention, window_attention_ref, window_attention_triton
 
 __all__ = [
+    "recall_layer_cpu",
+    "recall_layer_cpu_supports",
+    "recall_layer_cpu_warm",
     "compact",
     "compact_ref",
     "compact_triton",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sgl_kvevict import kernels
 from sgl_kvevict.cache import compressor, slotstats
 from sgl_kvevict.cache import state as st
 from sgl_kvevict.cache.host_tier import decode_recall, demote, host, recall, recall_core
@@ -24,15 +25,20 @@ def _exact(monkeypatch) -> None:
     monkeypatch.setattr(recall_core, "MIN_SCORE", 0.0)
 
 
-def _ready(n_reqs: int, page: int, seed: int = 0, recalls: tuple[int, ...] = (R, 3)):
+def _ready(
+    n_reqs: int,
+    page: int,
+    seed: int = 0,
+    recalls: tuple[int, ...] = (R, 3),
+    dtype: torch.dtype = torch.float32,
+):
     """`n_reqs` requests, each compressed once (its evictions demoted to the host), and per layer a
-    decode step's queries `[B, Hq, D]`."""
-    p = Pools(
-        layers=L, kv_heads=H, group=G, head_dim=D, max_reqs=4, max_len=256, dtype=torch.float32, seed=seed
-    )
+    decode step's queries `[B, Hq, D]`. fp32 pools take the torch form of a layer; bf16 pools on a CPU
+    take `kernels.recall_layer_cpu`."""
+    p = Pools(layers=L, kv_heads=H, group=G, head_dim=D, max_reqs=4, max_len=256, dtype=dtype, seed=seed)
     p.ctx.settings = ServerSettings(recall_tokens=R, recall=RecallTuning(page=page, every=1))
     batch = p.batch(n_reqs, N, "snapkv", 48, {"window": W})
-    demote.attach(p.ctx, host.HostPool(L, H, D, 1024, torch.float32))
+    demote.attach(p.ctx, host.HostPool(L, H, D, 1024, dtype))
     with compressor.one_thread():
         for req, r in zip(batch.reqs, recalls, strict=False):
             s = st.get(req)
@@ -135,6 +141,42 @@ def test_a_step_swaps_what_the_per_request_recall_swaps(
         assert int(moved_cols.max()) < st.get(req).recall.host.count
     if n_reqs == 2:  # the second request's r = 3 bounded its swaps per layer and head
         assert int(one.moved[:, 1].sum(-1).max()) <= 3
+
+
+@pytest.mark.skipif(
+    not kernels.recall_layer_cpu_supports(torch.zeros(1, dtype=torch.bfloat16)), reason="no numba"
+)
+@pytest.mark.parametrize(("n_reqs", "page", "floor"), [(1, 1, 0.0), (2, 3, 0.0), (2, 8, 0.05), (1, 5, 0.0)])
+def test_the_cpu_kernel_decides_and_exchanges_as_the_torch_form(
+    n_reqs: int, page: int, floor: float, monkeypatch
+):
+    """Two identical bf16 pool sets, one decode step each: the torch form (`choose`, `host_swap`) on one,
+    `kernels.recall_layer_cpu` on the other. The records (where a pair moved: which entries; everywhere:
+    the slots and columns exchanged, 0 and the scratch column elsewhere), the rows, the host columns and
+    the counters end equal, and entries did move."""
+    monkeypatch.setattr(recall_core, "MIN_SCORE", floor)
+    runs = []
+    for kernel in ("torch", ""):
+        monkeypatch.setenv("KVEVICT_RECALL_KERNEL", kernel)
+        p, reqs, q = _ready(n_reqs, page, dtype=torch.bfloat16)
+        assert decode_recall.fused_on_cpu(p.kv.get_key_buffer(0)) == (kernel == "")
+        for i, req in enumerate(reqs):  # a query head leans on the branch's last host entry, as above
+            q[0, i, 0] = p.ctx.host.k[0][st.get(req).recall.host.cols[-1], 0].float() * 4
+        for buf in (p.ctx.host.k, p.ctx.host.v):  # padding reads the scratch column: NaN stays out
+            buf[:, p.ctx.host.scratch] = float("nan")
+        one = _step(p, reqs, q)
+        records = [x.clone() for x in (one.pos, one.hidx, one.dev_slots, one.host_cols, one.moved)]
+        n = decode_recall.finish(p.ctx, one)
+        runs.append((records, n, _held(p, reqs), [st.get(r).recall.bytes_moved for r in reqs]))
+    (ref, n_ref, held_ref, bytes_ref), (got, n_got, held_got, bytes_got) = runs
+    moved = ref[4]
+    assert torch.equal(moved, got[4]) and n_ref == n_got == int(moved.sum()) > 0
+    for a, b in zip(ref[:2], got[:2], strict=True):
+        assert torch.equal(a[moved], b[moved])
+    for a, b in zip(ref[2:4], got[2:4], strict=True):
+        assert torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(held_ref, held_got, strict=True))
+    assert bytes_ref == bytes_got
 
 
 class _Ops(torch.utils._python_dispatch.TorchDispatchMode):

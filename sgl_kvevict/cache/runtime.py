@@ -243,8 +243,9 @@ def attach(cache: Any, ctx: Any) -> Runtime:
     )
     cfg, settings = kv.server, kv.settings
     if settings.recall_tokens > 0 and cfg.active:
+        from sgl_kvevict import kernels as K
         from sgl_kvevict import sizing
-        from sgl_kvevict.cache.host_tier import demote, host
+        from sgl_kvevict.cache.host_tier import decode_recall, demote, host
 
         k0 = rt.k_buffer(0)
         shape = sizing.Shape("", rt.n_layers, rt.n_q_heads, rt.n_kv_heads, rt.head_dim, k0.element_size())
@@ -265,6 +266,8 @@ def attach(cache: Any, ctx: Any) -> Runtime:
                 f"memory, more than half of this machine's {total / 2**30:.1f} GiB: lower it"
             )
         demote.attach(kv, host.build(rt.n_layers, rt.n_kv_heads, rt.head_dim, columns, k0.dtype, k0.device))
+        if decode_recall.fused_on_cpu(k0):
+            K.recall_layer_cpu_warm(rt.n_kv_heads, rt.n_q_heads // rt.n_kv_heads, rt.head_dim)
         logger.info(
             "sgl-kvevict: %s: host tier %.1f MiB; on %s: page summaries up to %.1f MiB (page %d), "
             "capture buffer %.1f MiB",

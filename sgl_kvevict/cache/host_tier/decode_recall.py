@@ -31,6 +31,7 @@ read graph-safe too). Both are written against the interfaces and not exercised 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -246,10 +247,27 @@ class StepPlan:
     def layer(self, ctx: KvEvictContext, layer: int, q: torch.Tensor) -> None:
         """Score and exchange at `layer`, in every KV head, with the step's queries `q` `[B, Hq, D]`;
         fixed shapes only."""
+        k_dev = ctx.rt.k_buffer(layer)
+        if fused_on_cpu(k_dev):
+            self._fused(ctx, layer, q, k_dev)
+            return
         slots, keys_row, keys_host = self.gather(ctx, layer)
         ex = choose(q[: self.batch], keys_row, keys_host, slots, self.bounds, ctx.rt.scale)
         _swap(ctx, layer, ex.dev_slots, ex.host_cols)
         self._record(layer, ex)
+
+    def _fused(self, ctx: KvEvictContext, layer: int, q: torch.Tensor, k_dev: torch.Tensor) -> None:
+        """`layer` on a CPU: the same decisions and exchange in one compiled loop
+        (`kernels.recall_layer_cpu`), written straight into the step's records."""
+        slots, row_ids = self.row(ctx)
+        b, buf = self.bounds, self.buf
+        K.recall_layer_cpu(
+            q[: self.batch], k_dev, ctx.rt.v_buffer(layer), ctx.host.k[layer], ctx.host.v[layer],
+            row_ids, b.host_ids, b.pad, b.not_host, b.fixed, buf.r, b.page, b.swaps, b.min_score,
+            ctx.rt.scale, slots, b.cols, b.scratch,
+            (buf.pos[layer], buf.hidx[layer], buf.dev_slots[layer], buf.host_cols[layer], buf.moved[layer]),
+        )  # fmt: skip
+        self.layers_done = layer + 1
 
     def gather(self, ctx: KvEvictContext, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The rows' slots `[B, W]` and, heads first, their keys `[B, H, W, D]` and the branches' host keys
@@ -292,6 +310,12 @@ class StepPlan:
             _swap(ctx, layer, self.dev_slots[layer, i : i + 1], self.host_cols[layer, i : i + 1])
         self.moved[:, i].zero_()
         self.arms[i] = None
+
+
+def fused_on_cpu(k_dev: torch.Tensor) -> bool:
+    """Whether a layer runs `kernels.recall_layer_cpu` (a bf16 pool on a CPU, numba present) rather than
+    `choose` and `_swap`; `KVEVICT_RECALL_KERNEL=torch` keeps the torch form (to compare the two)."""
+    return os.environ.get("KVEVICT_RECALL_KERNEL", "") != "torch" and K.recall_layer_cpu_supports(k_dev)
 
 
 def _swap(ctx: KvEvictContext, layer: int, dev_slots: torch.Tensor, host_cols: torch.Tensor) -> None:
