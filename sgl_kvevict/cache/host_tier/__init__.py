@@ -14,7 +14,7 @@ server recalls. Each module holds one part of the route:
   layer and KV head, into fresh slots after its compression), the
   exchange a recall outside a forward runs, and the scheduler and forward hooks of a decode step's recall;
 - `decode_recall.py`: a decode step's recall for the whole batch in fixed shapes, inside the forward,
-  in every layer and KV head;
+  in every layer and KV head (on a CPU each layer in one compiled loop, `kernels/recall_layer_cpu.py`);
 - `recall_core.py`: how host entries rank (by their page's best score; the append's positions over every
   layer and KV head first), the score floor, the counters.
 """

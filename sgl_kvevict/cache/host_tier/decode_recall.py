@@ -21,6 +21,10 @@ A decode step's recall has three parts, and only the middle one runs inside the 
    stale page summaries and stale per-slot statistics, read once for the whole batch (a compression
    never runs between a step and its `finish`: `hooks.get_next_batch_to_run` processes the step first).
 
+On a CPU with bf16 pools, `StepPlan.layer` runs `kernels.recall_layer_cpu` instead: the same decisions and
+exchange in one compiled loop (at batch 1 the ~100 small ops of this torch form cost more than their
+arithmetic), tested equal to `choose` and `host_swap`.
+
 The ranking is `recall.exchange`'s (the same `recall_core.best_entries`, the same floor) over every host entry of
 the branch; the page summaries that a turn's recall uses to fetch fewer keys are not used here.
 On a GPU a graph would be captured per (B, W, C, R) bucket (`bucket`), as SGLang captures one per batch size; the
