@@ -87,6 +87,26 @@ def _exp_sum(x, m, frac, bits):  # sum(exp(x - m)): 2^k * 2^f, |f| <= 1/2, f by 
 
 
 @_jit()
+def _check_ids(dev_rows, host_rows, heads, row_ids, host_ids, pad, fixed, slots, cols, c):
+    """Every index the layer reads or writes is in its pool, checked before anything moves: the loop
+    itself does not check bounds, and a bad index must fail the step (which is undone), not the server."""
+    for b in range(row_ids.shape[0]):
+        for j in range(pad.shape[1]):
+            if pad[b, j]:
+                continue
+            for h in range(heads):
+                rid = host_ids[b, h, j] if j < c else row_ids[b, h, j - c]
+                if rid < 0 or rid >= (host_rows if j < c else dev_rows):
+                    raise IndexError("recall_layer_cpu: a key index outside its pool")
+        for j in range(c):
+            if cols[b, j] < 0 or cols[b, j] * heads >= host_rows:
+                raise IndexError("recall_layer_cpu: a host column outside the host store")
+        for j in range(fixed.shape[1]):
+            if not fixed[b, j] and (slots[b, j] < 0 or slots[b, j] * heads >= dev_rows):
+                raise IndexError("recall_layer_cpu: a device slot outside the pool")
+
+
+@_jit()
 def _recall_layer(
     q, k_dev, v_dev, k_host, v_host, row_ids, host_ids, pad, not_host, fixed, r_rows, page, swaps,
     min_score, scale, slots, cols, scratch, pos_o, hidx_o, dslot_o, hcol_o, moved_o,
@@ -108,6 +128,7 @@ def _recall_layer(
     host_s, host_i = np.empty(r, np.float32), np.empty(r, np.int64)  # the best host entries
     tail = np.empty(r, np.int64)  # chosen pages' entries scored -inf, ranked last
     row_s, row_i = np.empty(r, np.float32), np.empty(r, np.int64)  # the lowest row entries
+    _check_ids(k_dev.shape[0], k_host.shape[0], heads, row_ids, host_ids, pad, fixed, slots, cols, c)
     for b in range(batch):
         for h in range(heads):
             for j in range(n):  # the keys, bf16 bits to fp32

@@ -216,12 +216,17 @@ def test_the_op_sequence_follows_the_shapes_not_the_data():
     assert ops_a == ops_b
 
 
-def test_a_failure_inside_the_step_puts_everything_back(monkeypatch):
+@pytest.mark.parametrize(
+    ("dtype", "fault"), [(torch.float32, "swap"), (torch.float32, "index"), (torch.bfloat16, "index")]
+)
+def test_a_failure_inside_the_step_puts_everything_back(dtype: torch.dtype, fault: str, monkeypatch):
     """An exception at the last layer (after the first layers swapped): `decode_recall.fail` swaps those
     back, so rows and host columns hold what they held, and counts the failure once; the step's requests
     keep recall but run it alone from then on (`recall.safe_recall`, after their compressions), where a
-    failure is one request's own. Nothing is counted as recalled by the failed step."""
-    p, reqs, q = _ready(2, 2)
+    failure is one request's own. Nothing is counted as recalled by the failed step. The fault: the
+    exchange raising, or an index outside the host store (on bf16 pools, in the CPU kernel, which checks
+    every index before it moves anything)."""
+    p, reqs, q = _ready(2, 2, dtype=dtype)
     before = [x.clone() for x in _held(p, reqs)]
     for req in reqs:
         decode_recall.arm(req, st.get(req), *_bounds(req))
@@ -229,10 +234,13 @@ def test_a_failure_inside_the_step_puts_everything_back(monkeypatch):
     for ly in range(L - 1):
         one.layer(p.ctx, ly, q[ly])
     assert one.moved[: L - 1].any()
-    monkeypatch.setattr(
-        decode_recall.K, "host_swap", lambda *a: (_ for _ in ()).throw(RuntimeError("injected"))
-    )
-    with pytest.raises(RuntimeError):
+    if fault == "swap":
+        monkeypatch.setattr(
+            decode_recall.K, "host_swap", lambda *a: (_ for _ in ()).throw(RuntimeError("injected"))
+        )
+    else:  # a host index outside the store: the torch gather and the CPU kernel both refuse it
+        one.buf.host_ids[1, 0, 0] = p.ctx.host.k.shape[1] * H
+    with pytest.raises((RuntimeError, IndexError)):
         one.layer(p.ctx, L - 1, q[L - 1])
     monkeypatch.undo()
     decode_recall.fail(p.ctx, one)
