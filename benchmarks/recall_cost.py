@@ -12,7 +12,9 @@ evicted E entries per layer and head are demoted to the host tier), then
   into appended slots, picked among the pages their key summaries rank best;
 - `--steps` decode steps recall, one query each (at most two pages per step): the scheduler's plan
   (`recall.plan_step`), the fixed-shape exchange at every layer, the records read back
-  (`recall.finish_step`). A decode step scores every host key of the branch.
+  (`recall.finish_step`). A decode step scores every host key of the branch. On a CPU each layer is one
+  compiled loop (`kernels/recall_layer_cpu.py`); `--steps` more steps time the torch form of a layer
+  beside it (`KVEVICT_RECALL_KERNEL=torch`, the form a CUDA graph captures).
 The score floor is 0 unless `--min-score` says otherwise (the most a recall moves; the random queries here
 are no evidence for the floor). Printed per host size: seconds per prefill over both tiers (all layers)
 and the host bytes it reads, then per append and per decode step (all layers) the entries recalled, the
@@ -36,7 +38,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sgl_kvevict.cache import capture, compressor, threads  # noqa: E402
 from sgl_kvevict.cache import state as st  # noqa: E402
-from sgl_kvevict.cache.host_tier import demote, exact_prefill, host, recall, recall_core  # noqa: E402
+from sgl_kvevict.cache.host_tier import (  # noqa: E402
+    decode_recall,
+    demote,
+    exact_prefill,
+    host,
+    recall,
+    recall_core,
+)
 from sgl_kvevict.config import SETTINGS_ENV_VAR, RecallTuning, ServerSettings  # noqa: E402
 from sgl_kvevict.tools.pools import Pools  # noqa: E402
 
@@ -106,19 +115,26 @@ def measure(e: int, budget: int, r: int, new_tokens: int, steps: int) -> dict:
     append_s = time.perf_counter() - t0
     append = (s.recall.recalled - in0, s.recall.bytes_moved - moved0, p.ctx.host.totals.keys_read - read0)
     step_s, step_in, step_bytes, step_read = [], [], [], []
-    for _ in range(steps):
-        moved0, in0, read0 = s.recall.bytes_moved, s.recall.recalled, p.ctx.host.totals.keys_read
-        recall.after_compress(req, decode=True)  # due every step: armed for this step's forward
-        t0 = time.perf_counter()
-        recall.plan_step(p.ctx, [req])  # the scheduler's part before the forward
-        if p.ctx.step_plan is None:
-            break
-        run_layers(p, forward_batch(p, True, 1), 1)
-        recall.finish_step(p.ctx)  # and after it
-        step_s.append(time.perf_counter() - t0)
-        step_in.append(s.recall.recalled - in0)
-        step_bytes.append(s.recall.bytes_moved - moved0)
-        step_read.append(p.ctx.host.totals.keys_read - read0)
+    torch_s: list[float] = []  # the same steps with the torch form of a layer (KVEVICT_RECALL_KERNEL=torch)
+    for form in ("", "torch") if decode_recall.fused_on_cpu(p.kv.get_key_buffer(0)) else ("",):
+        os.environ["KVEVICT_RECALL_KERNEL"] = form
+        for _ in range(steps):
+            moved0, in0, read0 = s.recall.bytes_moved, s.recall.recalled, p.ctx.host.totals.keys_read
+            recall.after_compress(req, decode=True)  # due every step: armed for this step's forward
+            t0 = time.perf_counter()
+            recall.plan_step(p.ctx, [req])  # the scheduler's part before the forward
+            if p.ctx.step_plan is None:
+                break
+            run_layers(p, forward_batch(p, True, 1), 1)
+            recall.finish_step(p.ctx)  # and after it
+            if form:
+                torch_s.append(time.perf_counter() - t0)
+                continue
+            step_s.append(time.perf_counter() - t0)
+            step_in.append(s.recall.recalled - in0)
+            step_bytes.append(s.recall.bytes_moved - moved0)
+            step_read.append(p.ctx.host.totals.keys_read - read0)
+    os.environ.pop("KVEVICT_RECALL_KERNEL", None)
     s.recall.drop_host(s.ctx.host)
     p.ctx.decode_armed.clear()
     return {
@@ -130,6 +146,7 @@ def measure(e: int, budget: int, r: int, new_tokens: int, steps: int) -> dict:
         "append_bytes": append[1],
         "append_read": append[2],
         "step_s": statistics.median(step_s) if step_s else float("nan"),
+        "torch_s": statistics.median(torch_s) if torch_s else float("nan"),
         "step_in": statistics.mean(step_in) if step_in else 0,
         "step_bytes": statistics.mean(step_bytes) if step_bytes else 0,
         "step_read": statistics.mean(step_read) if step_read else 0,
@@ -154,10 +171,10 @@ def main() -> None:
     print(
         "| host entries per layer and head | prefill over both tiers s (all layers) | host bytes read "
         "| append s | entries appended | bytes moved | host keys read "
-        "| decode step recall s (median, all layers) | entries in per step | bytes moved per "
-        "step | host keys read per step |"
+        "| decode step recall s (median, all layers) | the same, torch form | entries in per step "
+        "| bytes moved per step | host keys read per step |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     tuning = RecallTuning(page=args.page, every=1)
     os.environ[SETTINGS_ENV_VAR] = ServerSettings(recall_tokens=args.recall, recall=tuning).to_env()
     for e in (int(x) for x in args.host.split(",")):
@@ -166,7 +183,7 @@ def main() -> None:
         print(
             f"| {m['host']:,} | {m['prefill_s']:.3f} | {m['prefill_read'] / 1e6:.2f} MB "
             f"| {m['append_s']:.3f} | {m['append_in']:,} | {m['append_bytes'] / 1e6:.2f} MB "
-            f"| {m['append_read'] / 1e6:.2f} MB | {m['step_s']:.4f} "
+            f"| {m['append_read'] / 1e6:.2f} MB | {m['step_s']:.4f} | {m['torch_s']:.4f} "
             f"| {m['step_in']:.0f} | {m['step_bytes'] / 1e3:.1f} KB | {m['step_read'] / 1e3:.1f} KB |",
             flush=True,
         )
