@@ -36,10 +36,6 @@ except ImportError:  # a GPU machine needs no CPU kernel
 _FAST = {"reassoc", "contract"}  # reorder sums (vectorised); never assume away inf or NaN
 
 
-def available() -> bool:
-    return numba is not None
-
-
 def _jit(fastmath: bool = False):
     def wrap(fn):
         if numba is None:
@@ -87,6 +83,18 @@ def _exp_sum(x, m, frac, bits):  # sum(exp(x - m)): 2^k * 2^f, |f| <= 1/2, f by 
 
 
 @_jit()
+def _insert(vals, ids, held, cap, v, i):  # keep the `cap` largest, descending, earlier first on ties
+    if held == cap and not v > vals[cap - 1]:
+        return held
+    t = held if held < cap else cap - 1
+    while t > 0 and v > vals[t - 1]:
+        vals[t], ids[t] = vals[t - 1], ids[t - 1]
+        t -= 1
+    vals[t], ids[t] = v, i
+    return min(held + 1, cap)
+
+
+@_jit()
 def _check_ids(dev_rows, host_rows, heads, row_ids, host_ids, pad, fixed, slots, cols, c):
     """Every index the layer reads or writes is in its pool, checked before anything moves: the loop
     itself does not check bounds, and a bad index must fail the step (which is undone), not the server."""
@@ -114,7 +122,7 @@ def _recall_layer(
     batch, heads, groups, dim = q.shape
     c, w = host_ids.shape[2], row_ids.shape[2]
     n, r = c + w, swaps
-    ninf, pinf = np.float32(-np.inf), np.float32(np.inf)
+    ninf = np.float32(-np.inf)
     log_min = np.float32(np.log(min_score)) if min_score > 0 else ninf
     n_pages = (c + page - 1) // page
     bits16 = np.empty((n, dim), np.uint32)
@@ -127,7 +135,7 @@ def _recall_layer(
     own_s, own_i = np.empty(page, np.float32), np.empty(page, np.int64)  # one page's entries, sorted
     host_s, host_i = np.empty(r, np.float32), np.empty(r, np.int64)  # the best host entries
     tail = np.empty(r, np.int64)  # chosen pages' entries scored -inf, ranked last
-    row_s, row_i = np.empty(r, np.float32), np.empty(r, np.int64)  # the lowest row entries
+    row_neg, row_i = np.empty(r, np.float32), np.empty(r, np.int64)  # the lowest row entries, negated
     _check_ids(k_dev.shape[0], k_host.shape[0], heads, row_ids, host_ids, pad, fixed, slots, cols, c)
     for b in range(batch):
         for h in range(heads):
@@ -159,26 +167,14 @@ def _recall_layer(
                     best = max(best, score[j])
                 page_best[k] = best
             kp, held = min(r, n_pages), 0
-            for k in range(n_pages):  # the kp best pages, best first (insertion)
-                v = page_best[k]
-                if held == kp and not v > top_s[kp - 1]:
-                    continue
-                t = held if held < kp else kp - 1
-                while t > 0 and v > top_s[t - 1]:
-                    top_s[t], top_i[t] = top_s[t - 1], top_i[t - 1]
-                    t -= 1
-                top_s[t], top_i[t] = v, k
-                held = min(held + 1, kp)
+            for k in range(n_pages):  # the kp best pages, best first
+                held = _insert(top_s, top_i, held, kp, page_best[k], k)
             got, n_tail = 0, 0
             for u in range(kp):
                 lo = top_i[u] * page
-                size = min(c, lo + page) - lo
+                size, held = min(c, lo + page) - lo, 0
                 for a in range(size):  # inside the page by own score, stable
-                    v, t = score[lo + a], a
-                    while t > 0 and v > own_s[t - 1]:
-                        own_s[t], own_i[t] = own_s[t - 1], own_i[t - 1]
-                        t -= 1
-                    own_s[t], own_i[t] = v, lo + a
+                    held = _insert(own_s, own_i, held, size, score[lo + a], lo + a)
                 for a in range(size):
                     if own_s[a] == ninf:
                         if n_tail < r:
@@ -195,19 +191,11 @@ def _recall_layer(
                 host_s[got], host_i[got] = ninf, c - 1
                 got += 1
             held = 0
-            for j in range(w):  # the r lowest row entries that may be displaced (insertion)
-                v = pinf if fixed[b, j] else score[c + j]
-                if held == r and not v < row_s[r - 1]:
-                    continue
-                t = held if held < r else r - 1
-                while t > 0 and v < row_s[t - 1]:
-                    row_s[t], row_i[t] = row_s[t - 1], row_i[t - 1]
-                    t -= 1
-                row_s[t], row_i[t] = v, j
-                held = min(held + 1, r)
+            for j in range(w):  # the r lowest row entries that may be displaced, as the r largest negated
+                held = _insert(row_neg, row_i, held, r, ninf if fixed[b, j] else -score[c + j], j)
             for t in range(r):
                 hs = host_s[t]
-                moved = hs > row_s[t] and hs > ninf and hs >= log_min and t < r_rows[b]
+                moved = hs > -row_neg[t] and hs > ninf and hs >= log_min and t < r_rows[b]
                 pos_o[b, h, t], hidx_o[b, h, t], moved_o[b, h, t] = row_i[t], host_i[t], moved
                 if not moved:
                     dslot_o[b, h, t], hcol_o[b, h, t] = 0, scratch
