@@ -51,7 +51,8 @@ API (implemented in the modules below; this list is the contract the policies an
     `cache/host_tier/decode_recall.choose` followed by `host_swap` (its reference; there is no Triton
     form: on a GPU the torch form is what a CUDA graph captures). `recall_layer_cpu_supports(k_dev)`.
 
-Every op except `recall_layer_cpu` also exists as `<op>_ref` (torch, fp32 accumulation, bf16 or fp32 buffers) and `<op>_triton`.
+Every op except `recall_layer_cpu` also exists as `<op>_ref` (torch, fp32 accumulation, bf16 or fp32
+buffers) and `<op>_triton`.
 The re-exported functions shadow their modules' names here: reach a module (e.g. to tune a chunk size)
 with `importlib.import_module("sgl_kvevict.kernels.vo_norms")`.
 """

@@ -231,6 +231,7 @@ class StepPlan:
     bounds: StepBounds  # what every layer reads: views of `buf`'s inputs and the plan's constants
     width: int  # W
     row_ids: list[int]  # the batch's request rows on the host (-1: none)
+    fused: bool = False  # each layer runs `kernels.recall_layer_cpu` (`fused_on_cpu`), decided once per step
     row_read: tuple[torch.Tensor, torch.Tensor] | None = None  # `row`'s, read at the step's first layer
     layers_done: int = 0
     failed: bool = False
@@ -251,22 +252,21 @@ class StepPlan:
     def layer(self, ctx: KvEvictContext, layer: int, q: torch.Tensor) -> None:
         """Score and exchange at `layer`, in every KV head, with the step's queries `q` `[B, Hq, D]`;
         fixed shapes only."""
-        k_dev = ctx.rt.k_buffer(layer)
-        if fused_on_cpu(k_dev):
-            self._fused(ctx, layer, q, k_dev)
+        if self.fused:
+            self._fused(ctx, layer, q)
             return
         slots, keys_row, keys_host = self.gather(ctx, layer)
         ex = choose(q[: self.batch], keys_row, keys_host, slots, self.bounds, ctx.rt.scale)
         _swap(ctx, layer, ex.dev_slots, ex.host_cols)
         self._record(layer, ex)
 
-    def _fused(self, ctx: KvEvictContext, layer: int, q: torch.Tensor, k_dev: torch.Tensor) -> None:
+    def _fused(self, ctx: KvEvictContext, layer: int, q: torch.Tensor) -> None:
         """`layer` on a CPU: the same decisions and exchange in one compiled loop
         (`kernels.recall_layer_cpu`), written straight into the step's records."""
         slots, row_ids = self.row(ctx)
         b, buf = self.bounds, self.buf
         K.recall_layer_cpu(
-            q[: self.batch], k_dev, ctx.rt.v_buffer(layer), ctx.host.k[layer], ctx.host.v[layer],
+            q[: self.batch], ctx.rt.k_buffer(layer), ctx.rt.v_buffer(layer), ctx.host.k[layer], ctx.host.v[layer],
             row_ids, b.host_ids, b.pad, b.not_host, b.fixed, buf.r, b.page, b.swaps, b.min_score,
             ctx.rt.scale, slots, b.cols, b.scratch,
             (buf.pos[layer], buf.hidx[layer], buf.dev_slots[layer], buf.host_cols[layer], buf.moved[layer]),
@@ -387,6 +387,7 @@ def plan(ctx: KvEvictContext, reqs: list[Any]) -> StepPlan | None:
         bounds=bounds,
         width=width,
         row_ids=[row if row is not None else -1 for row in rows],
+        fused=fused_on_cpu(rt.k_buffer(0)),
     )
 
 
