@@ -491,8 +491,7 @@ class Recall:
         if self.tracked is not None:
             pos = [self._host_positions(layer, x.cand) for layer, x in enumerate(scored)]
             ids = torch.tensor(self.req.full_untruncated_fill_ids[: self.tokens], dtype=torch.int64)
-            page = self.s.ctx.settings.recall.page
-            ranks = recall_core.shared_positions([x.host_sc for x in scored], pos, self.tokens, a, ids, page)
+            ranks = recall_core.shared_positions([x.host_sc for x in scored], pos, self.tokens, a, ids)
         for layer, x in enumerate(scored):
             shared = None if ranks is None else recall_core.rank_of(ranks, pos[layer])
             self.append_layer(layer, x.host_sc, x.cand, shared)
