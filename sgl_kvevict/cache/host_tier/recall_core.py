@@ -61,37 +61,26 @@ def shared_positions(
     tokens: int,
     a: int,
     token_ids: torch.Tensor | None = None,
-    span: int = 1,
 ) -> torch.Tensor:
     """A turn's append ranks logical positions over every layer and KV head: a position scores the sum,
     over the (layer, KV head) pairs that hold it on the host, of its entry's score there (`host_sc`
-    `[H, c]` per layer, the entries' logical positions `positions` alike), divided by how often its token
-    occurs in the row (`token_ids`, the row's `[tokens]` ids); the `span - 1` positions after it inherit
-    its score where theirs is lower (held on the host in some pair). Returns `[tokens]` ranks: `a` down
-    to 1 for the `a` best positions, 0 elsewhere.
+    `[H, c]` per layer, the entries' logical positions `positions` alike), divided by how many times its
+    token occurs in the row (`token_ids`, the row's ids by position). Returns `[tokens]` ranks: `a` down
+    to 1 for the `a` best positions that any query attended, 0 elsewhere.
 
     Why, each measured on the recall suite's `multikey`:
     - over every pair: each pair ranking on its own brought a planted fact back into fewer than half of
       the pairs, and the decode that copies it reads them all (the identifiers lost their first letters);
-    - by its token's rarity: the chat template's tokens ('user', 'assistant', newlines), in every turn
-      and attended by every query like sinks, took most of the positions;
-    - with the positions after it: the question finds the fact's key ("ticket id"), not its value, which
-      follows it (the value's entries on the device after the append rose from about 470 to 740-770 of
-      1,440)."""
+    - by the token's rarity: the chat template's tokens ('user', 'assistant', newlines) occur in every
+      turn and every query attends them, like sinks; summed, they took most of the 64 positions."""
     total = torch.zeros(tokens, dtype=torch.float64)
-    held = torch.zeros(tokens, dtype=torch.bool)
     for sc, pos in zip(host_sc, positions, strict=True):
         w = sc.detach().to("cpu", torch.float64).nan_to_num(0.0, neginf=0.0).clamp_min(0.0)
         ok = (pos >= 0) & (pos < tokens)  # a position outside the row's tokens counts nowhere
-        at = pos.to(torch.int64).clamp(0, tokens - 1).flatten()
-        total.scatter_add_(0, at, (w * ok).flatten())
-        held[at[(ok & (sc.detach().cpu() > -torch.inf)).flatten()]] = True
-    if token_ids is not None:  # ids past the row's tokens count nowhere; a position past them divides by 1
+        total.scatter_add_(0, pos.to(torch.int64).clamp(0, tokens - 1).flatten(), (w * ok).flatten())
+    if token_ids is not None:  # a position past the ids given divides by 1
         ids = token_ids[:tokens]
         total[: ids.numel()] /= torch.bincount(ids)[ids].to(torch.float64)
-    if span > 1:
-        padded = torch.nn.functional.pad(total.view(1, 1, -1), (span - 1, 0))
-        total = torch.nn.functional.max_pool1d(padded, span, stride=1).view(-1) * held
     order = total.argsort(descending=True, stable=True)[:a]  # ties: the first position first
     chosen = order[total[order] > 0]
     ranks = torch.zeros(tokens, dtype=torch.float32)
