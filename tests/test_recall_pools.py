@@ -187,15 +187,14 @@ def _reference_swaps(
                 }
             )
         out.append(per)
-    ids = list(req.full_untruncated_fill_ids[:length])
-    return _shared_first(s, out, length, append, ids) if append else out
+    return _shared_first(s, out, length, append) if append else out
 
 
-def _shared_first(s, scored: list[list[tuple]], tokens: int, a: int, ids: list[int]) -> list[list[set]]:
+def _shared_first(s, scored: list[list[tuple]], tokens: int, a: int) -> list[list[set]]:
     """The append's choice from each pair's scores (`_reference_swaps`): a logical position scores the sum
-    of its entries' scores over every (layer, head) pair holding it on the host, divided by how often its
-    token id occurs in `ids` (ties: the first position); the `a` best positions come back first, in every
-    pair that holds them, then the pair's own best (`hbest`), `a` in all."""
+    of its entries' scores over every (layer, head) pair holding it on the host (ties: the first position);
+    the `a` best positions come back first, in every pair that holds them, then the pair's own best
+    (`hbest`), `a` in all."""
     hpos = s.recall.host.positions
     total = [0.0] * tokens
     for ly, per in enumerate(scored):
@@ -203,7 +202,6 @@ def _shared_first(s, scored: list[list[tuple]], tokens: int, a: int, ids: list[i
             for c in range(len(cand)):
                 if valid[c] and hpos is not None:
                     total[int(hpos[ly, h, cand[c]])] += max(float(hs[c]), 0.0)
-    total = [x / ids.count(ids[t]) for t, x in enumerate(total)]
     best = sorted((t for t in range(tokens) if total[t] > 0), key=lambda t: (-total[t], t))[:a]
     rank = {t: a - i for i, t in enumerate(best)}
     out = []
@@ -557,7 +555,6 @@ def test_append_brings_the_best_entries_into_fresh_slots(
     sums, _ = recall._paged(s.ctx, s.recall.host, R)
     assert (sums is None) == (summary == "off")
     assert s.recall.host.positions is not None  # tracked wherever the host tier is on: the append ranks them
-    req.full_untruncated_fill_ids = [t % 7 for t in range(len(req.full_untruncated_fill_ids))]  # repeats
     expect = _reference_swaps(p, req, s, page, W, summary if sums is not None else "off", fetch=2, append=R)
     host_k = [p.ctx.host.k[ly][s.recall.host.cols].clone() for ly in range(L)]
     cols_before = s.recall.host.cols.clone()
@@ -669,8 +666,7 @@ def test_a_paged_append_takes_no_more_than_its_fetched_pages_hold(pools: Pools, 
 def test_append_order_takes_the_shared_positions_first_then_the_heads_own() -> None:
     """A turn's append: entries of the positions ranked over every layer (higher rank first) wherever a
     head holds them on the host, then the head's own best by page; each entry once, and a ranked
-    position that is only padding in a head (-inf) is not taken there. The positions' ranking too, and
-    by the token's rarity in the row."""
+    position that is only padding in a head (-inf) is not taken there. The positions' ranking too."""
     host_sc = torch.tensor([[0.9, 0.1, 0.2, 0.8, 0.05, 0.3], [0.1, 0.7, -torch.inf, 0.2, 0.6, 0.4]])
     shared = torch.tensor([[0.0, 2.0, 0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 3.0, 0.0, 0.0, 0.0]])
     got = recall_core.append_order(host_sc, 1, 3, shared)
@@ -685,11 +681,6 @@ def test_append_order_takes_the_shared_positions_first_then_the_heads_own() -> N
         [sc, sc], [torch.arange(6).view(1, -1), torch.arange(5, -1, -1).view(1, -1)], 6, 3
     )
     assert two.tolist() == [1, 0, 3, 2, 0, 0]  # ties: the first position first
-    # a token repeated in the row (the chat template's) counts once over its occurrences
-    ids = torch.tensor([7, 7, 7, 8, 9, 10])
-    assert recall_core.shared_positions([sc], [torch.arange(6).view(1, -1)], 6, 5, ids).tolist() == [
-        0, 1, 3, 0, 2, 4
-    ]  # fmt: skip
 
 
 def test_fork_siblings_beyond_the_pools_room_read_the_history_where_it_is(pools: Pools) -> None:

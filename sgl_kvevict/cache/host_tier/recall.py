@@ -490,8 +490,7 @@ class Recall:
         pos = ranks = None
         if self.tracked is not None:
             pos = [self._host_positions(layer, x.cand) for layer, x in enumerate(scored)]
-            ids = torch.tensor(self.req.full_untruncated_fill_ids[: self.tokens], dtype=torch.int64)
-            ranks = recall_core.shared_positions([x.host_sc for x in scored], pos, self.tokens, a, ids)
+            ranks = recall_core.shared_positions([x.host_sc for x in scored], pos, self.tokens, a)
         for layer, x in enumerate(scored):
             shared = None if ranks is None else recall_core.rank_of(ranks, pos[layer])
             self.append_layer(layer, x.host_sc, x.cand, shared)

@@ -56,31 +56,21 @@ def best_entries(sc: torch.Tensor, page: int, r: int) -> tuple[torch.Tensor, tor
 
 
 def shared_positions(
-    host_sc: list[torch.Tensor],
-    positions: list[torch.Tensor],
-    tokens: int,
-    a: int,
-    token_ids: torch.Tensor | None = None,
+    host_sc: list[torch.Tensor], positions: list[torch.Tensor], tokens: int, a: int
 ) -> torch.Tensor:
     """A turn's append ranks logical positions over every layer and KV head: a position scores the sum,
     over the (layer, KV head) pairs that hold it on the host, of its entry's score there (`host_sc`
-    `[H, c]` per layer, the entries' logical positions `positions` alike), divided by how many times its
-    token occurs in the row (`token_ids`, the row's ids by position). Returns `[tokens]` ranks: `a` down
-    to 1 for the `a` best positions that any query attended, 0 elsewhere.
+    `[H, c]` per layer, the entries' logical positions `positions` alike). Returns `[tokens]` ranks: `a`
+    down to 1 for the `a` best positions that any query attended, 0 elsewhere.
 
-    Why, each measured on the recall suite's `multikey`:
-    - over every pair: each pair ranking on its own brought a planted fact back into fewer than half of
-      the pairs, and the decode that copies it reads them all (the identifiers lost their first letters);
-    - by the token's rarity: the chat template's tokens ('user', 'assistant', newlines) occur in every
-      turn and every query attends them, like sinks; summed, they took most of the 64 positions."""
+    Why: each pair ranking on its own brought a planted fact back into fewer than half of the pairs, and
+    the decode that copies it reads them all (on the recall suite's `multikey`, the identifiers lost their
+    first letters); a position the question attends in many pairs now comes back in every pair."""
     total = torch.zeros(tokens, dtype=torch.float64)
     for sc, pos in zip(host_sc, positions, strict=True):
         w = sc.detach().to("cpu", torch.float64).nan_to_num(0.0, neginf=0.0).clamp_min(0.0)
         ok = (pos >= 0) & (pos < tokens)  # a position outside the row's tokens counts nowhere
         total.scatter_add_(0, pos.to(torch.int64).clamp(0, tokens - 1).flatten(), (w * ok).flatten())
-    if token_ids is not None:  # a position past the ids given divides by 1
-        ids = token_ids[:tokens]
-        total[: ids.numel()] /= torch.bincount(ids)[ids].to(torch.float64)
     order = total.argsort(descending=True, stable=True)[:a]  # ties: the first position first
     chosen = order[total[order] > 0]
     ranks = torch.zeros(tokens, dtype=torch.float32)
