@@ -253,7 +253,7 @@ def swaps(s: st.ReqState, lo: int, hi: int, steps: int) -> int:
     request's recall tokens and the branch's host entries, and during decode (`steps` > 0 decode steps
     since the last recall) at most `recall_core.step_swaps` (a step's bytes stay bounded)."""
     r = min(s.recall.tokens, hi - lo, s.recall.host.count)
-    return min(r, recall_core.step_swaps(steps, s.ctx.settings.recall.page)) if steps else r
+    return min(r, recall_core.step_swaps(steps, s.ctx.settings.recall.page, hi - lo)) if steps else r
 
 
 def _displaceable(s: st.ReqState) -> tuple[int, int]:

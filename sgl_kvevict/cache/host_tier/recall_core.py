@@ -17,16 +17,18 @@ if TYPE_CHECKING:
 # A host page comes back only where a query gives its best entry at least this much attention: weaker
 # evidence swapped entries back and forth (3-5x the bytes moved) and answered no better (measured).
 MIN_SCORE = 0.05
-# A decode-time recall moves at most this many pages per layer and KV head for each step since the last
-# recall (so a step's bytes stay bounded). On the recall suite's `multikey` at 12%, over both schedules
-# (24 sessions; the full cache 22), one page answered 16-20 per policy, knorm the worst; two pages 19-22;
-# four pages lost h2o and d2o answers one session at a time (9 against 10 with two).
-PAGES_PER_STEP = 2
+# A decode-time recall moves, per layer and KV head for each step since the last recall, at most a
+# `ROW_SHARE`-th of the displaceable row, in whole pages, one to `MAX_PAGES_PER_STEP` (a step's bytes
+# stay bounded, and a small row is not churned: every swap displaces a kept entry).
+ROW_SHARE = 7
+MAX_PAGES_PER_STEP = 4
 
 
-def step_swaps(steps: int, page: int) -> int:
-    """The most entries a decode-time recall moves per layer and KV head after `steps` decode steps."""
-    return steps * PAGES_PER_STEP * page
+def step_swaps(steps: int, page: int, room: int) -> int:
+    """The most entries a decode-time recall moves per layer and KV head after `steps` decode steps, into
+    a displaceable row of `room` entries."""
+    pages = max(1, min(MAX_PAGES_PER_STEP, room // (ROW_SHARE * page)))
+    return steps * pages * page
 
 
 def best_entries(sc: torch.Tensor, page: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
