@@ -116,6 +116,12 @@ def _page_bound(q: torch.Tensor, keys: torch.Tensor, summary: str) -> float:
     return tot / D**0.5
 
 
+def _room(s: st.ReqState) -> int:
+    """The displaceable row a decode-time recall's step cap follows."""
+    lo, hi = recall._displaceable(s)
+    return hi - lo
+
+
 def _reference_swaps(
     p: Pools,
     req,
@@ -257,7 +263,7 @@ def test_demote_then_recall_keeps_every_entry(
     assert s.recall.host.count == freed and p.ctx.host.n_free == before_free - freed
     ks, vs = _held(p, req, s)
     assert torch.allclose(_tags(ks, vs, probe), want, atol=1e-4)  # nothing lost: device + host = the region
-    cap = recall_core.step_swaps(fresh, page) if fresh else R
+    cap = recall_core.step_swaps(fresh, page, _room(s)) if fresh else R
     expect = _reference_swaps(p, req, s, page, fresh or W, cap=cap, floor=floor)
     if floor:  # the floor is what holds some back: without it, more would come
         unfloored = _reference_swaps(p, req, s, page, fresh or W, cap=R)
@@ -406,6 +412,19 @@ def test_page_max_ranks_an_entry_by_its_pages_best():
     assert idx.tolist() == [[[1, 0, 2]]] and vals[0, 0, 2] == float("-inf")  # ranked last, never swapped
 
 
+def test_a_steps_pages_follow_the_displaceable_row():
+    """A decode step moves at most a `ROW_SHARE`-th of the row it displaces from, in whole pages: one page
+    at least (a small row still recalls), `MAX_PAGES_PER_STEP` at most (a step's bytes stay bounded),
+    and as many times that as steps since the last recall."""
+    page, share, most = 8, recall_core.ROW_SHARE, recall_core.MAX_PAGES_PER_STEP
+    assert recall_core.step_swaps(1, page, 10) == page  # a row smaller than a share's page
+    assert recall_core.step_swaps(1, page, 2 * share * page + page) == 2 * page
+    assert recall_core.step_swaps(1, page, 1000 * page) == most * page
+    assert recall_core.step_swaps(3, page, 2 * share * page) == 3 * 2 * page
+    sizes = [recall_core.step_swaps(1, page, room) for room in range(0, 60 * page)]
+    assert sizes == sorted(sizes) and all(x % page == 0 for x in sizes)  # never fewer for a larger row
+
+
 @pytest.mark.parametrize(("e", "page", "r"), [(7, 3, 4), (64, 8, 8), (61, 8, 20), (200, 5, 64), (9, 1, 9)])
 def test_best_entries_equal_a_sort_by_page_then_entry(e: int, page: int, r: int):
     """`best_entries` sorts only the `r` best pages; a naive sort of every entry by (its page's best, its
@@ -494,7 +513,7 @@ def test_paged_recall_swaps_what_the_reference_picks(
     page is partial). `fetch`: the least pages fetched (`recall.FETCH_PAGES`)."""
     p = pools
     req, s, probe, want = _compressed(p, monkeypatch, _tuning(monkeypatch, page=page, fetch_pages=fetch))
-    cap = recall_core.step_swaps(fresh, page) if fresh else R
+    cap = recall_core.step_swaps(fresh, page, _room(s)) if fresh else R
     sums, n_sel = recall._paged(s.ctx, s.recall.host, min(R, cap))
     assert sums is not None and n_sel < -(-s.recall.host.count // page)  # fewer pages fetched than held
     assert n_sel == max(-(-recall.FETCH * min(R, cap) // page), fetch)
