@@ -28,8 +28,8 @@ kept ones, and whose page a query gives at least `recall_core.MIN_SCORE` of its 
 with them in the request's own slots (`kernels.host_swap`). The floor keeps weak evidence from moving
 entries back and forth (without it a turn moved 3-5x the bytes and answered no better). The displaced
 entries go to the host in exchange, so the row keeps its length and the request's offset does not
-change. A decode-time recall moves at most `recall_core.PAGES_PER_STEP` pages per step since the last
-recall. Sinks and the uncompressed tail (the recent window, where the queries sit) are never displaced.
+change. A decode-time recall moves at most `recall_core.step_swaps` entries: a share of the displaceable
+row per step since the last recall, in whole pages. Sinks and the uncompressed tail (the recent window, where the queries sit) are never displaced.
 Shared slots are never written (invariant 1): recall runs only when the compacted history is the
 request's own (after a prefill compression it always is; otherwise `compressor.own_region` copies it
 out of the tree first).
@@ -78,7 +78,7 @@ FETCH_PAGES = 64
 # A request that borrowed its stored history (no room for a copy) keeps, from the append on, a copy of
 # its best `EXCERPT * R` entries per layer and KV head beyond those appended (R: its recall tokens), by
 # the append's ranking: its decode steps recall from them and from what it demotes itself. An answer
-# that recalls two pages every step recalls 4R entries in 2R / page steps.
+# that recalls p pages every step recalls 4R entries in 4R / (p * page) steps.
 EXCERPT = 4
 
 
@@ -696,8 +696,8 @@ def arm(req: Any, s: st.ReqState, decode: bool = False) -> bool:
     A prefill chunk (`decode` False) attends over both tiers (`exact_prefill`), once the turn has its
     slots: its compacted history still sits in the tree node it matched (shared), so it is copied into
     slots the request owns first (`compressor.own_region`, up to the new tokens). A decode step's query
-    recalls for the token it is about to write, at most `recall_core.PAGES_PER_STEP` pages per step
-    since the last recall, in fixed shapes for the whole batch (`decode_recall`).
+    recalls for the token it is about to write, at most `recall_core.step_swaps` entries (a share of the
+    row per step since the last recall), in fixed shapes for the whole batch (`decode_recall`).
     A failure here turns recall off for the request (logged, counted); nothing else changes."""
     row = req.kv.req_pool_idx
     disarm(s.ctx, row)
