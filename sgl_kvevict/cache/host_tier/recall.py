@@ -29,7 +29,8 @@ with them in the request's own slots (`kernels.host_swap`). The floor keeps weak
 entries back and forth (without it a turn moved 3-5x the bytes and answered no better). The displaced
 entries go to the host in exchange, so the row keeps its length and the request's offset does not
 change. A decode-time recall moves at most `recall_core.step_swaps` entries: a share of the displaceable
-row per step since the last recall, in whole pages. Sinks and the uncompressed tail (the recent window, where the queries sit) are never displaced.
+row per step since the last recall, in whole pages. Sinks and the uncompressed tail (the recent window,
+where the queries sit) are never displaced.
 Shared slots are never written (invariant 1): recall runs only when the compacted history is the
 request's own (after a prefill compression it always is; otherwise `compressor.own_region` copies it
 out of the tree first).
