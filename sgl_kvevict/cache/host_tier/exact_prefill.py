@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 
 from sgl_kvevict.cache import context
 from sgl_kvevict.cache import state as st
@@ -58,26 +59,24 @@ def attend(
 ) -> torch.Tensor:
     """Attention of a chunk's `n` queries `q` `[n, Hq, D]` over the host entries `[C, H, D]` (all visible)
     and the row `[m + n, H, D]`, whose last `n` slots are the chunk's own tokens (causal). Returns
-    `[n, Hq, D]` in fp32. The order of the keys does not matter: each head's softmax is over a set."""
+    `[n, Hq, D]` in fp32. The order of the keys does not matter: each head's softmax is over a set, so
+    the host entries go first and one fused product (`scaled_dot_product_attention`, grouped heads) covers
+    both tiers."""
     n, hq, d = q.shape
-    h = k_row.shape[1]
     m = k_row.shape[0] - n
-    kh, vh = (x.float().permute(1, 0, 2) for x in (k_host, v_host))  # [H, C, D]
-    kr, vr = (x.float().permute(1, 0, 2) for x in (k_row, v_row))  # [H, m + n, D]
+    c = k_host.shape[0]
+    both = ((k_host, k_row), (v_host, v_row))
+    k, v = (torch.cat(kv).float().permute(1, 0, 2).unsqueeze(0) for kv in both)  # [1, H, C + m + n, D]
     out = torch.empty(n, hq, v_row.shape[-1], dtype=torch.float32, device=q.device)
-    cols = torch.arange(m + n, device=q.device)
-    block = max(1, min(QUERY_BLOCK, SCORE_BYTES // (4 * hq * (kh.shape[1] + m + n))))
+    cols = torch.arange(c + m + n, device=q.device)
+    block = max(1, min(QUERY_BLOCK, SCORE_BYTES // (4 * hq * (c + m + n))))
     for i in range(0, n, block):
         j = min(n, i + block)
-        qb = q[i:j].float().view(j - i, h, hq // h, d).permute(1, 2, 0, 3)  # [H, G, b, D]
-        on_host = torch.einsum("hgbd,hcd->hgbc", qb, kh)
-        on_row = torch.einsum("hgbd,hwd->hgbw", qb, kr)
-        seen = cols.unsqueeze(0) <= (m + torch.arange(i, j, device=q.device)).unsqueeze(1)  # [b, m + n]
-        on_row = on_row.masked_fill(~seen, -torch.inf)
-        p = torch.softmax(torch.cat([on_host, on_row], dim=-1) * scale, dim=-1)
-        c = kh.shape[1]
-        o = torch.einsum("hgbc,hcd->hgbd", p[..., :c], vh) + torch.einsum("hgbw,hwd->hgbd", p[..., c:], vr)
-        out[i:j] = o.permute(2, 0, 1, 3).reshape(j - i, hq, -1)
+        at = c + m + torch.arange(i, j, device=q.device)  # each query's own column
+        seen = cols.unsqueeze(0) <= at.unsqueeze(1)  # [b, C + m + n]: every host column, the row causally
+        qb = q[i:j].float().permute(1, 0, 2).unsqueeze(0)  # [1, Hq, b, D]
+        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=seen, scale=scale, enable_gqa=True)
+        out[i:j] = o[0].permute(1, 0, 2)
     return out
 
 
