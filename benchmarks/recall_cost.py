@@ -10,8 +10,8 @@ evicted E entries per layer and head are demoted to the host tier), then
   tokens' queries over the E host entries and the row);
 - the turn's append (`recall.append`): a window of 32 queries brings R entries per layer and head back
   into appended slots, picked among the pages their key summaries rank best;
-- `--steps` decode steps recall, one query each (`recall_core.step_swaps` pages per step): the scheduler's plan
-  (`recall.plan_step`), the fixed-shape exchange at every layer, the records read back
+- `--steps` decode steps recall, one query each (`recall_core.step_swaps` pages per step): the
+  scheduler's plan (`recall.plan_step`), the fixed-shape exchange at every layer, the records read back
   (`recall.finish_step`). A decode step scores every host key of the branch. On a CPU each layer is one
   compiled loop (`kernels/recall_layer_cpu.py`); `--steps` more steps time the torch form of a layer
   beside it (`KVEVICT_RECALL_KERNEL=torch`, the form a CUDA graph captures).

@@ -62,7 +62,7 @@ def attend(
     `[n, Hq, D]` in fp32. The order of the keys does not matter: each head's softmax is over a set, so
     the host entries go first and one fused product (`scaled_dot_product_attention`, grouped heads) covers
     both tiers."""
-    n, hq, d = q.shape
+    n, hq = q.shape[:2]
     m = k_row.shape[0] - n
     c = k_host.shape[0]
     both = ((k_host, k_row), (v_host, v_row))
